@@ -1,0 +1,573 @@
+"""Conversion of API objects (plain dicts as the API serves them, or the `kubernetes` client's
+model objects) into the frozen model.
+
+Everything that later ends up in nft text passes through here, so validation is strict: names
+must be DNS labels, addresses must parse, ports must be in range. A bad object is returned as
+a `Skipped` with a reason; nothing raises out of these functions.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from datetime import date, datetime
+from typing import Any
+
+from pyproxy.model import (
+    ANNOTATION_TOPOLOGY_AWARE_HINTS,
+    ANNOTATION_TOPOLOGY_KEYS,
+    ANNOTATION_TOPOLOGY_MODE,
+    ANNOTATION_TRIGGER_TIME,
+    DEFAULT_AFFINITY_TIMEOUT,
+    LABEL_HEADLESS,
+    LABEL_SERVICE_NAME,
+    LABEL_SERVICE_PROXY_NAME,
+    TAINT_TO_BE_DELETED,
+    TOPOLOGY_KEY_ANY,
+    Endpoint,
+    IPFamily,
+    LoadBalancerIngress,
+    Node,
+    Protocol,
+    ServiceKey,
+    ServicePort,
+    ServicePortName,
+    Skipped,
+    SliceEndpoints,
+    TrafficPolicy,
+    ip_family,
+)
+
+# Bounds on list sizes. The API server enforces most of these (an EndpointSlice holds at most
+# 1000 endpoints and 100 ports); a snapshot file or a broken server might not, and one huge
+# object must not make the whole node's ruleset unloadable.
+MAX_SERVICE_PORTS = 1000
+MAX_SLICE_ENDPOINTS = 1000
+MAX_SLICE_PORTS = 100
+MAX_ADDRESS_LIST = 256
+MAX_SOURCE_RANGES = 1024
+MAX_TOPOLOGY_KEYS = 16
+MAX_HINTS = 64
+MAX_AFFINITY_TIMEOUT = 86400
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+
+
+class Invalid(ValueError):
+    """A field failed validation; the message names the field."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Client objects → API dicts
+
+
+def api_dict(obj: Any) -> Any:
+    """The API (camelCase JSON) form of an object from the `kubernetes` client, or the object
+    itself when it already is plain data. The client's models carry `attribute_map`
+    (python name → JSON name); walking it avoids importing the client here."""
+    attribute_map = getattr(obj, "attribute_map", None)
+    if isinstance(attribute_map, Mapping):
+        out: dict[str, Any] = {}
+        for attr, json_name in attribute_map.items():
+            value = getattr(obj, attr, None)
+            if value is not None:
+                out[json_name] = api_dict(value)
+        return out
+    if isinstance(obj, Mapping):
+        return {k: api_dict(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [api_dict(v) for v in obj]
+    if isinstance(obj, datetime | date):
+        return obj.isoformat()
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Field accessors: each raises Invalid naming the field.
+
+
+def _mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise Invalid(f"{field}: expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, field: str, limit: int) -> list[Any]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        raise Invalid(f"{field}: expected a list, got {type(value).__name__}")
+    if len(value) > limit:
+        raise Invalid(f"{field}: {len(value)} entries, more than the limit of {limit}")
+    return list(value)
+
+
+def _str(value: Any, field: str, default: str = "") -> str:
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise Invalid(f"{field}: expected a string, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, field: str, default: int, lo: int, hi: int) -> int:
+    if value is None:
+        return default
+    # bool is an int in Python; the API would never send one here.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(f"{field}: expected an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise Invalid(f"{field}: {value} is outside {lo}..{hi}")
+    return value
+
+
+def _bool(value: Any, field: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise Invalid(f"{field}: expected true or false, got {value!r}")
+    return value
+
+
+def _ip(value: Any, field: str) -> str:
+    text = _str(value, field)
+    try:
+        # Normalised form: the same address always renders the same nft text.
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise Invalid(f"{field}: {text!r} is not an IP address") from None
+
+
+def _cidr(value: Any, field: str) -> str:
+    text = _str(value, field).strip()
+    try:
+        return str(ipaddress.ip_network(text, strict=False))
+    except ValueError:
+        raise Invalid(f"{field}: {text!r} is not a CIDR") from None
+
+
+def _dns_label(value: Any, field: str, max_len: int = 63) -> str:
+    text = _str(value, field)
+    if not text or len(text) > max_len or not _DNS_LABEL.match(text):
+        raise Invalid(f"{field}: {text!r} is not a valid DNS label")
+    return text
+
+
+def _dns_subdomain(value: Any, field: str) -> str:
+    text = _str(value, field)
+    if not text or len(text) > 253 or not _DNS_SUBDOMAIN.match(text):
+        raise Invalid(f"{field}: {text!r} is not a valid DNS subdomain name")
+    return text
+
+
+def _protocol(value: Any, field: str) -> Protocol:
+    text = _str(value, field, "TCP")
+    try:
+        return Protocol(text)
+    except ValueError:
+        raise Invalid(f"{field}: unknown protocol {text!r} (TCP, UDP or SCTP)") from None
+
+
+def _port_name(value: Any, field: str) -> str:
+    # Service port names are DNS labels (IANA service names are a subset); "" is allowed for
+    # a single unnamed port.
+    text = _str(value, field)
+    if text and (len(text) > 63 or not _DNS_LABEL.match(text)):
+        raise Invalid(f"{field}: {text!r} is not a valid port name")
+    return text
+
+
+def is_label_key(key: str) -> bool:
+    """A Kubernetes label key: optional DNS-subdomain prefix and '/', then a name ≤ 63."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return False
+    return 0 < len(name) <= 63 and bool(_LABEL_NAME.match(name))
+
+
+def _labels(value: Any, field: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, val in _mapping(value, field).items():
+        if not isinstance(key, str) or not is_label_key(key):
+            raise Invalid(f"{field}: {key!r} is not a valid label key")
+        text = _str(val, f"{field}[{key}]")
+        if len(text) > 63 or not _LABEL_VALUE.match(text):
+            raise Invalid(f"{field}[{key}]: {text!r} is not a valid label value")
+        out[key] = text
+    return out
+
+
+def _annotations(value: Any, field: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, val in _mapping(value, field).items():
+        if isinstance(key, str) and isinstance(val, str):
+            out[key] = val
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Services
+
+
+def convert_service(obj: Any) -> tuple[ServicePort, ...] | Skipped:
+    """A Service → its proxied ports, or why it is not proxied."""
+    data = api_dict(obj)
+    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    namespace = _safe_name(meta, "namespace") or "default"
+    name = _safe_name(meta, "name")
+    try:
+        return _service_ports(data)
+    except _NotProxied as why:
+        return Skipped("Service", namespace, name, str(why), invalid=False)
+    except Invalid as why:
+        return Skipped("Service", namespace, name, str(why))
+    except Exception as why:  # a last safety net: bad input must never crash the proxy
+        return Skipped("Service", namespace, name, f"unreadable object: {why!r}")
+
+
+class _NotProxied(Exception):
+    """A valid object that pyproxy leaves alone."""
+
+
+def _safe_name(meta: Any, key: str) -> str:
+    value = meta.get(key) if isinstance(meta, Mapping) else None
+    return value if isinstance(value, str) else ""
+
+
+def _service_ports(data: Any) -> tuple[ServicePort, ...]:
+    data = _mapping(data, "Service")
+    meta = _mapping(data.get("metadata"), "metadata")
+    namespace = _dns_label(meta.get("namespace", "default"), "metadata.namespace")
+    name = _dns_label(meta.get("name"), "metadata.name")
+    labels = _labels(meta.get("labels"), "metadata.labels")
+    annotations = _annotations(meta.get("annotations"), "metadata.annotations")
+    spec = _mapping(data.get("spec"), "spec")
+    status = _mapping(data.get("status"), "status")
+
+    if LABEL_SERVICE_PROXY_NAME in labels:
+        raise _NotProxied(
+            f"labelled {LABEL_SERVICE_PROXY_NAME}={labels[LABEL_SERVICE_PROXY_NAME]!r}: "
+            "another proxy handles it"
+        )
+    service_type = _str(spec.get("type"), "spec.type", "ClusterIP")
+    if service_type not in _SERVICE_TYPES:
+        raise Invalid(f"spec.type: unknown type {service_type!r}")
+    if service_type == "ExternalName":
+        raise _NotProxied("type ExternalName: resolved by DNS, not proxied")
+    cluster_ips = _cluster_ips(spec)
+    external_ips = tuple(
+        _ip(v, f"spec.externalIPs[{i}]")
+        for i, v in enumerate(_list(spec.get("externalIPs"), "spec.externalIPs", MAX_ADDRESS_LIST))
+    )
+    ingress = _load_balancer_ingress(status) if service_type == "LoadBalancer" else ()
+    source_ranges = tuple(
+        _cidr(v, f"spec.loadBalancerSourceRanges[{i}]")
+        for i, v in enumerate(
+            _list(
+                spec.get("loadBalancerSourceRanges"),
+                "spec.loadBalancerSourceRanges",
+                MAX_SOURCE_RANGES,
+            )
+        )
+    )
+    affinity, timeout = _session_affinity(spec)
+    internal = _policy(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy")
+    external = _policy(spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy")
+    # healthCheckNodePort matters only for LoadBalancer + eTP=Local (as upstream).
+    hcnp = _int(spec.get("healthCheckNodePort"), "spec.healthCheckNodePort", 0, 0, 65535)
+    if not (service_type == "LoadBalancer" and external is TrafficPolicy.LOCAL):
+        hcnp = 0
+    distribution = spec.get("trafficDistribution")
+    distribution = _str(distribution, "spec.trafficDistribution") or None
+    topology_mode = annotations.get(ANNOTATION_TOPOLOGY_MODE) or annotations.get(
+        ANNOTATION_TOPOLOGY_AWARE_HINTS
+    )
+    topology_keys = _topology_keys(spec, annotations)
+
+    raw_ports = _list(spec.get("ports"), "spec.ports", MAX_SERVICE_PORTS)
+    if not raw_ports:
+        raise _NotProxied("no ports")
+    ports: list[ServicePort] = []
+    seen: set[tuple[str, Protocol]] = set()
+    for i, raw in enumerate(raw_ports):
+        field = f"spec.ports[{i}]"
+        raw = _mapping(raw, field)
+        port_name = _port_name(raw.get("name"), f"{field}.name")
+        if not port_name and len(raw_ports) > 1:
+            raise Invalid(f"{field}.name: required when a Service has several ports")
+        protocol = _protocol(raw.get("protocol"), f"{field}.protocol")
+        if (port_name, protocol) in seen:
+            raise Invalid(f"{field}: duplicate port name {port_name!r}/{protocol}")
+        seen.add((port_name, protocol))
+        number = _int(raw.get("port"), f"{field}.port", 0, 1, 65535)
+        if number == 0:
+            raise Invalid(f"{field}.port: required")
+        node_port = _int(raw.get("nodePort"), f"{field}.nodePort", 0, 0, 65535)
+        if service_type == "ClusterIP":
+            node_port = 0
+        ports.append(
+            ServicePort(
+                name=ServicePortName(namespace, name, port_name, protocol),
+                port=number,
+                cluster_ips=cluster_ips,
+                service_type=service_type,
+                node_port=node_port,
+                external_ips=external_ips,
+                load_balancer_ingress=ingress,
+                source_ranges=source_ranges,
+                session_affinity=affinity,
+                affinity_timeout=timeout,
+                internal_policy=internal,
+                external_policy=external,
+                health_check_node_port=hcnp,
+                traffic_distribution=distribution,
+                topology_mode_annotation=topology_mode,
+                topology_keys=topology_keys,
+            )
+        )
+    return tuple(ports)
+
+
+def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    primary = _str(spec.get("clusterIP"), "spec.clusterIP")
+    listed = _list(spec.get("clusterIPs"), "spec.clusterIPs", 2)
+    if primary == "None" or (listed and listed[0] == "None"):
+        raise _NotProxied("headless (clusterIP: None): no virtual IP to proxy")
+    raw = listed or ([primary] if primary else [])
+    if not raw:
+        raise _NotProxied("no cluster IP allocated")
+    ips = tuple(_ip(v, f"spec.clusterIPs[{i}]") for i, v in enumerate(raw))
+    if len(ips) == 2 and ip_family(ips[0]) == ip_family(ips[1]):
+        raise Invalid("spec.clusterIPs: two addresses of the same family")
+    if primary and primary != "None" and _ip(primary, "spec.clusterIP") != ips[0]:
+        raise Invalid("spec.clusterIP: differs from spec.clusterIPs[0]")
+    families = _list(spec.get("ipFamilies"), "spec.ipFamilies", 2)
+    for i, (fam, ip) in enumerate(zip(families, ips, strict=False)):
+        if fam not in ("IPv4", "IPv6"):
+            raise Invalid(f"spec.ipFamilies[{i}]: unknown family {fam!r}")
+        if IPFamily(fam) != ip_family(ip):
+            raise Invalid(f"spec.ipFamilies[{i}]: {fam} does not match clusterIP {ip}")
+    return ips
+
+
+def _load_balancer_ingress(status: Mapping[str, Any]) -> tuple[LoadBalancerIngress, ...]:
+    lb = _mapping(status.get("loadBalancer"), "status.loadBalancer")
+    out: list[LoadBalancerIngress] = []
+    for i, raw in enumerate(_list(lb.get("ingress"), "status.loadBalancer.ingress", 64)):
+        field = f"status.loadBalancer.ingress[{i}]"
+        raw = _mapping(raw, field)
+        if not raw.get("ip"):
+            continue  # hostname-only ingress: nothing for the node to program
+        mode = _str(raw.get("ipMode"), f"{field}.ipMode", "VIP")
+        if mode not in ("VIP", "Proxy"):
+            raise Invalid(f"{field}.ipMode: unknown mode {mode!r}")
+        out.append(LoadBalancerIngress(_ip(raw.get("ip"), f"{field}.ip"), mode))
+    return tuple(out)
+
+
+def _session_affinity(spec: Mapping[str, Any]) -> tuple[bool, int]:
+    kind = _str(spec.get("sessionAffinity"), "spec.sessionAffinity", "None")
+    if kind not in ("None", "ClientIP"):
+        raise Invalid(f"spec.sessionAffinity: unknown value {kind!r}")
+    if kind == "None":
+        return False, DEFAULT_AFFINITY_TIMEOUT
+    config = _mapping(spec.get("sessionAffinityConfig"), "spec.sessionAffinityConfig")
+    client_ip = _mapping(config.get("clientIP"), "spec.sessionAffinityConfig.clientIP")
+    timeout = _int(
+        client_ip.get("timeoutSeconds"),
+        "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+        DEFAULT_AFFINITY_TIMEOUT,
+        1,
+        MAX_AFFINITY_TIMEOUT,
+    )
+    return True, timeout
+
+
+def _policy(value: Any, field: str) -> TrafficPolicy:
+    text = _str(value, field, "Cluster")
+    if text not in ("Cluster", "Local"):
+        raise Invalid(f"{field}: unknown policy {text!r} (Cluster or Local)")
+    return TrafficPolicy(text)
+
+
+def _topology_keys(spec: Mapping[str, Any], annotations: Mapping[str, str]) -> tuple[str, ...]:
+    """Ordered topology keys from spec.topologyKeys (older clusters, snapshots) or, where the
+    API no longer has the field, from pyproxy's annotation (comma-separated)."""
+    if spec.get("topologyKeys") is not None:
+        field = "spec.topologyKeys"
+        raw = _list(spec["topologyKeys"], field, 64)
+        keys = [_str(v, f"{field}[{i}]") for i, v in enumerate(raw)]
+    elif ANNOTATION_TOPOLOGY_KEYS in annotations:
+        field = f"annotation {ANNOTATION_TOPOLOGY_KEYS}"
+        keys = [k.strip() for k in annotations[ANNOTATION_TOPOLOGY_KEYS].split(",") if k.strip()]
+    else:
+        return ()
+    if len(keys) > MAX_TOPOLOGY_KEYS:
+        raise Invalid(f"{field}: {len(keys)} keys, at most {MAX_TOPOLOGY_KEYS} allowed")
+    for i, key in enumerate(keys):
+        if key == TOPOLOGY_KEY_ANY:
+            if i != len(keys) - 1:
+                raise Invalid(f"{field}: \"*\" must be the last key")
+        elif not is_label_key(key):
+            raise Invalid(f"{field}[{i}]: {key!r} is not a valid label key")
+    if len(set(keys)) != len(keys):
+        raise Invalid(f"{field}: duplicate keys")
+    return tuple(keys)
+
+
+# ---------------------------------------------------------------------------------------------
+# EndpointSlices
+
+
+def convert_endpoint_slice(obj: Any) -> SliceEndpoints | Skipped:
+    """An EndpointSlice → the endpoints the proxy uses, or why it is not used."""
+    data = api_dict(obj)
+    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    namespace = _safe_name(meta, "namespace") or "default"
+    name = _safe_name(meta, "name")
+    try:
+        return _slice(data)
+    except _NotProxied as why:
+        return Skipped("EndpointSlice", namespace, name, str(why), invalid=False)
+    except Invalid as why:
+        return Skipped("EndpointSlice", namespace, name, str(why))
+    except Exception as why:  # a last safety net: bad input must never crash the proxy
+        return Skipped("EndpointSlice", namespace, name, f"unreadable object: {why!r}")
+
+
+def _slice(data: Any) -> SliceEndpoints:
+    data = _mapping(data, "EndpointSlice")
+    meta = _mapping(data.get("metadata"), "metadata")
+    namespace = _dns_label(meta.get("namespace", "default"), "metadata.namespace")
+    name = _dns_subdomain(meta.get("name"), "metadata.name")
+    labels = _labels(meta.get("labels"), "metadata.labels")
+    annotations = _annotations(meta.get("annotations"), "metadata.annotations")
+    if LABEL_HEADLESS in labels:
+        raise _NotProxied("belongs to a headless service")
+    if LABEL_SERVICE_NAME not in labels:
+        raise _NotProxied(f"no {LABEL_SERVICE_NAME} label: not owned by a Service")
+    service = _dns_label(labels[LABEL_SERVICE_NAME], f"metadata.labels[{LABEL_SERVICE_NAME}]")
+    address_type = _str(data.get("addressType"), "addressType")
+    if address_type == "FQDN":
+        raise _NotProxied("addressType FQDN: not proxied")
+    if address_type not in ("IPv4", "IPv6"):
+        raise Invalid(f"addressType: unknown type {address_type!r}")
+    family = IPFamily(address_type)
+    ports = _slice_ports(data.get("ports"))
+    raw_endpoints = _list(data.get("endpoints"), "endpoints", MAX_SLICE_ENDPOINTS)
+    endpoints = tuple(
+        _endpoint(raw, f"endpoints[{i}]", family) for i, raw in enumerate(raw_endpoints)
+    )
+    return SliceEndpoints(
+        service=ServiceKey(namespace, service),
+        name=name,
+        family=family,
+        ports=ports,
+        endpoints=endpoints,
+        trigger_time=annotations.get(ANNOTATION_TRIGGER_TIME),
+    )
+
+
+def _slice_ports(value: Any) -> tuple[tuple[str, Protocol, int], ...]:
+    out: list[tuple[str, Protocol, int]] = []
+    for i, raw in enumerate(_list(value, "ports", MAX_SLICE_PORTS)):
+        field = f"ports[{i}]"
+        raw = _mapping(raw, field)
+        # A port without a number is skipped, as upstream does: it cannot be proxied.
+        number = _int(raw.get("port"), f"{field}.port", 0, 0, 65535)
+        if number == 0:
+            continue
+        out.append(
+            (
+                _port_name(raw.get("name"), f"{field}.name"),
+                _protocol(raw.get("protocol"), f"{field}.protocol"),
+                number,
+            )
+        )
+    return tuple(out)
+
+
+def _endpoint(raw: Any, field: str, family: IPFamily) -> Endpoint:
+    raw = _mapping(raw, field)
+    addresses = _list(raw.get("addresses"), f"{field}.addresses", 100)
+    if not addresses:
+        raise Invalid(f"{field}.addresses: empty")
+    # Only the first address is used, as upstream does (the API allows exactly one today).
+    ip = _ip(addresses[0], f"{field}.addresses[0]")
+    if ip_family(ip) != family:
+        raise Invalid(f"{field}.addresses[0]: {ip} is not an {family} address")
+    conditions = _mapping(raw.get("conditions"), f"{field}.conditions")
+    node_name = raw.get("nodeName")
+    zone = raw.get("zone")
+    hints = _mapping(raw.get("hints"), f"{field}.hints")
+    return Endpoint(
+        ip=ip,
+        port=0,
+        # API defaults: a missing ready/serving means true, a missing terminating false.
+        ready=_bool(conditions.get("ready"), f"{field}.conditions.ready", True),
+        serving=_bool(conditions.get("serving"), f"{field}.conditions.serving", True),
+        terminating=_bool(conditions.get("terminating"), f"{field}.conditions.terminating", False),
+        node_name=_dns_subdomain(node_name, f"{field}.nodeName") if node_name else None,
+        zone=_label_value(zone, f"{field}.zone") if zone else None,
+        zone_hints=_hint_names(hints.get("forZones"), f"{field}.hints.forZones"),
+        node_hints=_hint_names(hints.get("forNodes"), f"{field}.hints.forNodes"),
+        topology=tuple(
+            sorted(_labels(raw.get("deprecatedTopology"), f"{field}.deprecatedTopology").items())
+        ),
+    )
+
+
+def _label_value(value: Any, field: str) -> str:
+    text = _str(value, field)
+    if len(text) > 63 or not _LABEL_VALUE.match(text):
+        raise Invalid(f"{field}: {text!r} is not a valid label value")
+    return text
+
+
+def _hint_names(value: Any, field: str) -> frozenset[str]:
+    names: set[str] = set()
+    for i, raw in enumerate(_list(value, field, MAX_HINTS)):
+        raw = _mapping(raw, f"{field}[{i}]")
+        names.add(_label_value(raw.get("name"), f"{field}[{i}].name"))
+    return frozenset(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# Nodes
+
+
+def convert_node(obj: Any) -> Node | Skipped:
+    data = api_dict(obj)
+    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    name = _safe_name(meta, "name")
+    try:
+        data = _mapping(data, "Node")
+        meta = _mapping(data.get("metadata"), "metadata")
+        name = _dns_subdomain(meta.get("name"), "metadata.name")
+        spec = _mapping(data.get("spec"), "spec")
+        taints = tuple(
+            _str(_mapping(t, f"spec.taints[{i}]").get("key"), f"spec.taints[{i}].key")
+            for i, t in enumerate(_list(spec.get("taints"), "spec.taints", 256))
+        )
+        return Node(
+            name=name,
+            labels=_labels(meta.get("labels"), "metadata.labels"),
+            deleting=meta.get("deletionTimestamp") is not None,
+            taints=taints,
+        )
+    except Invalid as why:
+        return Skipped("Node", "", name, str(why))
+    except Exception as why:  # a last safety net: bad input must never crash the proxy
+        return Skipped("Node", "", name, f"unreadable object: {why!r}")
+
+
+def node_is_eligible(node: Node | None) -> bool:
+    """Whether load balancers should send this node traffic (kube-proxy's /healthz rule)."""
+    return node is not None and not node.deleting and TAINT_TO_BE_DELETED not in node.taints

@@ -1,0 +1,148 @@
+"""`pyproxy explain`: what one node does with every service port, and why.
+
+The JSON form is a contract that later tools build on:
+  {"node": {"name", "labels"},
+   "services": [{"service", "port", "protocol", "ipFamily", "clusterIPs", "internalTrafficPolicy",
+                 "externalTrafficPolicy", "topology", "clusterEndpoints", "localEndpoints",
+                 "hasEndpoints", "reasons"}],
+   "skipped": [{"object", "reason", "invalid"}]}
+A null endpoint list means the service does not use that list; [] means used and empty.
+A dual-stack service port has one entry per family.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyproxy.model import Endpoint, IPFamily, ServiceKey, ServicePort, ip_family
+from pyproxy.snapshot import ClusterState
+from pyproxy.topology import Selection, select_endpoints
+
+
+@dataclass(frozen=True, slots=True)
+class PortSelection:
+    port: ServicePort
+    family: IPFamily
+    selection: Selection
+
+
+def select_all(state: ClusterState, node_name: str) -> Iterator[PortSelection]:
+    """Endpoint selection for every service port and family, in a stable order."""
+    node = state.node(node_name)
+    labels = state.node_labels()
+    for port in state.ports:
+        for family in port.families():
+            endpoints = state.endpoints(port.name, family)
+            selection = select_endpoints(port, family, endpoints, node, labels)
+            yield PortSelection(port, family, selection)
+
+
+def explain_report(
+    state: ClusterState, node_name: str, service: ServiceKey | None = None
+) -> dict[str, Any]:
+    node = state.node(node_name)
+    entries = [
+        _entry(ps) for ps in select_all(state, node_name)
+        if service is None or ps.port.name.service == service
+    ]
+    skipped = [
+        {"object": s.object, "reason": s.reason, "invalid": s.invalid}
+        for s in state.skipped
+        if service is None or (s.namespace, s.name) == (service.namespace, service.name)
+    ]
+    report: dict[str, Any] = {
+        "node": {"name": node.name, "labels": dict(node.labels)},
+        "services": entries,
+        "skipped": skipped,
+    }
+    if node_name not in state.nodes:
+        report["warnings"] = [
+            f"node {node_name} is not in the snapshot: it has no labels, so zone hints and "
+            "topology keys other than the hostname cannot match"
+        ]
+    return report
+
+
+def _endpoint_list(endpoints: tuple[Endpoint, ...] | None) -> list[str] | None:
+    return None if endpoints is None else [ep.key for ep in endpoints]
+
+
+def _entry(ps: PortSelection) -> dict[str, Any]:
+    port, sel = ps.port, ps.selection
+    return {
+        "service": str(port.name.service),
+        "port": port.name.port,
+        "protocol": str(port.protocol),
+        "ipFamily": str(ps.family),
+        "clusterIPs": [ip for ip in port.cluster_ips if ip_family(ip) is ps.family],
+        "servicePort": port.port,
+        "type": port.service_type,
+        "nodePort": port.node_port or None,
+        "externalIPs": list(port.external_ips_of(ps.family)),
+        "loadBalancerIPs": list(port.load_balancer_vips(ps.family)),
+        "internalTrafficPolicy": str(port.internal_policy),
+        "externalTrafficPolicy": str(port.external_policy),
+        "sessionAffinity": "ClientIP" if port.session_affinity else "None",
+        "topology": sel.topology,
+        "clusterEndpoints": _endpoint_list(sel.cluster),
+        "localEndpoints": _endpoint_list(sel.local),
+        "hasEndpoints": sel.has_any_endpoints,
+        "reasons": list(sel.reasons),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The table form, for people
+
+
+def format_table(report: dict[str, Any]) -> str:
+    node = report["node"]
+    zone = node["labels"].get("topology.kubernetes.io/zone", "-")
+    lines = [f"node {node['name']} (zone {zone})"]
+    lines.extend(f"warning: {w}" for w in report.get("warnings", ()))
+    rows = [("SERVICE", "PORT", "FAMILY", "TOPOLOGY", "CLUSTER ENDPOINTS", "LOCAL ENDPOINTS")]
+    details: list[str] = []
+    for entry in report["services"]:
+        rows.append(
+            (
+                entry["service"],
+                f"{entry['port'] or '-'}/{entry['protocol']}",
+                entry["ipFamily"],
+                entry["topology"],
+                _cell(entry["clusterEndpoints"]),
+                _cell(entry["localEndpoints"]),
+            )
+        )
+        name = f"{entry['service']}:{entry['port']}" if entry["port"] else entry["service"]
+        details.append(f"{name} ({entry['ipFamily']}):")
+        details.extend(f"  - {reason}" for reason in entry["reasons"])
+    lines.extend(_align(rows))
+    if details:
+        lines.append("")
+        lines.append("why:")
+        lines.extend(details)
+    if report["skipped"]:
+        lines.append("")
+        lines.append("skipped:")
+        for s in report["skipped"]:
+            tag = "invalid" if s["invalid"] else "not proxied"
+            lines.append(f"  {s['object']} ({tag}): {s['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(endpoints: list[str] | None) -> str:
+    if endpoints is None:
+        return "(not used)"
+    if not endpoints:
+        return "(none)"
+    return ",".join(endpoints)
+
+
+def _align(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]

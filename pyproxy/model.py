@@ -1,0 +1,259 @@
+"""The internal model: what pyproxy knows about Services, endpoints and Nodes.
+
+Everything here is frozen and hashable. The API's loose JSON is turned into these types once,
+in `convert`, and nothing downstream (selection, rendering, diffing) has to defend itself
+against missing fields or wrong types again.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+
+class Protocol(StrEnum):
+    TCP = "TCP"
+    UDP = "UDP"
+    SCTP = "SCTP"
+
+
+class IPFamily(StrEnum):
+    IPv4 = "IPv4"
+    IPv6 = "IPv6"
+
+    @property
+    def nft_family(self) -> str:
+        return "ip" if self is IPFamily.IPv4 else "ip6"
+
+
+class TrafficPolicy(StrEnum):
+    CLUSTER = "Cluster"
+    LOCAL = "Local"
+
+
+# Well-known label and annotation keys.
+LABEL_ZONE = "topology.kubernetes.io/zone"
+LABEL_REGION = "topology.kubernetes.io/region"
+LABEL_HOSTNAME = "kubernetes.io/hostname"
+LABEL_SERVICE_NAME = "kubernetes.io/service-name"
+LABEL_SERVICE_PROXY_NAME = "service.kubernetes.io/service-proxy-name"
+LABEL_HEADLESS = "service.kubernetes.io/headless"
+ANNOTATION_TOPOLOGY_MODE = "service.kubernetes.io/topology-mode"
+ANNOTATION_TOPOLOGY_AWARE_HINTS = "service.kubernetes.io/topology-aware-hints"
+ANNOTATION_TOPOLOGY_KEYS = "service.pyproxy.io/topology-keys"
+ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
+
+TOPOLOGY_KEY_ANY = "*"
+DEFAULT_AFFINITY_TIMEOUT = 10800  # API default for sessionAffinityConfig.clientIP.timeoutSeconds
+
+
+def ip_family(address: str) -> IPFamily:
+    """The family of a (valid) IP address or CIDR."""
+    return IPFamily.IPv6 if ":" in address else IPFamily.IPv4
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServiceKey:
+    """namespace/name of a Service."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortName:
+    """One port of one Service: the unit that everything is programmed per (upstream's
+    ServicePortName). Prints as `ns/name:port`, or `ns/name` for an unnamed port."""
+
+    namespace: str
+    name: str
+    port: str
+    protocol: Protocol
+
+    @property
+    def service(self) -> ServiceKey:
+        return ServiceKey(self.namespace, self.name)
+
+    def __str__(self) -> str:
+        suffix = f":{self.port}" if self.port else ""
+        return f"{self.namespace}/{self.name}{suffix}"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBalancerIngress:
+    ip: str
+    # "VIP" (default) means the node must handle the IP; "Proxy" means the load balancer
+    # delivers traffic to the node itself and the IP must not be programmed.
+    ip_mode: str = "VIP"
+
+    @property
+    def is_vip(self) -> bool:
+        return self.ip_mode != "Proxy"
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """Everything pyproxy needs about one service port, both IP families included."""
+
+    name: ServicePortName
+    port: int
+    cluster_ips: tuple[str, ...]
+    service_type: str = "ClusterIP"
+    node_port: int = 0
+    external_ips: tuple[str, ...] = ()
+    load_balancer_ingress: tuple[LoadBalancerIngress, ...] = ()
+    source_ranges: tuple[str, ...] = ()
+    session_affinity: bool = False
+    affinity_timeout: int = DEFAULT_AFFINITY_TIMEOUT
+    internal_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    external_policy: TrafficPolicy = TrafficPolicy.CLUSTER
+    health_check_node_port: int = 0
+    traffic_distribution: str | None = None
+    topology_mode_annotation: str | None = None
+    topology_keys: tuple[str, ...] = ()
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.name.protocol
+
+    def families(self) -> tuple[IPFamily, ...]:
+        seen: list[IPFamily] = []
+        for ip in self.cluster_ips:
+            fam = ip_family(ip)
+            if fam not in seen:
+                seen.append(fam)
+        return tuple(seen)
+
+    def cluster_ip(self, family: IPFamily) -> str | None:
+        return next((ip for ip in self.cluster_ips if ip_family(ip) == family), None)
+
+    def external_ips_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(ip for ip in self.external_ips if ip_family(ip) == family)
+
+    def load_balancer_vips(self, family: IPFamily) -> tuple[str, ...]:
+        """LoadBalancer ingress IPs of the family that the node must handle (ipMode != Proxy)."""
+        return tuple(
+            ing.ip
+            for ing in self.load_balancer_ingress
+            if ing.is_vip and ip_family(ing.ip) == family
+        )
+
+    def source_ranges_of(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(cidr for cidr in self.source_ranges if ip_family(cidr) == family)
+
+    def externally_accessible(self, family: IPFamily) -> bool:
+        return (
+            self.node_port != 0
+            or bool(self.external_ips_of(family))
+            or bool(self.load_balancer_vips(family))
+        )
+
+    def uses_cluster_endpoints(self, family: IPFamily) -> bool:
+        # eTP=Local still needs the cluster list: pod and host traffic to an external
+        # address is short-circuited to it.
+        return self.internal_policy is TrafficPolicy.CLUSTER or self.externally_accessible(
+            family
+        )
+
+    def uses_local_endpoints(self, family: IPFamily) -> bool:
+        return self.internal_policy is TrafficPolicy.LOCAL or (
+            self.external_policy is TrafficPolicy.LOCAL and self.externally_accessible(family)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One backend address of one service port, as this node sees it."""
+
+    ip: str
+    port: int
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+    node_name: str | None = None
+    zone: str | None = None
+    zone_hints: frozenset[str] = frozenset()
+    node_hints: frozenset[str] = frozenset()
+    # EndpointSlice `deprecatedTopology`: labels for endpoints whose Node is unknown.
+    topology: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def family(self) -> IPFamily:
+        return ip_family(self.ip)
+
+    @property
+    def key(self) -> str:
+        """`IP:port` (IPv6 in brackets): identity of an endpoint within a service port."""
+        if self.family is IPFamily.IPv6:
+            return f"[{self.ip}]:{self.port}"
+        return f"{self.ip}:{self.port}"
+
+    def is_local(self, node_name: str) -> bool:
+        return self.node_name is not None and self.node_name == node_name
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    labels: Mapping[str, str] = field(default_factory=dict)
+    deleting: bool = False
+    taints: tuple[str, ...] = ()
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.labels.items())), self.deleting, self.taints))
+
+    @property
+    def zone(self) -> str:
+        return self.labels.get(LABEL_ZONE, "")
+
+
+@dataclass(frozen=True, slots=True)
+class SliceEndpoints:
+    """The part of one EndpointSlice that the proxy uses."""
+
+    service: ServiceKey
+    name: str
+    family: IPFamily
+    # (port name, protocol, port number) as the slice declares them.
+    ports: tuple[tuple[str, Protocol, int], ...]
+    endpoints: tuple[Endpoint, ...]
+    trigger_time: str | None = None
+
+    def endpoints_for(self, port: ServicePortName) -> Iterable[Endpoint]:
+        """This slice's endpoints for a service port, matched by port name and protocol."""
+        for name, protocol, number in self.ports:
+            if name == port.port and protocol is port.protocol:
+                for ep in self.endpoints:
+                    yield replace(ep, port=number)
+
+
+@dataclass(frozen=True, slots=True)
+class Skipped:
+    """An API object pyproxy does not proxy, and why. `invalid` separates bad input (counted
+    and logged) from objects that are simply not ours (headless, ExternalName, …)."""
+
+    kind: str
+    namespace: str
+    name: str
+    reason: str
+    invalid: bool = True
+
+    @property
+    def object(self) -> str:
+        if self.namespace:
+            return f"{self.kind} {self.namespace}/{self.name}"
+        return f"{self.kind} {self.name}"
+
+
+def is_valid_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

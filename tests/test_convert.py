@@ -1,0 +1,311 @@
+"""Conversion of API objects into the model: valid objects, objects that are not proxied, and
+bad input (skipped with a reason, never raised)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from builders import ep, make_node, make_service, make_slice, terminating
+
+from pyproxy.convert import convert_endpoint_slice, convert_node, convert_service
+from pyproxy.model import (
+    IPFamily,
+    Protocol,
+    ServicePort,
+    ServicePortName,
+    Skipped,
+    SliceEndpoints,
+    TrafficPolicy,
+)
+
+Obj = dict[str, Any]
+
+
+def ports_of(svc: Obj) -> tuple[ServicePort, ...]:
+    result = convert_service(svc)
+    assert not isinstance(result, Skipped), result
+    return result
+
+
+def test_service_port_fields() -> None:
+    def full(svc: Obj) -> None:
+        svc["spec"].update(
+            type="LoadBalancer",
+            clusterIPs=["10.96.0.10", "fd00:96::a"],
+            ipFamilies=["IPv4", "IPv6"],
+            externalIPs=["192.0.2.1"],
+            loadBalancerSourceRanges=[" 203.0.113.0/24 ", "2001:db8::/32"],
+            sessionAffinity="ClientIP",
+            sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}},
+            externalTrafficPolicy="Local",
+            internalTrafficPolicy="Cluster",
+            healthCheckNodePort=32000,
+            trafficDistribution="PreferClose",
+            ports=[
+                {"name": "http", "port": 80, "nodePort": 30080},
+                {"name": "dns", "port": 53, "protocol": "UDP", "nodePort": 30053},
+            ],
+        )
+        svc["status"] = {"loadBalancer": {"ingress": [
+            {"ip": "198.51.100.1"}, {"ip": "198.51.100.2", "ipMode": "Proxy"},
+            {"hostname": "lb.example.com"}]}}
+        svc["metadata"]["annotations"] = {"service.kubernetes.io/topology-mode": "Auto"}
+
+    http, dns = ports_of(make_service("ns", "svc", full))
+    assert http.name == ServicePortName("ns", "svc", "http", Protocol.TCP)
+    assert str(http.name) == "ns/svc:http"
+    assert dns.protocol is Protocol.UDP and dns.node_port == 30053
+    assert http.cluster_ips == ("10.96.0.10", "fd00:96::a")
+    assert http.families() == (IPFamily.IPv4, IPFamily.IPv6)
+    assert http.cluster_ip(IPFamily.IPv6) == "fd00:96::a"
+    assert http.external_ips_of(IPFamily.IPv4) == ("192.0.2.1",)
+    assert http.external_ips_of(IPFamily.IPv6) == ()
+    assert http.load_balancer_vips(IPFamily.IPv4) == ("198.51.100.1",)  # Proxy mode left out
+    assert http.source_ranges_of(IPFamily.IPv4) == ("203.0.113.0/24",)  # whitespace trimmed
+    assert http.session_affinity and http.affinity_timeout == 60
+    assert http.external_policy is TrafficPolicy.LOCAL
+    assert http.health_check_node_port == 32000
+    assert http.traffic_distribution == "PreferClose"
+    assert http.topology_mode_annotation == "Auto"
+    assert http.externally_accessible(IPFamily.IPv4)
+
+
+def test_defaults() -> None:
+    (port,) = ports_of(make_service("ns", "svc", lambda s: s["spec"]["ports"][0].pop("protocol")))
+    assert port.protocol is Protocol.TCP
+    assert not port.session_affinity and port.affinity_timeout == 10800
+    assert port.internal_policy is TrafficPolicy.CLUSTER
+    assert port.node_port == 0 and port.health_check_node_port == 0
+
+
+def test_health_check_node_port_only_for_local_load_balancers() -> None:
+    def tweak(svc: Obj) -> None:
+        svc["spec"].update(
+            type="NodePort", externalTrafficPolicy="Local", healthCheckNodePort=32000
+        )
+
+    (port,) = ports_of(make_service("ns", "svc", tweak))
+    assert port.health_check_node_port == 0
+
+
+def test_unnamed_single_port_and_client_ip_only_cluster_ip_field() -> None:
+    def tweak(svc: Obj) -> None:
+        del svc["spec"]["clusterIPs"]
+        svc["spec"]["ports"] = [{"port": 80}]
+
+    (port,) = ports_of(make_service("ns", "svc", tweak))
+    assert port.name.port == "" and str(port.name) == "ns/svc"
+    assert port.cluster_ips == ("10.96.0.10",)
+
+
+def test_client_model_objects_convert_like_dicts() -> None:
+    from kubernetes import client
+
+    svc = client.V1Service(
+        metadata=client.V1ObjectMeta(name="svc", namespace="ns"),
+        spec=client.V1ServiceSpec(
+            cluster_ip="10.96.0.10",
+            cluster_ips=["10.96.0.10"],
+            internal_traffic_policy="Local",
+            ports=[client.V1ServicePort(name="http", port=80, protocol="TCP")],
+        ),
+    )
+    (port,) = ports_of(svc)  # type: ignore[arg-type]
+    assert port.internal_policy is TrafficPolicy.LOCAL
+    eps = client.V1EndpointSlice(
+        address_type="IPv4",
+        metadata=client.V1ObjectMeta(
+            name="svc-1", namespace="ns", labels={"kubernetes.io/service-name": "svc"}
+        ),
+        ports=[client.DiscoveryV1EndpointPort(name="http", port=8080, protocol="TCP")],
+        endpoints=[
+            client.V1Endpoint(
+                addresses=["10.244.1.1"],
+                node_name="node-a",
+                conditions=client.V1EndpointConditions(ready=False, serving=True, terminating=True),
+                hints=client.V1EndpointHints(for_zones=[client.V1ForZone(name="zone-1")]),
+            )
+        ],
+    )
+    piece = convert_endpoint_slice(eps)
+    assert isinstance(piece, SliceEndpoints)
+    (e,) = piece.endpoints
+    assert (e.ready, e.serving, e.terminating) == (False, True, True)
+    assert e.zone_hints == frozenset({"zone-1"})
+
+
+NOT_PROXIED: list[tuple[str, Callable[[Obj], None], str]] = [
+    ("headless", lambda s: s["spec"].update(clusterIP="None", clusterIPs=["None"]), "headless"),
+    ("ExternalName", lambda s: s["spec"].update(type="ExternalName"), "ExternalName"),
+    ("no cluster IP", lambda s: s["spec"].update(clusterIP="", clusterIPs=[]), "no cluster IP"),
+    ("other proxy", lambda s: s["metadata"].update(
+        labels={"service.kubernetes.io/service-proxy-name": "other"}), "another proxy"),
+]
+
+
+@pytest.mark.parametrize(("name", "tweak", "reason"), NOT_PROXIED, ids=[c[0] for c in NOT_PROXIED])
+def test_services_not_proxied(name: str, tweak: Callable[[Obj], None], reason: str) -> None:
+    result = convert_service(make_service("ns", "svc", tweak))
+    assert isinstance(result, Skipped)
+    assert not result.invalid
+    assert reason in result.reason
+
+
+def _set(path: str, value: Any) -> Callable[[Obj], None]:
+    def apply(obj: Obj) -> None:
+        parts = path.split(".")
+        target: Any = obj
+        for part in parts[:-1]:
+            target = target[int(part)] if part.isdigit() else target[part]
+        last = parts[-1]
+        if last.isdigit():
+            target[int(last)] = value
+        else:
+            target[last] = value
+
+    return apply
+
+
+BAD_SERVICES: list[tuple[str, Callable[[Obj], None], str]] = [
+    ("invalid cluster IP", _set("spec.clusterIPs", ["10.96.0.999"]), "spec.clusterIPs[0]"),
+    ("cluster IP not a string", _set("spec.clusterIPs", [42]), "spec.clusterIPs[0]"),
+    ("port out of range", _set("spec.ports.0.port", 70000), "spec.ports[0].port"),
+    ("port missing", lambda s: s["spec"]["ports"][0].pop("port"), "spec.ports[0].port"),
+    ("port is a string", _set("spec.ports.0.port", "80"), "spec.ports[0].port"),
+    ("port is a bool", _set("spec.ports.0.port", True), "spec.ports[0].port"),
+    ("unknown protocol", _set("spec.ports.0.protocol", "ICMP"), "unknown protocol"),
+    ("ports not a list", _set("spec.ports", {"port": 80}), "spec.ports"),
+    ("port entry not an object", _set("spec.ports", ["80"]), "spec.ports[0]"),
+    ("two unnamed ports", _set("spec.ports", [{"port": 80}, {"port": 81}]), "required"),
+    ("duplicate port names", _set("spec.ports", [{"name": "a", "port": 80},
+                                                  {"name": "a", "port": 81}]), "duplicate"),
+    ("port name with nft syntax", _set("spec.ports.0.name", 'x"; flush ruleset'), "port name"),
+    ("name with nft syntax", _set("metadata.name", "a} ; flush ruleset"), "metadata.name"),
+    ("namespace uppercase", _set("metadata.namespace", "NS"), "metadata.namespace"),
+    ("name too long", _set("metadata.name", "a" * 64), "metadata.name"),
+    ("invalid external IP", _set("spec.externalIPs", ["192.0.2.1/24"]), "spec.externalIPs[0]"),
+    ("invalid source range", _set("spec.loadBalancerSourceRanges", ["1.2.3.4/33"]),
+     "loadBalancerSourceRanges[0]"),
+    ("unknown traffic policy", _set("spec.externalTrafficPolicy", "Nearest"),
+     "externalTrafficPolicy"),
+    ("unknown affinity", _set("spec.sessionAffinity", "Cookie"), "sessionAffinity"),
+    ("affinity timeout too long", lambda s: s["spec"].update(
+        sessionAffinity="ClientIP", sessionAffinityConfig={"clientIP": {"timeoutSeconds": 86401}}),
+     "timeoutSeconds"),
+    ("two IPv4 cluster IPs", _set("spec.clusterIPs", ["10.96.0.1", "10.96.0.2"]), "same family"),
+    ("family mismatch", _set("spec.ipFamilies", ["IPv6"]), "ipFamilies[0]"),
+    ("unknown type", _set("spec.type", "Magic"), "spec.type"),
+    ("spec not an object", _set("spec", "nope"), "spec"),
+    ("too many topology keys", _set("spec.topologyKeys", [f"k{i}" for i in range(17)]),
+     "at most 16"),
+    ("* not last", _set("spec.topologyKeys", ["*", "kubernetes.io/hostname"]), "last"),
+    ("invalid topology key", _set("spec.topologyKeys", ["bad key!"]), "label key"),
+    ("invalid annotation key", _set("metadata.annotations",
+                                    {"service.pyproxy.io/topology-keys": "zone,\"}"}), "label key"),
+    ("oversized port list", _set("spec.ports", [{"name": f"p{i}", "port": 1 + i}
+                                                for i in range(1001)]), "limit"),
+    ("labels with invalid value", _set("metadata.labels", {"a": "x y"}), "label value"),
+]
+
+
+@pytest.mark.parametrize(("name", "tweak", "field"), BAD_SERVICES, ids=[c[0] for c in BAD_SERVICES])
+def test_bad_services_are_skipped_with_a_reason(
+    name: str, tweak: Callable[[Obj], None], field: str
+) -> None:
+    result = convert_service(make_service("ns", "svc", tweak))
+    assert isinstance(result, Skipped), result
+    assert result.invalid
+    assert field in result.reason
+    assert result.object.startswith("Service ")
+
+
+def test_non_object_inputs_never_raise() -> None:
+    for junk in (None, 42, "text", [], {"metadata": 5}, {"spec": []}):
+        assert isinstance(convert_service(junk), Skipped)
+        assert isinstance(convert_endpoint_slice(junk), Skipped)
+        assert isinstance(convert_node(junk), Skipped)
+
+
+# --- EndpointSlices ------------------------------------------------------------------------
+
+
+def test_slice_fields_and_defaults() -> None:
+    piece = convert_endpoint_slice(make_slice("ns", "svc", [
+        {"addresses": ["10.244.1.1"]},
+        ep("10.244.1.2", "node-a", "zone-1", zones=["zone-1"], nodes=["node-a"]),
+        terminating("10.244.1.3", "node-b"),
+    ]))
+    assert isinstance(piece, SliceEndpoints)
+    plain, hinted, term = piece.endpoints
+    # API defaults for absent conditions: ready and serving true, terminating false.
+    assert (plain.ready, plain.serving, plain.terminating) == (True, True, False)
+    assert plain.node_name is None
+    assert hinted.zone == "zone-1" and hinted.node_hints == frozenset({"node-a"})
+    assert (term.ready, term.serving, term.terminating) == (False, True, True)
+    assert piece.ports == (("http", Protocol.TCP, 8080),)
+
+
+def test_slice_port_without_number_is_ignored() -> None:
+    piece = convert_endpoint_slice(make_slice(
+        "ns", "svc", [ep("10.244.1.1")],
+        lambda s: s.update(ports=[{"name": "http"}, {"name": "x", "port": 9}])))
+    assert isinstance(piece, SliceEndpoints)
+    assert piece.ports == (("x", Protocol.TCP, 9),)
+
+
+SLICES_NOT_USED: list[tuple[str, Callable[[Obj], None], str]] = [
+    ("FQDN", lambda s: s.update(addressType="FQDN"), "FQDN"),
+    ("no service label", lambda s: s["metadata"].update(labels={}), "service-name"),
+    ("headless", lambda s: s["metadata"]["labels"].update(
+        {"service.kubernetes.io/headless": ""}), "headless"),
+]
+
+
+@pytest.mark.parametrize(("name", "tweak", "reason"), SLICES_NOT_USED,
+                         ids=[c[0] for c in SLICES_NOT_USED])
+def test_slices_not_used(name: str, tweak: Callable[[Obj], None], reason: str) -> None:
+    result = convert_endpoint_slice(make_slice("ns", "svc", [ep("10.244.1.1")], tweak))
+    assert isinstance(result, Skipped) and not result.invalid
+    assert reason in result.reason
+
+
+BAD_SLICES: list[tuple[str, Callable[[Obj], None], str]] = [
+    ("address of the wrong family", lambda s: s.update(addressType="IPv6"), "not an IPv6"),
+    ("invalid address", _set("endpoints.0.addresses", ["10.244.1.300"]), "addresses[0]"),
+    ("empty addresses", _set("endpoints.0.addresses", []), "empty"),
+    ("ready not a bool", _set("endpoints.0.conditions", {"ready": "yes"}), "conditions.ready"),
+    ("unknown address type", lambda s: s.update(addressType="IPX"), "addressType"),
+    ("bad port protocol", _set("ports.0.protocol", "GRE"), "protocol"),
+    ("bad port name", _set("ports.0.name", "a b"), "port name"),
+    ("bad node name", _set("endpoints.0.nodeName", "Node A"), "nodeName"),
+    ("bad zone hint", _set("endpoints.0.hints", {"forZones": [{"name": "z z"}]}), "forZones"),
+    ("bad service label", _set("metadata.labels", {"kubernetes.io/service-name": "a;b"}),
+     "service-name"),
+    ("oversized endpoint list", _set("endpoints", [ep(f"10.1.{i // 250}.{i % 250}")
+                                                   for i in range(1001)]), "limit"),
+]
+
+
+@pytest.mark.parametrize(("name", "tweak", "field"), BAD_SLICES, ids=[c[0] for c in BAD_SLICES])
+def test_bad_slices_are_skipped_with_a_reason(
+    name: str, tweak: Callable[[Obj], None], field: str
+) -> None:
+    result = convert_endpoint_slice(make_slice("ns", "svc", [ep("10.244.1.1", "node-a")], tweak))
+    assert isinstance(result, Skipped), result
+    assert result.invalid and field in result.reason
+
+
+def test_nodes() -> None:
+    node = convert_node(make_node("node-a", "zone-1"))
+    assert not isinstance(node, Skipped)
+    assert node.zone == "zone-1" and not node.deleting
+    obj = make_node("node-b")
+    obj["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    obj["spec"] = {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]}
+    node = convert_node(obj)
+    assert not isinstance(node, Skipped)
+    assert node.deleting and node.taints == ("ToBeDeletedByClusterAutoscaler",)
+    bad = convert_node({"kind": "Node", "metadata": {"name": "n", "labels": {"k": 1}}})
+    assert isinstance(bad, Skipped) and "labels" in bad.reason
