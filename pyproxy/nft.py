@@ -1,0 +1,161 @@
+"""The libnftables shell: runs transactions in the current network namespace and keeps the
+in-memory mirror of what was committed, so a partial sync never reads the kernel back."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pyproxy.render import TABLE, Fragment
+from pyproxy.ruleset import Change, Commands, DesiredState, full_commands, incremental_commands
+
+# Chains left without references are deleted this long after they were flushed: on kernels
+# before 6.2 the kernel notices a chain is unreferenced only a short time after the vmap
+# element that used it was deleted, and an immediate delete fails with EBUSY
+# (kubernetes#122604).
+STALE_CHAIN_GRACE = 1.0
+
+
+class NftError(RuntimeError):
+    """The kernel or libnftables refused a transaction; nothing of it was applied."""
+
+
+class Runner(Protocol):
+    """What the applier needs from libnftables (a fake in tests that don't need a kernel)."""
+
+    def run(self, script: str) -> str: ...
+
+
+class LibNftables:
+    """One libnftables context. Text input: half the size of JSON, faster to load and to
+    render (docs/nft-layout.md)."""
+
+    def __init__(self) -> None:
+        import nftables  # Debian's binding, matching the installed libnftables
+
+        self._nft = nftables.Nftables()
+        self._nft.set_echo_output(False)
+
+    def run(self, script: str) -> str:
+        rc, out, err = self._nft.cmd(script)
+        if rc != 0:
+            raise NftError(_first_lines(err or out or f"nft exited {rc}"))
+        return str(out)
+
+    def list_names(self, family: str) -> tuple[list[str], list[str]]:
+        """Names of our table's chains and sets (terse: no elements, no affinity state)."""
+        self._nft.set_json_output(True)
+        self._nft.set_terse_output(True)
+        try:
+            rc, out, _ = self._nft.cmd(f"list table {family} {TABLE}")
+        finally:
+            self._nft.set_json_output(False)
+            self._nft.set_terse_output(False)
+        if rc != 0:
+            return [], []  # no table yet
+        chains, sets = [], []
+        for obj in json.loads(out).get("nftables", []):
+            if "chain" in obj:
+                chains.append(obj["chain"]["name"])
+            elif "set" in obj or "map" in obj:
+                sets.append((obj.get("set") or obj.get("map"))["name"])
+        return chains, sets
+
+
+def _first_lines(text: str, limit: int = 20) -> str:
+    lines = text.strip().splitlines()
+    more = f"\n… {len(lines) - limit} more lines" if len(lines) > limit else ""
+    return "\n".join(lines[:limit]) + more
+
+
+@dataclass
+class SyncResult:
+    full: bool
+    commands: int
+    slots_changed: int
+    diff_seconds: float
+    kernel_seconds: float
+    script_bytes: int
+
+
+@dataclass
+class Applier:
+    """Owns one family's table. `sync` takes the fragments that changed since the last call
+    and commits the difference in one transaction (or everything, for a full sync)."""
+
+    family: str
+    nft: Any = field(default_factory=LibNftables)
+    clock: Callable[[], float] = time.monotonic
+    state: DesiredState = field(default_factory=DesiredState)
+    need_full: bool = True
+    started: bool = False
+    stale_chains: dict[str, float] = field(default_factory=dict)
+    last_script: str = ""
+
+    def sync(self, updates: Mapping[Hashable, Fragment], full: bool = False) -> SyncResult:
+        t0 = self.clock()
+        change = Change()
+        for owner, fragment in updates.items():
+            self.state.set(owner, fragment, change)
+        full = full or self.need_full
+        cmds = self._commands(change, full)
+        if cmds.needs_full_sync:
+            full = True
+            cmds = self._commands(change, True)
+        for name in cmds.stale_chains:
+            self.stale_chains.setdefault(name, t0)
+        for (kind, name, _), value in change.after.items():
+            if kind == "chain" and value is not None:
+                self.stale_chains.pop(name, None)
+        self._delete_stale_chains(t0)
+        script = cmds.text()
+        t1 = self.clock()
+        try:
+            if script:
+                self.nft.run(script)
+        except NftError:
+            # The kernel state is now unknown relative to the mirror: rewrite everything
+            # next time, and forget stale chains (a full sync finds them again).
+            self.need_full = True
+            self.stale_chains.clear()
+            raise
+        finally:
+            self.last_script = script
+        t2 = self.clock()
+        if full:
+            self.need_full = False
+            self.started = True
+        return SyncResult(full, script.count("\n"), change.touched(), t1 - t0, t2 - t1,
+                          len(script))
+
+    def _commands(self, change: Change, full: bool) -> Commands:
+        if not full:
+            return incremental_commands(self.family, change)
+        chains, sets = self.nft.list_names(self.family) if self.nft else ([], [])
+        return full_commands(self.family, self.state, chains, sets,
+                             recreate_base_chains=not self.started and bool(chains))
+
+    def _delete_stale_chains(self, now: float) -> None:
+        """Delete chains flushed at least the grace period ago, in their own transaction (as
+        upstream does) so that a failure here cannot fail the sync itself."""
+        due = [n for n, since in self.stale_chains.items() if now - since >= STALE_CHAIN_GRACE]
+        if not due:
+            return
+        try:
+            self.nft.run("".join(f"delete chain {self.family} {TABLE} {n}\n" for n in due))
+        except NftError:
+            return  # retried at the next sync; a full sync finds them again anyway
+        for name in due:
+            del self.stale_chains[name]
+
+    def cleanup(self) -> None:
+        """Remove the table and everything in it."""
+        with contextlib.suppress(NftError):  # no table: nothing to remove
+            self.nft.run(f"delete table {self.family} {TABLE}")
+        self.state = DesiredState()
+        self.need_full = True
+        self.stale_chains.clear()

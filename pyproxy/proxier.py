@@ -1,0 +1,121 @@
+"""From cluster state to per-family fragments: selection + rendering for one node."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from ipaddress import ip_address, ip_network
+from typing import TYPE_CHECKING
+
+from pyproxy.explain import select_all
+from pyproxy.model import IPFamily, ip_family
+from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
+from pyproxy.snapshot import ClusterState
+
+if TYPE_CHECKING:
+    from pyproxy.nft import SyncResult
+
+SKELETON = "skeleton"
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How this node proxies (the parts of kube-proxy's configuration that shape rules)."""
+
+    node_name: str
+    node_ips: tuple[str, ...] = ()
+    cluster_cidrs: tuple[str, ...] = ()
+    local_mode: LocalMode = LocalMode.CLUSTER_CIDR
+    # Interface name or prefix for the interface detect-local modes; pod CIDRs for NodeCIDR.
+    local_interface: str = ""
+    node_cidrs: tuple[str, ...] = ()
+    # CIDRs or "primary" (this node's primary addresses); empty: every local address.
+    nodeport_addresses: tuple[str, ...] = ("primary",)
+    masquerade_bit: int = 14
+    masquerade_all: bool = False
+
+    def render_config(self, family: IPFamily) -> RenderConfig:
+        return RenderConfig(
+            family=family,
+            local_mode=self._mode(family),
+            local_value=self._local_value(family),
+            nodeport_ips=self._nodeport_ips(family),
+            node_ips=tuple(ip for ip in self.node_ips if ip_family(ip) is family),
+            masquerade_bit=self.masquerade_bit,
+            masquerade_all=self.masquerade_all,
+        )
+
+    def _mode(self, family: IPFamily) -> LocalMode:
+        return self.local_mode if self._local_value(family) else LocalMode.NONE
+
+    def _local_value(self, family: IPFamily) -> str:
+        if self.local_mode is LocalMode.CLUSTER_CIDR:
+            return _first_of(self.cluster_cidrs, family)
+        if self.local_mode is LocalMode.NODE_CIDR:
+            return _first_of(self.node_cidrs, family)
+        if self.local_mode in (LocalMode.BRIDGE_INTERFACE, LocalMode.INTERFACE_NAME_PREFIX):
+            return self.local_interface
+        return ""
+
+    def _nodeport_ips(self, family: IPFamily) -> tuple[str, ...] | None:
+        """Node addresses accepting NodePorts, or None for "every local address"."""
+        mine = [ip for ip in self.node_ips if ip_family(ip) is family]
+        if not self.nodeport_addresses:
+            return None
+        chosen: list[str] = []
+        for entry in self.nodeport_addresses:
+            if entry == "primary":
+                chosen.extend(mine[:1])
+                continue
+            net = ip_network(entry, strict=False)
+            if net.version != (4 if family is IPFamily.IPv4 else 6):
+                continue
+            if net.prefixlen == 0:
+                return None  # match-all for this family
+            chosen.extend(ip for ip in mine if ip_address(ip) in net)
+        # No known address: fall back to every local address rather than to no NodePorts.
+        return tuple(dict.fromkeys(chosen)) if chosen else None
+
+
+def _first_of(cidrs: Sequence[str], family: IPFamily) -> str:
+    return next((str(ip_network(c, strict=False)) for c in cidrs if ip_family(c) is family), "")
+
+
+def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ...]:
+    """Families to program: those of the node's addresses, or of the services when the node
+    has none configured (offline rendering)."""
+    if config.node_ips:
+        return tuple(dict.fromkeys(ip_family(ip) for ip in config.node_ips))
+    seen = {fam for port in state.ports for fam in port.families()}
+    return tuple(f for f in (IPFamily.IPv4, IPFamily.IPv6) if f in seen) or (IPFamily.IPv4,)
+
+
+def fragments(state: ClusterState, config: NodeConfig,
+              family: IPFamily) -> dict[Hashable, Fragment]:
+    cfg = config.render_config(family)
+    out: dict[Hashable, Fragment] = {SKELETON: skeleton(cfg)}
+    for ps in select_all(state, config.node_name):
+        if ps.family is family:
+            out[ps.port.name] = render_service(ps.port, ps.selection, cfg)
+    return out
+
+
+class FamilyProxier:
+    """One family's table kept in step with successive cluster states (the one-shot `apply`,
+    tests, and the base the daemon's incremental sync builds on)."""
+
+    def __init__(self, family: IPFamily, config: NodeConfig, nft: object | None = None) -> None:
+        from pyproxy.nft import Applier, LibNftables  # the I/O shell, imported where used
+
+        self.family = family
+        self.config = config
+        self.applier = Applier(family.nft_family, nft or LibNftables())
+        self._owners: set[Hashable] = set()
+
+    def sync(self, state: ClusterState, full: bool = False) -> SyncResult:
+        wanted = fragments(state, self.config, self.family)
+        updates: dict[Hashable, Fragment] = dict(wanted)
+        for gone in self._owners - wanted.keys():
+            updates[gone] = Fragment()
+        self._owners = set(wanted)
+        return self.applier.sync(updates, full=full)

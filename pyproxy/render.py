@@ -1,0 +1,570 @@
+"""Rendering: selected endpoints in, desired nftables objects out. Pure; no kernel access.
+
+The layout ("data maps", chosen by measurement: docs/nft-layout.md) keeps the number of chains
+small and independent of the number of services. libnftables 1.0.6 reads every chain of the
+table from the kernel before each transaction, so the chain count sets the floor of every
+sync; with ~30 chains a one-service change costs about a millisecond, against ~115 ms with a
+chain per service at 10k services.
+
+How a new connection to a service is handled (table `ip pyproxy` / `ip6 pyproxy`):
+- `services` (nat prerouting/output) looks the destination up in `service-ips`
+  (addr . proto . port → goto a *pick chain*) or, for node addresses, `service-nodeports`.
+- A pick chain is shared by every service with the same shape, e.g. `cluster-tcp-3`
+  (a ClusterIP with 3 endpoints): it applies the masquerade rule of its kind, then
+  `dnat ip to ip daddr . tcp dport . numgen random mod 3 map @endpoints-tcp`, where
+  `endpoints-tcp` maps (service addr . port . index) → (endpoint addr . port).
+- External traffic under `externalTrafficPolicy: Local` uses `external-local-tcp-L-C`: indexes
+  0..L-1 hold the local endpoints, L..L+C-1 the cluster list (for the pod and host
+  short-circuits, drawn with `numgen … offset L`).
+- Services with ClientIP session affinity (rare) get per-service chains in upstream's shape
+  (`service-`/`local-`/`external-` + hash + ns/name/proto/port) and per-endpoint affinity sets.
+- The filter side (reject/drop for missing endpoints, LoadBalancer source ranges, invalid
+  ClusterIP ports) follows upstream kube-proxy's hooks and priorities.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from ipaddress import ip_address, ip_network
+
+from pyproxy.model import Endpoint, IPFamily, ServicePort, TrafficPolicy
+from pyproxy.topology import Selection
+
+TABLE = "pyproxy"
+PROTOCOLS = ("tcp", "udp", "sctp")
+
+# Static object names, kept together (as upstream does).
+SERVICES_CHAIN = "services"
+MASQUERADING_CHAIN = "masquerading"
+REJECT_CHAIN = "reject-chain"
+SERVICE_ENDPOINTS_CHECK = "service-endpoints-check"
+NODEPORT_ENDPOINTS_CHECK = "nodeport-endpoints-check"
+FIREWALL_CHECK = "firewall-check"
+CLUSTER_IPS_CHECK = "cluster-ips-check"
+CLUSTER_IPS_SET = "cluster-ips"
+NODEPORT_IPS_SET = "nodeport-ips"
+HAIRPIN_SET = "hairpin"
+FIREWALL_IPS_SET = "firewall-ips"
+FIREWALL_ALLOW_SET = "firewall-allow"
+SERVICE_IPS_MAP = "service-ips"
+SERVICE_NODEPORTS_MAP = "service-nodeports"
+NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
+NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
+
+
+def endpoints_map(proto: str) -> str:
+    return f"endpoints-{proto}"
+
+
+def nodeport_endpoints_map(proto: str) -> str:
+    return f"nodeport-endpoints-{proto}"
+
+
+class LocalMode(StrEnum):
+    """kube-proxy's detect-local modes: how to tell pod traffic from other traffic."""
+
+    NONE = "None"
+    CLUSTER_CIDR = "ClusterCIDR"
+    NODE_CIDR = "NodeCIDR"
+    BRIDGE_INTERFACE = "BridgeInterface"
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """Per-family settings that shape the rules."""
+
+    family: IPFamily
+    local_mode: LocalMode = LocalMode.NONE
+    # CIDR (ClusterCIDR/NodeCIDR modes) or interface name / prefix (the interface modes).
+    local_value: str = ""
+    # Node addresses that accept NodePorts; None means every local address.
+    nodeport_ips: tuple[str, ...] | None = None
+    # This node's addresses (for LoadBalancer source ranges that include the node).
+    node_ips: tuple[str, ...] = ()
+    masquerade_bit: int = 14
+    masquerade_all: bool = False
+
+    @property
+    def mark(self) -> str:
+        return f"0x{1 << self.masquerade_bit:08x}"
+
+    @property
+    def ip(self) -> str:
+        return self.family.nft_family
+
+    @property
+    def addr_type(self) -> str:
+        return "ipv4_addr" if self.family is IPFamily.IPv4 else "ipv6_addr"
+
+    @property
+    def loopback(self) -> str:
+        return "127.0.0.0/8" if self.family is IPFamily.IPv4 else "::1"
+
+    def local_match(self, negate: bool = False) -> str | None:
+        """The nft match for "comes from a local pod" (or its negation), or None when no
+        detector is configured. Interface modes use iifname: `iif` resolves names at load
+        time and fails for absent interfaces and wildcards (kubernetes#134024)."""
+        op = "!= " if negate else ""
+        if self.local_mode in (LocalMode.CLUSTER_CIDR, LocalMode.NODE_CIDR) and self.local_value:
+            return f"{self.ip} saddr {op}{self.local_value}"
+        if self.local_mode is LocalMode.BRIDGE_INTERFACE and self.local_value:
+            return f'iifname {op}"{self.local_value}"'
+        if self.local_mode is LocalMode.INTERFACE_NAME_PREFIX and self.local_value:
+            return f'iifname {op}"{self.local_value}*"'
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Desired objects
+
+
+class Kind(StrEnum):
+    SET = "set"  # a set or map declaration; value = "set|map" + body
+    CHAIN = "chain"  # value = the rules, one per line
+    ELEMENT = "element"  # container = set/map name, key = element key, value = rest
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Item:
+    """One desired object. Items with the same (kind, container, key) are one slot in the
+    kernel; several owners may want the same slot (a pick chain shared by many services)."""
+
+    kind: Kind
+    container: str
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Everything one service port (or the static skeleton) wants in the table."""
+
+    items: frozenset[Item] = field(default_factory=frozenset)
+
+
+def _set(name: str, body: str, is_map: bool = False) -> Item:
+    return Item(Kind.SET, name, "", ("map " if is_map else "set ") + body)
+
+
+def _chain(name: str, rules: Sequence[str]) -> Item:
+    return Item(Kind.CHAIN, name, "", "\n".join(rules))
+
+
+def _elem(container: str, key: str, value: str = "") -> Item:
+    return Item(Kind.ELEMENT, container, key, value)
+
+
+# Base chains: name → (type, hook, priority) as upstream; `dstnat` keyword avoided because
+# nft 1.0.6 rejects it on the output hook.
+BASE_CHAINS: dict[str, tuple[str, str, int]] = {
+    "filter-prerouting": ("filter", "prerouting", -110),
+    "filter-input": ("filter", "input", -110),
+    "filter-forward": ("filter", "forward", -110),
+    "filter-output": ("filter", "output", -110),
+    "filter-output-post-dnat": ("filter", "output", -90),
+    "nat-prerouting": ("nat", "prerouting", -100),
+    "nat-output": ("nat", "output", -100),
+    "nat-postrouting": ("nat", "postrouting", 100),
+}
+
+BASE_CHAIN_RULES: dict[str, tuple[str, ...]] = {
+    "filter-prerouting": (f"ct state new jump {FIREWALL_CHECK}",),
+    "filter-input": (
+        f"ct state new jump {NODEPORT_ENDPOINTS_CHECK}",
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+    ),
+    "filter-forward": (
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        f"ct state new jump {CLUSTER_IPS_CHECK}",
+    ),
+    "filter-output": (
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        f"ct state new jump {FIREWALL_CHECK}",
+    ),
+    "filter-output-post-dnat": (f"ct state new jump {CLUSTER_IPS_CHECK}",),
+    "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
+    "nat-output": (f"jump {SERVICES_CHAIN}",),
+    "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
+}
+
+
+def base_chain_spec(name: str) -> str:
+    kind, hook, priority = BASE_CHAINS[name]
+    return f"type {kind} hook {hook} priority {priority}; policy accept;"
+
+
+def skeleton(cfg: RenderConfig) -> Fragment:
+    """The static part: sets and maps, and the chains every ruleset has."""
+    ip, addr = cfg.ip, cfg.addr_type
+    key3 = f"{addr} . inet_proto . inet_service"
+    items = [
+        _set(CLUSTER_IPS_SET, f"type {addr}; comment \"Active ClusterIPs\";"),
+        _set(HAIRPIN_SET, f"type {addr} . {addr}; comment \"endpoint . itself, for hairpin\";"),
+        _set(FIREWALL_IPS_SET, f"type {key3}; comment \"destinations with source ranges\";"),
+        _set(
+            FIREWALL_ALLOW_SET,
+            f"type {key3} . {addr}; flags interval; comment \"allowed sources per destination\";",
+        ),
+        _set(SERVICE_IPS_MAP, f"type {key3} : verdict; comment \"ClusterIP, ExternalIP and "
+             "LoadBalancer IP traffic\";", is_map=True),
+        _set(SERVICE_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
+             "comment \"NodePort traffic\";", is_map=True),
+        _set(NO_ENDPOINT_SERVICES_MAP, f"type {key3} : verdict; comment \"services without "
+             "usable endpoints: reject or drop\";", is_map=True),
+        _set(NO_ENDPOINT_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
+             "comment \"nodeports without usable endpoints: reject or drop\";", is_map=True),
+    ]
+    for proto in PROTOCOLS:
+        items.append(_set(endpoints_map(proto),
+                          f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : "
+                          f"{ip} daddr . {proto} dport;", is_map=True))
+        items.append(_set(nodeport_endpoints_map(proto),
+                          f"typeof {proto} dport . numgen random mod 1 : "
+                          f"{ip} daddr . {proto} dport;", is_map=True))
+    if cfg.nodeport_ips is not None:
+        items.append(_set(NODEPORT_IPS_SET, f"type {addr}; comment \"IPs that accept NodePort "
+                          "traffic\";"))
+        items.extend(_elem(NODEPORT_IPS_SET, ip_) for ip_ in cfg.nodeport_ips)
+        nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
+    else:
+        nodeport_match = f"fib daddr type local {ip} daddr != {cfg.loopback}"
+    items += [
+        _chain(SERVICES_CHAIN, (
+            f"{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS_MAP}",
+            f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
+        )),
+        _chain(SERVICE_ENDPOINTS_CHECK, (
+            f"{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES_MAP}",)),
+        _chain(NODEPORT_ENDPOINTS_CHECK, (
+            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",)),
+        _chain(FIREWALL_CHECK, (
+            f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
+            f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
+        _chain(CLUSTER_IPS_CHECK, (
+            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',)),
+        _chain(REJECT_CHAIN, ("reject",)),
+        _chain(MASQUERADING_CHAIN, (
+            # Hairpin: an endpoint reaching itself through its service must be masqueraded,
+            # or it would answer itself directly and the connection would not match.
+            f"ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN_SET} "
+            f"meta mark set meta mark | {cfg.mark}",
+            f"meta mark & {cfg.mark} == 0 return",
+            # Clear the bit so it does not leak into later processing.
+            f"meta mark set meta mark ^ {cfg.mark}",
+            "masquerade fully-random",
+        )),
+    ]
+    return Fragment(frozenset(items))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per service port
+
+
+def render_service(port: ServicePort, sel: Selection, cfg: RenderConfig) -> Fragment:
+    """The objects one service port needs on this node for one family."""
+    cip = port.cluster_ip(cfg.family)
+    if cip is None:
+        return Fragment()
+    r = _ServiceRender(port, sel, cfg, cip)
+    return Fragment(frozenset(r.items()))
+
+
+@dataclass
+class _ServiceRender:
+    port: ServicePort
+    sel: Selection
+    cfg: RenderConfig
+    cip: str
+
+    @property
+    def proto(self) -> str:
+        return self.port.protocol.lower()
+
+    def comment(self) -> str:
+        # Names are validated DNS labels, so the comment cannot break out of its quotes.
+        return f' comment "{self.port.name}"'
+
+    def key3(self, addr: str) -> str:
+        return f"{addr} . {self.proto} . {self.port.port}"
+
+    def externals(self) -> tuple[str, ...]:
+        return self.port.external_ips_of(self.cfg.family) + self.port.load_balancer_vips(
+            self.cfg.family
+        )
+
+    def items(self) -> Iterator[Item]:
+        yield _elem(CLUSTER_IPS_SET, self.cip)
+        yield from self.firewall()
+        if not self.sel.has_any_endpoints:
+            yield from self.no_endpoints(f"goto {REJECT_CHAIN}", self.all_entries())
+            return
+        for ep in self.sel.all_reachable:
+            yield _elem(HAIRPIN_SET, f"{ep.ip} . {ep.ip}")
+        if self.port.session_affinity:
+            yield from _AffinityRender(self).items()
+        else:
+            yield from self.cluster_ip()
+            yield from self.external()
+            yield from self.node_port()
+
+    def all_entries(self) -> Iterator[tuple[str, str]]:
+        yield NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip)
+        for addr in self.externals():
+            yield NO_ENDPOINT_SERVICES_MAP, self.key3(addr)
+        if self.port.node_port:
+            yield NO_ENDPOINT_NODEPORTS_MAP, f"{self.proto} . {self.port.node_port}"
+
+    def no_endpoints(self, verdict: str, entries: Iterator[tuple[str, str]]) -> Iterator[Item]:
+        for container, key in entries:
+            yield _elem(container, key, f"{self.comment()} : {verdict}")
+
+    def internal_list(self) -> tuple[Endpoint, ...]:
+        if self.port.internal_policy is TrafficPolicy.LOCAL:
+            return self.sel.local or ()
+        return self.sel.cluster or ()
+
+    def external_is_local(self) -> bool:
+        return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
+
+    def cluster_ip(self) -> Iterator[Item]:
+        endpoints = self.internal_list()
+        if not endpoints:
+            # iTP=Local without a local endpoint while others exist elsewhere: drop.
+            yield _elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip), f"{self.comment()} : drop")
+            return
+        chain = f"cluster-{self.proto}-{len(endpoints)}"
+        yield _cluster_pick_chain(chain, self.proto, len(endpoints), self.cfg)
+        yield _elem(SERVICE_IPS_MAP, self.key3(self.cip), f"{self.comment()} : goto {chain}")
+        yield from self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
+                              endpoints)
+
+    def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
+              offset: int = 0) -> Iterator[Item]:
+        for i, ep in enumerate(endpoints):
+            yield _elem(container, f"{prefix} . {offset + i}", f" : {ep.ip} . {ep.port}")
+
+    def external(self) -> Iterator[Item]:
+        for addr in self.externals():
+            yield from self.external_entry(
+                SERVICE_IPS_MAP, self.key3(addr), NO_ENDPOINT_SERVICES_MAP,
+                endpoints_map(self.proto), f"{addr} . {self.port.port}", nodeport=False)
+
+    def node_port(self) -> Iterator[Item]:
+        if self.port.node_port:
+            key = f"{self.proto} . {self.port.node_port}"
+            yield from self.external_entry(
+                SERVICE_NODEPORTS_MAP, key, NO_ENDPOINT_NODEPORTS_MAP,
+                nodeport_endpoints_map(self.proto), str(self.port.node_port), nodeport=True)
+
+    def external_entry(self, dispatch: str, key: str, no_endpoints: str, slots: str,
+                       prefix: str, nodeport: bool) -> Iterator[Item]:
+        cluster = self.sel.cluster or ()
+        if not self.external_is_local():
+            chain = _external_pick_chain(self.proto, len(cluster), 0, False, nodeport, self.cfg)
+            yield chain
+            yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+            yield from self.slots(slots, prefix, cluster)
+            return
+        local = self.sel.local or ()
+        chain = _external_pick_chain(self.proto, len(cluster), len(local), True, nodeport,
+                                     self.cfg)
+        yield chain
+        yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+        yield from self.slots(slots, prefix, local)
+        yield from self.slots(slots, prefix, cluster, offset=len(local))
+        if not local:
+            # Traffic from outside falls through the chain un-DNATed and is dropped here;
+            # pod and host traffic was short-circuited to the cluster list before.
+            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+
+    def firewall(self) -> Iterator[Item]:
+        ranges = self.port.source_ranges_of(self.cfg.family)
+        vips = self.port.load_balancer_vips(self.cfg.family)
+        if not ranges or not vips:
+            return
+        # If a range holds this node's address, the node may send from the VIP itself
+        # (it is bound locally), so the VIPs are allowed too, as upstream does.
+        allowed = list(ranges)
+        nets = [ip_network(r) for r in ranges]
+        if any(ip_address(n) in net for n in self.cfg.node_ips for net in nets
+               if ip_address(n).version == net.version):
+            allowed.extend(vips)
+        for vip in vips:
+            yield _elem(FIREWALL_IPS_SET, self.key3(vip))
+            for source in allowed:
+                yield _elem(FIREWALL_ALLOW_SET, f"{self.key3(vip)} . {source}")
+
+
+def _masquerade(cfg: RenderConfig) -> str:
+    return f"meta mark set meta mark | {cfg.mark}"
+
+
+def _pick(cfg: RenderConfig, proto: str, count: int, offset: int, nodeport: bool) -> str:
+    """The DNAT through the endpoints map with a random index in offset..offset+count-1."""
+    ip = cfg.ip
+    off = f" offset {offset}" if offset else ""
+    if nodeport:
+        key, container = f"{proto} dport", nodeport_endpoints_map(proto)
+    else:
+        key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
+    return f"dnat {ip} to {key} . numgen random mod {count}{off} map @{container}"
+
+
+def _cluster_pick_chain(name: str, proto: str, count: int, cfg: RenderConfig) -> Item:
+    rules = []
+    if cfg.masquerade_all:
+        rules.append(_masquerade(cfg))
+    else:
+        # Sources outside the cluster (a static route to the service CIDR, the node itself)
+        # are masqueraded so that replies come back through this node.
+        not_local = cfg.local_match(negate=True)
+        if not_local:
+            rules.append(f"{not_local} {_masquerade(cfg)}")
+    rules.append(_pick(cfg, proto, count, 0, nodeport=False))
+    return _chain(name, rules)
+
+
+def _external_pick_chain(proto: str, cluster: int, local: int, is_local: bool, nodeport: bool,
+                         cfg: RenderConfig) -> Item:
+    kind = "nodeport" if nodeport else "external"
+    if not is_local:
+        # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
+        return _chain(f"{kind}-{proto}-{cluster}",
+                      (_masquerade(cfg), _pick(cfg, proto, cluster, 0, nodeport)))
+    rules = []
+    if cluster:
+        to_cluster = _pick(cfg, proto, cluster, local, nodeport)
+        local_pods = cfg.local_match()
+        if local_pods:
+            # Pod traffic to an external address behaves as if it left and came back:
+            # short-circuit it to the cluster list, unmasqueraded.
+            rules.append(f"{local_pods} {to_cluster}")
+        # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
+        rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
+    if local:
+        rules.append(_pick(cfg, proto, local, 0, nodeport))
+    return _chain(f"{kind}-local-{proto}-{local}-{cluster}", rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Session affinity: upstream's per-service layout
+
+
+def _hash8(text: str) -> str:
+    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:8]
+
+
+# nft names are at most 256 bytes; leave room for the longest prefix, as upstream does.
+_MAX_BASE_NAME = 240
+
+
+def _named(raw: str) -> str:
+    name = f"{_hash8(raw)}-{raw}"
+    return name if len(name) <= _MAX_BASE_NAME else name[: _MAX_BASE_NAME - 3] + "..."
+
+
+def service_base_name(port: ServicePort) -> str:
+    """`HASH-ns/name/proto/port` as upstream names per-service chains ('/' cannot occur in
+    Kubernetes names, so these never collide with static chains)."""
+    raw = f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
+    return _named(raw)
+
+
+def endpoint_base_name(port: ServicePort, ep: Endpoint) -> str:
+    raw = (f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
+           f"__{ep.ip.replace(':', '.')}/{ep.port}")
+    return _named(raw)
+
+
+def affinity_set_name(port: ServicePort, ep: Endpoint) -> str:
+    # The timeout is part of the hash: a set's timeout cannot change in place, so a new
+    # timeout makes a new set (and the old one goes with the rules that used it).
+    base = endpoint_base_name(port, ep)
+    return f"affinity-{_hash8(f'{base}/{port.affinity_timeout}')}-{base.split('-', 1)[1]}"
+
+
+@dataclass
+class _AffinityRender:
+    svc: _ServiceRender
+
+    def chain(self, prefix: str) -> str:
+        return f"{prefix}-{service_base_name(self.svc.port)}"
+
+    def items(self) -> Iterator[Item]:
+        svc, cfg = self.svc, self.svc.cfg
+        internal = self.chain("local" if svc.port.internal_policy is TrafficPolicy.LOCAL
+                              else "service")
+        if svc.sel.cluster is not None:
+            yield from self.policy_chain(self.chain("service"), svc.sel.cluster,
+                                         internal == self.chain("service"))
+        if svc.sel.local is not None:
+            yield from self.policy_chain(self.chain("local"), svc.sel.local,
+                                         internal == self.chain("local"))
+        if svc.internal_list():
+            yield _elem(SERVICE_IPS_MAP, svc.key3(svc.cip), f"{svc.comment()} : goto {internal}")
+        else:
+            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(svc.cip), f"{svc.comment()} : drop")
+        if not svc.externals() and not svc.port.node_port:
+            return
+        external = self.chain("external")
+        yield _chain(external, self.external_rules())
+        for addr in svc.externals():
+            yield _elem(SERVICE_IPS_MAP, svc.key3(addr), f"{svc.comment()} : goto {external}")
+            if svc.external_is_local() and not svc.sel.local:
+                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(addr), f"{svc.comment()} : drop")
+        if svc.port.node_port:
+            key = f"{svc.proto} . {svc.port.node_port}"
+            yield _elem(SERVICE_NODEPORTS_MAP, key, f"{svc.comment()} : goto {external}")
+            if svc.external_is_local() and not svc.sel.local:
+                yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, f"{svc.comment()} : drop")
+        del cfg
+
+    def external_rules(self) -> list[str]:
+        svc, cfg = self.svc, self.svc.cfg
+        to_cluster = f"goto {self.chain('service')}"
+        if not svc.external_is_local():
+            return [_masquerade(cfg), to_cluster]
+        rules = []
+        local_pods = cfg.local_match()
+        if local_pods:
+            rules.append(f"{local_pods} {to_cluster}")
+        rules.append(f"fib saddr type local {_masquerade(cfg)}")
+        rules.append(f"fib saddr type local {to_cluster}")
+        if svc.sel.local:
+            rules.append(f"goto {self.chain('local')}")
+        return rules
+
+    def policy_chain(self, name: str, endpoints: Sequence[Endpoint],
+                     internal: bool) -> Iterator[Item]:
+        svc, cfg = self.svc, self.svc.cfg
+        ip, proto = cfg.ip, svc.proto
+        rules = []
+        if internal:
+            entry = f"{ip} daddr {svc.cip} {proto} dport {svc.port.port}"
+            if cfg.masquerade_all:
+                rules.append(f"{entry} {_masquerade(cfg)}")
+            elif cfg.local_match(negate=True):
+                rules.append(f"{entry} {cfg.local_match(negate=True)} {_masquerade(cfg)}")
+        sets = []
+        for ep in endpoints:
+            aff = affinity_set_name(svc.port, ep)
+            sets.append(aff)
+            yield _set(aff, f"type {cfg.addr_type}; flags dynamic,timeout; "
+                            f"timeout {svc.port.affinity_timeout}s;")
+            rules.append(f"{ip} saddr @{aff} {_dnat_to(cfg, proto, ep)}")
+        n = len(endpoints)
+        for j, (ep, aff) in enumerate(zip(endpoints, sets, strict=True)):
+            choose = f"numgen random mod {n - j} == 0 " if j < n - 1 else ""
+            rules.append(f"{choose}update @{aff} {{ {ip} saddr }} {_dnat_to(cfg, proto, ep)}")
+        yield _chain(name, rules)
+
+
+def _dnat_to(cfg: RenderConfig, proto: str, ep: Endpoint) -> str:
+    target = f"[{ep.ip}]:{ep.port}" if cfg.family is IPFamily.IPv6 else f"{ep.ip}:{ep.port}"
+    return f"meta l4proto {proto} dnat {cfg.ip} to {target}"

@@ -1,0 +1,237 @@
+"""The desired ruleset as reference-counted slots, and the nft commands that move the kernel
+from one state to the next. Pure: the caller owns the kernel.
+
+Every owner (a service port, or the static skeleton) contributes a `Fragment`. A slot (a set,
+a chain, or one element) exists in the kernel while at least one owner wants it, so a pick
+chain shared by thousands of services is written once and removed with its last user. When
+owners disagree about a slot's value (two services claiming the same external IP and port),
+the smallest value wins, so the result does not depend on event order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from pyproxy.render import (
+    BASE_CHAIN_RULES,
+    BASE_CHAINS,
+    TABLE,
+    Fragment,
+    Item,
+    Kind,
+    base_chain_spec,
+)
+
+Slot = tuple[Kind, str, str]
+
+
+def _slot(item: Item) -> Slot:
+    return (item.kind, item.container, item.key)
+
+
+@dataclass
+class Change:
+    """What one update does to the kernel, slot by slot (value None = absent)."""
+
+    before: dict[Slot, str | None] = field(default_factory=dict)
+    after: dict[Slot, str | None] = field(default_factory=dict)
+
+    def touched(self) -> int:
+        return sum(1 for s in self.after if self.before.get(s) != self.after[s])
+
+
+class DesiredState:
+    """All owners' fragments and the resulting slot values."""
+
+    def __init__(self) -> None:
+        self._fragments: dict[Hashable, Fragment] = {}
+        self._values: dict[Slot, Counter[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def value(self, slot: Slot) -> str | None:
+        counts = self._values.get(slot)
+        return min(counts) if counts else None
+
+    def fragment(self, owner: Hashable) -> Fragment:
+        return self._fragments.get(owner, Fragment())
+
+    def owners(self) -> Iterable[Hashable]:
+        return self._fragments.keys()
+
+    def set(self, owner: Hashable, fragment: Fragment, change: Change) -> None:
+        """Replace an owner's fragment (an empty fragment removes the owner), recording in
+        `change` the before/after value of every slot it touches."""
+        old = self._fragments.get(owner, Fragment()).items
+        new = fragment.items
+        if old == new:
+            return
+        for item in old - new:
+            self._remember(item, change)
+            self._drop(item)
+        for item in new - old:
+            self._remember(item, change)
+            self._values.setdefault(_slot(item), Counter())[item.value] += 1
+        for item in old ^ new:
+            change.after[_slot(item)] = self.value(_slot(item))
+        if new:
+            self._fragments[owner] = fragment
+        else:
+            self._fragments.pop(owner, None)
+
+    def _remember(self, item: Item, change: Change) -> None:
+        slot = _slot(item)
+        if slot not in change.before:
+            change.before[slot] = self.value(slot)
+
+    def _drop(self, item: Item) -> None:
+        slot = _slot(item)
+        counts = self._values[slot]
+        counts[item.value] -= 1
+        if counts[item.value] <= 0:
+            del counts[item.value]
+        if not counts:
+            del self._values[slot]
+
+    def slots(self) -> Iterable[tuple[Slot, str]]:
+        for slot, counts in self._values.items():
+            yield slot, min(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# nft commands
+
+
+@dataclass
+class Commands:
+    """nft commands grouped by the order a transaction needs them in."""
+
+    family: str
+    declare: list[str] = field(default_factory=list)  # add set/map/chain
+    flush: list[str] = field(default_factory=list)  # flush chain/set
+    rules: list[str] = field(default_factory=list)  # add rule
+    delete_elements: list[str] = field(default_factory=list)
+    add_elements: list[str] = field(default_factory=list)
+    delete_sets: list[str] = field(default_factory=list)
+    stale_chains: list[str] = field(default_factory=list)  # flushed now, deleted later
+    needs_full_sync: bool = False
+
+    def text(self) -> str:
+        lines = [*self.declare, *self.flush, *self.rules, *self.delete_elements,
+                 *self.add_elements, *self.delete_sets]
+        return "".join(line + "\n" for line in lines)
+
+    def __bool__(self) -> bool:
+        return bool(self.text())
+
+
+def _where(family: str, name: str) -> str:
+    return f"{family} {TABLE} {name}"
+
+
+def _declare(family: str, name: str, value: str) -> str:
+    word, _, body = value.partition(" ")
+    return f"add {word} {_where(family, name)} {{ {body} }}"
+
+
+def _add_rules(family: str, chain: str, rules: str) -> list[str]:
+    return [f"add rule {_where(family, chain)} {rule}" for rule in rules.split("\n") if rule]
+
+
+def _group_elements(family: str, verb: str, pairs: list[tuple[str, str]]) -> list[str]:
+    """One command per container: `add element ip pyproxy m { k1 : v1, k2 : v2 }`."""
+    by_container: dict[str, list[str]] = {}
+    for container, element in pairs:
+        by_container.setdefault(container, []).append(element)
+    return [
+        f"{verb} element {_where(family, container)} {{ {', '.join(elements)} }}"
+        for container, elements in by_container.items()
+    ]
+
+
+def incremental_commands(family: str, change: Change) -> Commands:
+    """The commands that apply `change`, assuming the kernel holds its `before` values."""
+    cmds = Commands(family)
+    delete_elems: list[tuple[str, str]] = []
+    add_elems: list[tuple[str, str]] = []
+    for slot, after in sorted(change.after.items()):
+        before = change.before.get(slot)
+        if before == after:
+            continue
+        kind, container, key = slot
+        if kind is Kind.SET:
+            if before is None and after is not None:
+                cmds.declare.append(_declare(family, container, after))
+            elif after is None and before is not None:
+                # Deleted last, after the chains that use it were flushed.
+                cmds.delete_sets.append(f"delete {before.split(' ', 1)[0]} "
+                                        f"{_where(family, container)}")
+            else:
+                # A declaration cannot change in place; only the skeleton's can (a new
+                # configuration), and that takes a full sync.
+                cmds.needs_full_sync = True
+        elif kind is Kind.CHAIN:
+            if before is None:
+                cmds.declare.append(f"add chain {_where(family, container)}")
+            else:
+                cmds.flush.append(f"flush chain {_where(family, container)}")
+            if after is None:
+                cmds.stale_chains.append(container)
+            else:
+                cmds.rules.extend(_add_rules(family, container, after))
+        else:
+            if before is not None:
+                delete_elems.append((container, key))
+            if after is not None:
+                add_elems.append((container, key + after))
+    cmds.delete_elements = _group_elements(family, "delete", delete_elems)
+    cmds.add_elements = _group_elements(family, "add", add_elems)
+    return cmds
+
+
+def full_commands(
+    family: str, state: DesiredState, existing_chains: Iterable[str] = (),
+    existing_sets: Iterable[str] = (), recreate_base_chains: bool = False,
+) -> Commands:
+    """Commands that make the table exactly the desired state whatever it holds now, in one
+    transaction and without a moment without rules: containers are flushed and refilled,
+    chains flushed and rewritten. Dynamic affinity sets are declared, never flushed, so
+    affinity survives a restart. `existing_*` are the names the kernel has (from a terse
+    listing); those no longer desired are removed."""
+    cmds = Commands(family)
+    cmds.declare.append(f"add table {family} {TABLE} {{ comment \"rules for pyproxy\"; }}")
+    chains: dict[str, str] = {}
+    elements: list[tuple[str, str]] = []
+    for (kind, container, key), value in sorted(state.slots()):
+        if kind is Kind.SET:
+            cmds.declare.append(_declare(family, container, value))
+            if "dynamic" not in value:
+                cmds.flush.append(f"flush {value.split(' ', 1)[0]} {_where(family, container)}")
+        elif kind is Kind.CHAIN:
+            chains[container] = value
+        else:
+            elements.append((container, key + value))
+    for name in BASE_CHAINS:
+        if recreate_base_chains:
+            # Base chain properties (priority) cannot change in place (kubernetes#123162):
+            # declare, delete and create anew within the same transaction.
+            cmds.declare.append(f"add chain {_where(family, name)}")
+            cmds.declare.append(f"delete chain {_where(family, name)}")
+        cmds.declare.append(f"add chain {_where(family, name)} {{ {base_chain_spec(name)} }}")
+        cmds.flush.append(f"flush chain {_where(family, name)}")
+        cmds.rules.extend(_add_rules(family, name, "\n".join(BASE_CHAIN_RULES[name])))
+    for name, rules in chains.items():
+        cmds.declare.append(f"add chain {_where(family, name)}")
+        cmds.flush.append(f"flush chain {_where(family, name)}")
+        cmds.rules.extend(_add_rules(family, name, rules))
+    for name in sorted(set(existing_chains) - set(chains) - set(BASE_CHAINS)):
+        cmds.flush.append(f"flush chain {_where(family, name)}")
+        cmds.stale_chains.append(name)
+    desired_sets = {c: v for (k, c, _), v in state.slots() if k is Kind.SET}
+    for name in sorted(set(existing_sets) - set(desired_sets)):
+        cmds.delete_sets.append(f"delete set {_where(family, name)}")
+    cmds.add_elements = _group_elements(family, "add", elements)
+    return cmds

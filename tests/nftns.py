@@ -1,0 +1,62 @@
+"""Run pyproxy's nftables code against the kernel of a test network namespace.
+
+A libnftables context opens its netlink socket when it is created, so a context created on a
+thread that has entered a namespace (setns) keeps talking to that namespace afterwards, from
+any thread. The test process itself never leaves the root namespace, and never touches its
+ruleset.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+from pyproxy.model import IPFamily
+from pyproxy.nft import LibNftables
+from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.snapshot import build_state
+
+_CLONE_NEWNET = 0x40000000
+
+
+def libnft_in(netns: str) -> LibNftables:
+    """A LibNftables whose socket lives in the named namespace (`ip netns` name)."""
+    made: dict[str, Any] = {}
+
+    def enter_and_create() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+            try:
+                if libc.setns(fd, _CLONE_NEWNET) != 0:
+                    err = ctypes.get_errno()
+                    raise OSError(err, f"setns {netns}: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+            made["nft"] = LibNftables()
+        except BaseException as err:  # reported on the calling thread
+            made["error"] = err
+
+    # The thread ends right after; its namespace switch dies with it.
+    thread = threading.Thread(target=enter_and_create, daemon=True)
+    thread.start()
+    thread.join(10)
+    if "error" in made:
+        raise made["error"]
+    return made["nft"]  # type: ignore[no-any-return]
+
+
+class NodeProxy:
+    """pyproxy programming one node namespace from successive lists of API objects."""
+
+    def __init__(self, netns: str, config: NodeConfig,
+                 families: tuple[IPFamily, ...] = (IPFamily.IPv4, IPFamily.IPv6)) -> None:
+        nft = libnft_in(netns)
+        self.proxiers = [FamilyProxier(f, config, nft) for f in families]
+
+    def apply(self, objects: list[dict[str, Any]], full: bool = False) -> list[Any]:
+        state = build_state(objects)
+        assert not [s for s in state.skipped if s.invalid], state.skipped
+        return [p.sync(state, full=full) for p in self.proxiers]

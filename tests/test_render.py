@@ -1,0 +1,259 @@
+"""Rendering and the slot store, without a kernel: which objects each service shape produces,
+how shared pick chains are reference-counted, and what an incremental change emits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from builders import ep, make_node, make_service, make_slice
+
+from pyproxy.model import IPFamily
+from pyproxy.proxier import SKELETON, NodeConfig, fragments
+from pyproxy.render import Fragment, Item, Kind
+from pyproxy.ruleset import Change, DesiredState, full_commands, incremental_commands
+from pyproxy.snapshot import build_state
+
+CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1",), cluster_cidrs=("10.244.0.0/16",))
+NODES = [make_node("node-a", "zone-1"), make_node("node-b", "zone-1")]
+A1, A2, B1 = "10.244.1.1", "10.244.1.2", "10.244.2.1"
+
+
+def frag(tweak: Callable[[dict[str, Any]], None] | None, endpoints: list[dict[str, Any]],
+         config: NodeConfig = CONFIG, family: IPFamily = IPFamily.IPv4) -> set[Item]:
+    state = build_state([*NODES, make_service("ns", "svc", tweak),
+                         make_slice("ns", "svc", endpoints)])
+    assert not state.skipped, state.skipped
+    out = fragments(state, config, family)
+    return set(out[next(k for k in out if k != SKELETON)].items)
+
+
+def elements(items: set[Item], container: str) -> dict[str, str]:
+    return {i.key: i.value for i in items if i.kind is Kind.ELEMENT and i.container == container}
+
+
+def chains(items: set[Item]) -> dict[str, list[str]]:
+    return {i.container: i.value.split("\n") for i in items if i.kind is Kind.CHAIN}
+
+
+def spec(**kw: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda svc: svc["spec"].update(kw)
+
+
+def on(ip: str, node: str, **kw: Any) -> dict[str, Any]:
+    return ep(ip, node, "zone-1", **kw)
+
+
+def test_cluster_ip_with_endpoints() -> None:
+    items = frag(None, [on(A1, "node-a"), on(B1, "node-b")])
+    assert elements(items, "service-ips") == {
+        "10.96.0.10 . tcp . 80": ' comment "ns/svc:http" : goto cluster-tcp-2'}
+    assert elements(items, "endpoints-tcp") == {
+        "10.96.0.10 . 80 . 0": f" : {A1} . 8080", "10.96.0.10 . 80 . 1": f" : {B1} . 8080"}
+    assert chains(items) == {"cluster-tcp-2": [
+        "ip saddr != 10.244.0.0/16 meta mark set meta mark | 0x00004000",
+        "dnat ip to ip daddr . tcp dport . numgen random mod 2 map @endpoints-tcp"]}
+    assert elements(items, "cluster-ips") == {"10.96.0.10": ""}
+    assert set(elements(items, "hairpin")) == {f"{A1} . {A1}", f"{B1} . {B1}"}
+    assert not elements(items, "no-endpoint-services")
+
+
+def test_no_endpoints_rejects_every_entry() -> None:
+    items = frag(spec(type="LoadBalancer", externalIPs=["192.0.2.1"],
+                      ports=[{"name": "http", "port": 80, "nodePort": 30080}]), [])
+    verdict = ' comment "ns/svc:http" : goto reject-chain'
+    assert elements(items, "no-endpoint-services") == {
+        "10.96.0.10 . tcp . 80": verdict, "192.0.2.1 . tcp . 80": verdict}
+    assert elements(items, "no-endpoint-nodeports") == {"tcp . 30080": verdict}
+    assert not chains(items) and not elements(items, "service-ips")
+
+
+def test_internal_local_without_local_endpoints_drops() -> None:
+    items = frag(spec(internalTrafficPolicy="Local"), [on(B1, "node-b")])
+    assert elements(items, "no-endpoint-services") == {
+        "10.96.0.10 . tcp . 80": ' comment "ns/svc:http" : drop'}
+    assert not elements(items, "service-ips")
+
+
+def test_internal_local_uses_local_endpoints() -> None:
+    items = frag(spec(internalTrafficPolicy="Local"), [on(A1, "node-a"), on(B1, "node-b")])
+    assert elements(items, "endpoints-tcp") == {"10.96.0.10 . 80 . 0": f" : {A1} . 8080"}
+
+
+def test_external_cluster_policy_masquerades() -> None:
+    items = frag(spec(type="NodePort", externalIPs=["192.0.2.1"],
+                      ports=[{"name": "http", "port": 80, "nodePort": 30080}]),
+                 [on(A1, "node-a"), on(B1, "node-b")])
+    assert elements(items, "service-ips")["192.0.2.1 . tcp . 80"].endswith("goto external-tcp-2")
+    assert elements(items, "service-nodeports")["tcp . 30080"].endswith("goto nodeport-tcp-2")
+    assert elements(items, "nodeport-endpoints-tcp") == {
+        "30080 . 0": f" : {A1} . 8080", "30080 . 1": f" : {B1} . 8080"}
+    assert chains(items)["nodeport-tcp-2"] == [
+        "meta mark set meta mark | 0x00004000",
+        "dnat ip to tcp dport . numgen random mod 2 map @nodeport-endpoints-tcp"]
+
+
+def test_external_local_policy_layout() -> None:
+    items = frag(spec(type="NodePort", externalTrafficPolicy="Local",
+                      ports=[{"name": "http", "port": 80, "nodePort": 30080}]),
+                 [on(A1, "node-a"), on(A2, "node-a", ready=False), on(B1, "node-b")])
+    # local endpoints first (index 0..L-1), then the cluster list from index L
+    assert elements(items, "nodeport-endpoints-tcp") == {
+        "30080 . 0": f" : {A1} . 8080", "30080 . 1": f" : {A1} . 8080",
+        "30080 . 2": f" : {B1} . 8080"}
+    assert chains(items)["nodeport-local-tcp-1-2"] == [
+        "ip saddr 10.244.0.0/16 dnat ip to tcp dport . numgen random mod 2 offset 1 "
+        "map @nodeport-endpoints-tcp",
+        "fib saddr type local meta mark set meta mark | 0x00004000 dnat ip to tcp dport . "
+        "numgen random mod 2 offset 1 map @nodeport-endpoints-tcp",
+        "dnat ip to tcp dport . numgen random mod 1 map @nodeport-endpoints-tcp"]
+    assert not elements(items, "no-endpoint-nodeports")
+
+
+def test_external_local_without_local_endpoints_drops_outside_traffic() -> None:
+    items = frag(spec(type="NodePort", externalTrafficPolicy="Local",
+                      ports=[{"name": "http", "port": 80, "nodePort": 30080}]),
+                 [on(B1, "node-b")])
+    assert elements(items, "no-endpoint-nodeports") == {
+        "tcp . 30080": ' comment "ns/svc:http" : drop'}
+    rules = chains(items)["nodeport-local-tcp-0-1"]
+    assert len(rules) == 2 and all("mod 1 offset" not in r for r in rules)
+
+
+def test_load_balancer_source_ranges() -> None:
+    def lb(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="LoadBalancer", loadBalancerSourceRanges=["203.0.113.0/24"],
+                           ports=[{"name": "http", "port": 80, "nodePort": 30080}])
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"},
+                                                      {"ip": "198.51.100.2", "ipMode": "Proxy"}]}}
+
+    items = frag(lb, [on(A1, "node-a")])
+    assert elements(items, "firewall-ips") == {"198.51.100.1 . tcp . 80": ""}
+    assert set(elements(items, "firewall-allow")) == {"198.51.100.1 . tcp . 80 . 203.0.113.0/24"}
+    assert "198.51.100.2 . tcp . 80" not in elements(items, "service-ips")  # ipMode Proxy
+    # a source range holding the node's own address also allows the VIP as source
+    node_in_range = NodeConfig("node-a", node_ips=("203.0.113.9",))
+    items = frag(lb, [on(A1, "node-a")], config=node_in_range)
+    assert "198.51.100.1 . tcp . 80 . 198.51.100.1" in elements(items, "firewall-allow")
+
+
+def test_session_affinity_uses_per_service_chains() -> None:
+    items = frag(spec(sessionAffinity="ClientIP",
+                      sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}}),
+                 [on(A1, "node-a"), on(B1, "node-b")])
+    (chain,) = chains(items)
+    assert chain.startswith("service-") and chain.endswith("-ns/svc/tcp/http")
+    rules = chains(items)[chain]
+    assert rules[0] == "ip daddr 10.96.0.10 tcp dport 80 ip saddr != 10.244.0.0/16 meta mark " \
+                       "set meta mark | 0x00004000"
+    sets = [i for i in items if i.kind is Kind.SET]
+    assert len(sets) == 2 and all("timeout 60s" in s.value for s in sets)
+    assert rules[1].startswith("ip saddr @affinity-") and rules[1].endswith(
+        f"dnat ip to {A1}:8080")
+    assert rules[3].startswith("numgen random mod 2 == 0 update @affinity-")
+    assert rules[4].startswith("update @affinity-") and rules[4].endswith(f"to {B1}:8080")
+
+
+def test_ipv6() -> None:
+    def dual(svc: dict[str, Any]) -> None:
+        svc["spec"].update(clusterIPs=["10.96.0.10", "fd00:96::10"], ipFamilies=["IPv4", "IPv6"])
+
+    state = build_state([*NODES, make_service("ns", "svc", dual),
+                         make_slice("ns", "svc", [ep("fd00:244::1", "node-a")], family="IPv6")])
+    cfg = NodeConfig("node-a", node_ips=("fd00:50::1",), cluster_cidrs=("fd00:244::/48",))
+    out = fragments(state, cfg, IPFamily.IPv6)
+    items = set(out[next(k for k in out if k != SKELETON)].items)
+    assert elements(items, "endpoints-tcp") == {"fd00:96::10 . 80 . 0": " : fd00:244::1 . 8080"}
+    assert chains(items)["cluster-tcp-1"][0].startswith("ip6 saddr != fd00:244::/48")
+    skeleton_text = str(out[SKELETON])
+    assert "ipv6_addr" in skeleton_text and "ip6 daddr" in skeleton_text
+
+
+def test_protocols_get_their_own_maps() -> None:
+    items = frag(spec(ports=[{"name": "dns", "port": 53, "protocol": "UDP"}]),
+                 [on(A1, "node-a")],)
+    assert not elements(items, "endpoints-udp")  # slice port is "http"/TCP: no endpoints
+    items = frag(spec(ports=[{"name": "http", "port": 53, "protocol": "SCTP"}]), [])
+    assert "10.96.0.10 . sctp . 53" in elements(items, "no-endpoint-services")
+
+
+# --- the slot store ---------------------------------------------------------------------------
+
+
+def _frag(*items: Item) -> Fragment:
+    return Fragment(frozenset(items))
+
+
+def test_shared_slots_are_reference_counted() -> None:
+    chain = Item(Kind.CHAIN, "cluster-tcp-2", "", "rule")
+    state = DesiredState()
+    change = Change()
+    state.set("a", _frag(chain), change)
+    state.set("b", _frag(chain), change)
+    assert incremental_commands("ip", change).rules == ["add rule ip pyproxy cluster-tcp-2 rule"]
+    change = Change()
+    state.set("a", Fragment(), change)
+    assert not incremental_commands("ip", change)  # b still uses it
+    change = Change()
+    state.set("b", Fragment(), change)
+    cmds = incremental_commands("ip", change)
+    assert cmds.flush == ["flush chain ip pyproxy cluster-tcp-2"]
+    assert cmds.stale_chains == ["cluster-tcp-2"]
+
+
+def test_changed_element_value_is_deleted_and_added() -> None:
+    state = DesiredState()
+    state.set("a", _frag(Item(Kind.ELEMENT, "m", "k", " : goto x")), Change())
+    change = Change()
+    state.set("a", _frag(Item(Kind.ELEMENT, "m", "k", " : goto y")), change)
+    cmds = incremental_commands("ip", change)
+    assert cmds.delete_elements == ["delete element ip pyproxy m { k }"]
+    assert cmds.add_elements == ["add element ip pyproxy m { k : goto y }"]
+    assert cmds.text().index("delete element") < cmds.text().index("add element")
+
+
+def test_conflicting_owners_resolve_deterministically() -> None:
+    state = DesiredState()
+    state.set("b", _frag(Item(Kind.ELEMENT, "m", "k", " : goto y")), Change())
+    state.set("a", _frag(Item(Kind.ELEMENT, "m", "k", " : goto x")), Change())
+    assert state.value((Kind.ELEMENT, "m", "k")) == " : goto x"
+    change = Change()
+    state.set("a", Fragment(), change)
+    assert change.after[(Kind.ELEMENT, "m", "k")] == " : goto y"
+
+
+def test_one_service_change_touches_only_its_slots() -> None:
+    objs: list[dict[str, Any]] = [*NODES]
+    for i in range(200):
+        objs.append(make_service("ns", f"s{i}", ip=f"10.96.{i // 250}.{i % 250 + 1}"))
+        objs.append(make_slice("ns", f"s{i}", [on(f"10.244.{i // 200}.{i % 200 + 1}", "node-b"),
+                                               on(f"10.245.{i // 200}.{i % 200 + 1}", "node-b")]))
+    state = DesiredState()
+    for owner, f in fragments(build_state(objs), CONFIG, IPFamily.IPv4).items():
+        state.set(owner, f, Change())
+    objs[-1] = make_slice("ns", "s199", [on("10.244.9.9", "node-b"), on("10.244.9.8", "node-b"),
+                                         on("10.244.9.7", "node-b")])
+    new = fragments(build_state(objs), CONFIG, IPFamily.IPv4)
+    change = Change()
+    for owner, f in new.items():
+        state.set(owner, f, change)
+    cmds = incremental_commands("ip", change)
+    text = cmds.text()
+    assert "add chain ip pyproxy cluster-tcp-3" in text
+    assert text.count("\n") <= 12, text
+    assert "10.96.0.200 . tcp . 80" in text
+
+
+def test_full_commands_declare_everything_once() -> None:
+    state = DesiredState()
+    out = fragments(build_state([*NODES, make_service("ns", "svc"),
+                                 make_slice("ns", "svc", [on(A1, "node-a")])]), CONFIG,
+                    IPFamily.IPv4)
+    for owner, f in out.items():
+        state.set(owner, f, Change())
+    text = full_commands("ip", state).text()
+    assert text.startswith("add table ip pyproxy")
+    assert text.count("add chain ip pyproxy nat-prerouting {") == 1
+    assert "flush map ip pyproxy service-ips" in text
+    stale = full_commands("ip", state, existing_chains=["cluster-tcp-9", "services"])
+    assert stale.stale_chains == ["cluster-tcp-9"]
