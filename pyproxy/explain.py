@@ -12,7 +12,7 @@ A dual-stack service port has one entry per family.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,11 +28,16 @@ class PortSelection:
     selection: Selection
 
 
-def select_all(state: ClusterState, node_name: str) -> Iterator[PortSelection]:
-    """Endpoint selection for every service port and family, in a stable order."""
+def select_all(
+    state: ClusterState, node_name: str, services: Iterable[ServiceKey] | None = None
+) -> Iterator[PortSelection]:
+    """Endpoint selection for every service port and family (or only those of `services`),
+    in a stable order."""
     node = state.node(node_name)
     labels = state.node_labels()
-    for port in state.ports:
+    ports = state.ports if services is None else [
+        port for key in sorted(set(services)) for port in state.ports_of(key)]
+    for port in ports:
         for family in port.families():
             endpoints = state.endpoints(port.name, family)
             selection = select_endpoints(port, family, endpoints, node, labels)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
 
 from pyproxy.explain import select_all
-from pyproxy.model import IPFamily, ip_family
+from pyproxy.model import IPFamily, ServiceKey, ServicePortName, ip_family
 from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
 from pyproxy.snapshot import ClusterState
 
@@ -90,11 +90,12 @@ def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ..
     return tuple(f for f in (IPFamily.IPv4, IPFamily.IPv6) if f in seen) or (IPFamily.IPv4,)
 
 
-def fragments(state: ClusterState, config: NodeConfig,
-              family: IPFamily) -> dict[Hashable, Fragment]:
+def fragments(state: ClusterState, config: NodeConfig, family: IPFamily,
+              services: Iterable[ServiceKey] | None = None) -> dict[Hashable, Fragment]:
+    """The skeleton and every service port's fragment (or only those of `services`)."""
     cfg = config.render_config(family)
     out: dict[Hashable, Fragment] = {SKELETON: skeleton(cfg)}
-    for ps in select_all(state, config.node_name):
+    for ps in select_all(state, config.node_name, services):
         if ps.family is family:
             out[ps.port.name] = render_service(ps.port, ps.selection, cfg)
     return out
@@ -110,12 +111,25 @@ class FamilyProxier:
         self.family = family
         self.config = config
         self.applier = Applier(family.nft_family, nft or LibNftables())
-        self._owners: set[Hashable] = set()
+        self._owners: dict[ServiceKey, set[ServicePortName]] = {}
 
-    def sync(self, state: ClusterState, full: bool = False) -> SyncResult:
-        wanted = fragments(state, self.config, self.family)
+    def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
+             full: bool = False) -> SyncResult:
+        """Bring the table to `state`. With `changed`, only those services are selected and
+        rendered again (a partial sync); otherwise every service is."""
+        if changed is None:
+            services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
+            wanted = fragments(state, self.config, self.family)
+        else:
+            services = set(changed)
+            wanted = fragments(state, self.config, self.family, services)
         updates: dict[Hashable, Fragment] = dict(wanted)
-        for gone in self._owners - wanted.keys():
-            updates[gone] = Fragment()
-        self._owners = set(wanted)
+        for key in services:
+            now = {p.name for p in state.ports_of(key)}
+            for gone in self._owners.get(key, set()) - now:
+                updates[gone] = Fragment()
+            if now:
+                self._owners[key] = now
+            else:
+                self._owners.pop(key, None)
         return self.applier.sync(updates, full=full)

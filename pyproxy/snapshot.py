@@ -40,10 +40,14 @@ class ClusterState:
     ports: tuple[ServicePort, ...] = ()
     slices: Mapping[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
     skipped: tuple[Skipped, ...] = ()
+    ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
 
     def node(self, name: str) -> Node:
         """This node's object; a node missing from the state has no labels."""
         return self.nodes.get(name) or Node(name)
+
+    def ports_of(self, service: ServiceKey) -> tuple[ServicePort, ...]:
+        return self.ports_by_service.get(service, ())
 
     def node_labels(self) -> dict[str, Mapping[str, str]]:
         return {name: node.labels for name, node in self.nodes.items()}
@@ -96,7 +100,11 @@ def build_state(objects: Iterable[Any]) -> ClusterState:
             skipped.append(Skipped(str(kind), "", _name_of(obj), "kind not used by the proxy",
                                    invalid=kind is None))
     ports.sort(key=lambda p: (p.name.namespace, p.name.name, p.name.port, p.name.protocol))
+    by_service: dict[ServiceKey, list[ServicePort]] = {}
+    for port in ports:
+        by_service.setdefault(port.name.service, []).append(port)
     return ClusterState(
+        ports_by_service={key: tuple(value) for key, value in by_service.items()},
         nodes=nodes,
         ports=tuple(ports),
         slices={key: tuple(value) for key, value in slices.items()},
