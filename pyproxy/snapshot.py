@@ -34,13 +34,19 @@ class SnapshotError(ValueError):
 
 @dataclass(frozen=True)
 class ClusterState:
-    """What the proxy knows about the cluster at one moment."""
+    """What the proxy knows about the cluster. The daemon's cache hands out a view over its
+    live dictionaries; a snapshot file gives a fixed one."""
 
     nodes: Mapping[str, Node] = field(default_factory=dict)
-    ports: tuple[ServicePort, ...] = ()
+    ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
     slices: Mapping[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
     skipped: tuple[Skipped, ...] = ()
-    ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
+
+    @property
+    def ports(self) -> tuple[ServicePort, ...]:
+        """Every service port, ordered by service then by port."""
+        return tuple(port for key in sorted(self.ports_by_service)
+                     for port in self.ports_by_service[key])
 
     def node(self, name: str) -> Node:
         """This node's object; a node missing from the state has no labels."""
@@ -106,7 +112,6 @@ def build_state(objects: Iterable[Any]) -> ClusterState:
     return ClusterState(
         ports_by_service={key: tuple(value) for key, value in by_service.items()},
         nodes=nodes,
-        ports=tuple(ports),
         slices={key: tuple(value) for key, value in slices.items()},
         skipped=tuple(skipped),
     )
