@@ -80,6 +80,7 @@ class SyncResult:
     diff_seconds: float
     kernel_seconds: float
     script_bytes: int
+    render_seconds: float = 0.0  # selection + rendering, filled in by the caller
 
 
 @dataclass

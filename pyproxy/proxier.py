@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
 
@@ -117,12 +118,14 @@ class FamilyProxier:
              full: bool = False) -> SyncResult:
         """Bring the table to `state`. With `changed`, only those services are selected and
         rendered again (a partial sync); otherwise every service is."""
+        started = time.perf_counter()
         if changed is None:
             services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
             wanted = fragments(state, self.config, self.family)
         else:
             services = set(changed)
             wanted = fragments(state, self.config, self.family, services)
+        render_seconds = time.perf_counter() - started
         updates: dict[Hashable, Fragment] = dict(wanted)
         for key in services:
             now = {p.name for p in state.ports_of(key)}
@@ -132,4 +135,5 @@ class FamilyProxier:
                 self._owners[key] = now
             else:
                 self._owners.pop(key, None)
-        return self.applier.sync(updates, full=full)
+        result = self.applier.sync(updates, full=full)
+        return replace(result, render_seconds=render_seconds)

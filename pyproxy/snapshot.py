@@ -65,7 +65,12 @@ class ClusterState:
 def parse_snapshot(text: str) -> ClusterState:
     """Parse YAML or JSON text. Bad objects are skipped with a reason; only text that is not
     YAML/JSON at all raises SnapshotError."""
-    return build_state(_objects(_documents(text)))
+    return build_state(parse_objects(text))
+
+
+def parse_objects(text: str) -> list[Any]:
+    """The API objects of a snapshot, as plain data (Lists flattened)."""
+    return list(_objects(_documents(text)))
 
 
 def load_snapshot(path: str | Path) -> ClusterState:

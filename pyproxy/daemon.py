@@ -1,0 +1,187 @@
+"""The sync core of `pyproxy run`: events in, one kernel transaction per family per sync out.
+
+Event handlers (API watches or the snapshot file) only record into the cache and ask the
+runner for a sync; the runner calls `Proxier.sync`, which checks the changes out, selects and
+renders only the services that changed, and commits. Nothing is written before every source
+has completed its initial list: a half-known cluster must never be programmed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from pyproxy.cache import Checkout, ClusterCache, ObjectKey
+from pyproxy.model import Skipped
+from pyproxy.nft import NftError, SyncResult
+from pyproxy.proxier import FamilyProxier
+
+log = structlog.get_logger("pyproxy.sync")
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """One sync, for logs, metrics and `pyproxy history`."""
+
+    started: float  # wall clock
+    full: bool
+    reason: str
+    services_changed: int
+    endpoints_changed: int
+    render_seconds: float
+    diff_seconds: float
+    kernel_seconds: float
+    commands: int
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.render_seconds + self.diff_seconds + self.kernel_seconds
+
+
+class SyncObserver(Protocol):
+    """Health, metrics and conntrack cleanup hear about syncs through this."""
+
+    def queued(self) -> None: ...
+
+    def synced(self, record: SyncRecord, checkout: Checkout) -> None: ...
+
+    def failed(self, record: SyncRecord) -> None: ...
+
+
+@dataclass
+class Proxier:
+    cache: ClusterCache
+    proxiers: list[FamilyProxier]
+    full_sync_period: float = 3600.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+    observers: list[SyncObserver] = field(default_factory=list)
+    request_sync: Callable[[], None] = lambda: None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    history: deque[SyncRecord] = field(default_factory=lambda: deque(maxlen=100))
+    skipped_total: dict[str, int] = field(default_factory=dict)
+    _sources: dict[str, bool] = field(default_factory=dict)
+    _need_full: bool = True
+    _last_full: float = float("-inf")
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def expect(self, source: str) -> None:
+        """A source whose initial list must complete before the first sync."""
+        with self.lock:
+            self._sources.setdefault(source, False)
+
+    def source_synced(self, source: str) -> None:
+        with self.lock:
+            self._sources[source] = True
+        log.info("initial list complete", source=source)
+        self.request_sync()
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._sources) and all(self._sources.values())
+
+    def sources(self) -> dict[str, bool]:
+        with self.lock:
+            return dict(self._sources)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def on_service(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_service(key, obj))
+
+    def on_slice(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_slice(key, obj))
+
+    def on_node(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_node(key[1], obj))
+
+    def _record(self, skipped: Skipped | None) -> None:
+        if skipped is not None and skipped.invalid:
+            self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1
+            log.warning("invalid object skipped", object=skipped.object, reason=skipped.reason)
+        if self.cache.has_pending():
+            for observer in self.observers:
+                observer.queued()
+            if self.initialized:
+                self.request_sync()
+
+    # -- syncing -----------------------------------------------------------------------------
+
+    def force_full_sync(self) -> None:
+        with self.lock:
+            self._need_full = True
+        self.request_sync()
+
+    def sync(self) -> None:
+        """One sync (the runner's function). Raises on failure so the runner retries; the
+        next sync after a failure is a full one."""
+        with self.lock:
+            if not self.initialized:
+                log.debug("sync skipped: waiting for the initial lists", sources=self._sources)
+                return
+            now = self.clock()
+            full, reason = self._full_reason(now)
+            checkout = self.cache.checkout()
+            changed = None if (full or checkout.topology_changed) else checkout.services
+            if checkout.topology_changed and not full:
+                reason = "node labels changed"
+            started = self.wall_clock()
+            results: list[SyncResult] = []
+            try:
+                state = self.cache.state()
+                for proxier in self.proxiers:
+                    results.append(proxier.sync(state, changed, full=full))
+            except NftError as err:
+                self._need_full = True
+                record = self._record_sync(started, full, reason, checkout, results, str(err))
+                for observer in self.observers:
+                    observer.failed(record)
+                raise
+            if full:
+                self._need_full = False
+                self._last_full = now
+            record = self._record_sync(started, full, reason, checkout, results, None)
+            for observer in self.observers:
+                observer.synced(record, checkout)
+
+    def _full_reason(self, now: float) -> tuple[bool, str]:
+        if self._need_full:
+            return True, "start or after a failure" if self.history else "start"
+        if now - self._last_full >= self.full_sync_period:
+            return True, "periodic full sync"
+        return False, "changes"
+
+    def _record_sync(self, started: float, full: bool, reason: str, checkout: Checkout,
+                     results: list[SyncResult], error: str | None) -> SyncRecord:
+        record = SyncRecord(
+            started=started, full=full, reason=reason,
+            services_changed=checkout.service_changes,
+            endpoints_changed=checkout.endpoint_changes,
+            render_seconds=sum(r.render_seconds for r in results),
+            diff_seconds=sum(r.diff_seconds for r in results),
+            kernel_seconds=sum(r.kernel_seconds for r in results),
+            commands=sum(r.commands for r in results),
+            error=error,
+        )
+        self.history.append(record)
+        if error:
+            log.error("nftables sync failed", full=full, reason=reason, error=error)
+        elif full or record.commands:
+            log.info("synced", full=full, reason=reason,
+                     services_changed=record.services_changed,
+                     endpoints_changed=record.endpoints_changed, commands=record.commands,
+                     duration_ms=round(record.seconds * 1000, 1),
+                     render_ms=round(record.render_seconds * 1000, 1),
+                     kernel_ms=round(record.kernel_seconds * 1000, 1))
+        return record

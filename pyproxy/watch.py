@@ -1,0 +1,234 @@
+"""List + watch of one API resource with the official `kubernetes` client (the I/O shell).
+
+The client's model deserialization is 4 to 10 times slower than `json.loads` on the same bytes (10k
+Services: ~2 s against ~0.3 s), and its `Watch.stream(deserialize=False)` crashes on ERROR
+events, so the reflector asks the client for raw responses (`_preload_content=False`) and
+reads the watch stream's lines itself.
+
+Behaviour, as a Kubernetes informer's:
+- list, hand every object to the handler, report "synced" once;
+- watch from the list's resourceVersion with bookmarks; every event moves the position on;
+- a stream that ends (server timeout, dropped connection) is resumed from the last position;
+- 410 Gone (history compacted) → list again and reconcile: objects gone meanwhile are
+  reported deleted;
+- errors → retry with capped exponential backoff. Nothing is ever cleared because the API
+  went away: the handler simply hears nothing until it comes back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("pyproxy.watch")
+
+ObjectKey = tuple[str, str]
+# handler(key, object or None for a deletion)
+Handler = Callable[[ObjectKey, dict[str, Any] | None], None]
+
+
+@dataclass(frozen=True)
+class Resource:
+    """One watched resource: how to call the client for it."""
+
+    kind: str
+    # (api_client) → the client's list function for all namespaces
+    list_function: Callable[[Any], Callable[..., Any]]
+    label_selector: str | None = None
+    field_selector: str | None = None
+
+
+def services_resource() -> Resource:
+    from kubernetes import client
+
+    return Resource(
+        "Service", lambda api: client.CoreV1Api(api).list_service_for_all_namespaces,
+        # Services another proxy handles are not ours (as kube-proxy's informer).
+        label_selector="!service.kubernetes.io/service-proxy-name",
+    )
+
+
+def endpoint_slices_resource() -> Resource:
+    from kubernetes import client
+
+    return Resource(
+        "EndpointSlice",
+        lambda api: client.DiscoveryV1Api(api).list_endpoint_slice_for_all_namespaces,
+        label_selector="!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name",
+    )
+
+
+def nodes_resource(name: str | None = None) -> Resource:
+    from kubernetes import client
+
+    return Resource(
+        "Node", lambda api: client.CoreV1Api(api).list_node,
+        field_selector=f"metadata.name={name}" if name else None,
+    )
+
+
+class Expired(Exception):
+    """The watch position is older than the server's history (410 Gone)."""
+
+
+@dataclass
+class Backoff:
+    initial: float = 0.5
+    cap: float = 30.0
+    factor: float = 2.0
+    current: float = 0.0
+
+    def next(self) -> float:
+        self.current = self.initial if not self.current else min(self.cap,
+                                                                  self.current * self.factor)
+        return self.current * random.uniform(0.8, 1.2)  # jitter: many nodes, one API server
+
+    def reset(self) -> None:
+        self.current = 0.0
+
+
+@dataclass
+class WatchStatus:
+    """What `pyproxy status` and the metrics show about one watch."""
+
+    kind: str
+    synced: bool = False
+    connected: bool = False
+    resource_version: str = ""
+    lists: int = 0
+    watches: int = 0
+    events: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+
+class Reflector:
+    def __init__(self, api_client: Any, resource: Resource, handler: Handler,
+                 on_synced: Callable[[], None], stop: threading.Event,
+                 watch_timeout: int = 300, read_timeout: float = 60.0) -> None:
+        self.api_client = api_client
+        self.resource = resource
+        self.handler = handler
+        self.on_synced = on_synced
+        self.stop = stop
+        # The server closes a watch after this; a fresh one resumes from the last position.
+        self.watch_timeout = watch_timeout
+        # A stream silent for longer (not even a bookmark) is considered stalled.
+        self.read_timeout = read_timeout
+        self.status = WatchStatus(resource.kind)
+        self._known: set[ObjectKey] = set()
+        self._backoff = Backoff()
+
+    def run(self) -> None:
+        """The reflector's thread: until stop is set."""
+        while not self.stop.is_set():
+            try:
+                version = self._list()
+                self._backoff.reset()
+                while not self.stop.is_set():
+                    version = self._watch(version)
+            except Expired:
+                log.info("watch expired, listing again", kind=self.resource.kind)
+                continue
+            except Exception as err:  # connection refused, timeouts, HTTP errors…
+                self.status.connected = False
+                self.status.errors += 1
+                self.status.last_error = f"{type(err).__name__}: {err}"[:300]
+                delay = self._backoff.next()
+                log.warning("API unavailable, retrying", kind=self.resource.kind,
+                            error=self.status.last_error, retry_in=round(delay, 2))
+                self.stop.wait(delay)
+
+    def _call(self, **kwargs: Any) -> Any:
+        fn = self.resource.list_function(self.api_client)
+        if self.resource.label_selector:
+            kwargs["label_selector"] = self.resource.label_selector
+        if self.resource.field_selector:
+            kwargs["field_selector"] = self.resource.field_selector
+        return fn(_preload_content=False, **kwargs)
+
+    def _list(self) -> str:
+        response = self._call(_request_timeout=(10, 120))
+        try:
+            body = json.loads(response.data)
+        finally:
+            response.release_conn()
+        self.status.lists += 1
+        self.status.connected = True
+        seen: set[ObjectKey] = set()
+        for item in body.get("items") or []:
+            key = _key(item)
+            seen.add(key)
+            self.handler(key, item)
+        # Reconcile: whatever we knew and the list no longer has was deleted meanwhile.
+        for key in self._known - seen:
+            self.handler(key, None)
+        self._known = seen
+        version = str((body.get("metadata") or {}).get("resourceVersion", ""))
+        self.status.resource_version = version
+        if not self.status.synced:
+            self.status.synced = True
+            self.on_synced()
+        return version
+
+    def _watch(self, version: str) -> str:
+        response = self._call(
+            watch=True, resource_version=version, allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_timeout,
+            _request_timeout=(10, self.read_timeout),
+        )
+        self.status.watches += 1
+        self.status.connected = True
+        try:
+            for event in _events(response, self.stop):
+                version = self._handle(event, version)
+        finally:
+            response.release_conn()
+        return version
+
+    def _handle(self, event: dict[str, Any], version: str) -> str:
+        kind, obj = event.get("type"), event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise Expired(obj.get("message", "410 Gone"))
+            raise RuntimeError(f"watch error: {obj.get('message', obj)}")
+        new_version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+        if kind == "BOOKMARK":
+            self.status.resource_version = new_version
+            return new_version
+        key = _key(obj)
+        self.status.events += 1
+        if kind == "DELETED":
+            self._known.discard(key)
+            self.handler(key, None)
+        elif kind in ("ADDED", "MODIFIED"):
+            self._known.add(key)
+            self.handler(key, obj)
+        self.status.resource_version = new_version
+        return new_version
+
+
+def _key(obj: dict[str, Any]) -> ObjectKey:
+    meta = obj.get("metadata") or {}
+    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+def _events(response: Any, stop: threading.Event) -> Iterator[dict[str, Any]]:
+    """One JSON event per line of a chunked watch response."""
+    buffer = b""
+    for chunk in response.stream(65536, decode_content=True):
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            if line.strip():
+                yield json.loads(line)
+        if stop.is_set():
+            return
+    if buffer.strip():
+        yield json.loads(buffer)

@@ -1,0 +1,160 @@
+"""The cache's change tracking and the sync core, with a fake libnftables."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from builders import ep, make_node, make_service, make_slice
+from fakes import FakeNft
+
+from pyproxy.cache import ClusterCache
+from pyproxy.daemon import Proxier
+from pyproxy.model import IPFamily, ServiceKey
+from pyproxy.nft import NftError
+from pyproxy.proxier import FamilyProxier, NodeConfig
+
+WEB = ServiceKey("ns", "web")
+
+
+def svc(name: str = "web", **spec: Any) -> dict[str, Any]:
+    return make_service("ns", name, lambda s: s["spec"].update(spec))
+
+
+def eps(*ips: str, name: str = "web", slice_name: str | None = None) -> dict[str, Any]:
+    return make_slice("ns", name, [ep(ip, "node-b") for ip in ips], name=slice_name)
+
+
+def test_add_then_delete_costs_nothing() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "web"), svc())
+    cache.set_service(("ns", "web"), None)
+    assert cache.checkout().services == frozenset()
+
+
+def test_update_and_revert_costs_nothing_but_a_real_change_counts() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "web"), svc())
+    cache.set_slice(("ns", "web-1"), eps("10.244.1.1", slice_name="web-1"))
+    assert cache.checkout().services == {WEB}
+    cache.set_slice(("ns", "web-1"), eps("10.244.1.2", slice_name="web-1"))
+    cache.set_slice(("ns", "web-1"), eps("10.244.1.1", slice_name="web-1"))
+    assert not cache.checkout().services
+    cache.set_slice(("ns", "web-1"), eps("10.244.1.3", slice_name="web-1"))
+    out = cache.checkout()
+    assert out.services == {WEB} and out.endpoint_changes == 1 and out.service_changes == 0
+
+
+def test_invalid_update_keeps_the_last_valid_version() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "web"), svc())
+    cache.checkout()
+    skipped = cache.set_service(("ns", "web"), svc(clusterIP="10.96.0.999",
+                                                   clusterIPs=["10.96.0.999"]))
+    assert skipped is not None and skipped.invalid
+    assert [str(p.name) for p in cache.state().ports] == ["ns/web:http"]
+    assert not cache.checkout().services
+    assert [s.object for s in cache.state().skipped] == ["Service ns/web"]
+    cache.set_service(("ns", "web"), svc())
+    assert not cache.state().skipped
+
+
+def test_service_becoming_headless_is_removed() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "web"), svc())
+    cache.set_service(("ns", "web"), svc(clusterIP="None", clusterIPs=["None"]))
+    assert not cache.state().ports
+
+
+def test_slices_merge_and_move_between_services() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_slice(("ns", "s1"), eps("10.244.1.1", slice_name="s1"))
+    cache.set_slice(("ns", "s2"), eps("10.244.1.2", slice_name="s2"))
+    assert len(cache.state().slices[WEB]) == 2
+    cache.checkout()
+    cache.set_slice(("ns", "s2"), eps("10.244.1.2", name="other", slice_name="s2"))
+    out = cache.checkout()
+    assert out.services == {WEB, ServiceKey("ns", "other")}
+    cache.set_slice(("ns", "s1"), None)
+    assert WEB not in cache.state().slices
+
+
+def test_node_labels() -> None:
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "keys"), svc("keys", topologyKeys=["topology.kubernetes.io/zone"]))
+    cache.set_service(("ns", "plain"), svc("plain"))
+    cache.checkout()
+    cache.set_node("node-a", make_node("node-a", "zone-1"))
+    assert cache.checkout().topology_changed
+    cache.set_node("node-a", make_node("node-a", "zone-1"))  # unchanged labels
+    assert not cache.checkout().topology_changed
+    cache.set_node("node-b", make_node("node-b", "zone-2"))
+    out = cache.checkout()
+    assert not out.topology_changed and out.services == frozenset()  # nothing really changed
+    assert cache.uses_node_labels()
+
+
+# --- the sync core ---------------------------------------------------------------------------
+
+
+def make_proxier() -> tuple[Proxier, FakeNft, list[int]]:
+    nft = FakeNft()
+    requests: list[int] = []
+    proxier = Proxier(
+        ClusterCache("node-a"),
+        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
+        request_sync=lambda: requests.append(1),
+    )
+    proxier.expect("Service")
+    proxier.expect("EndpointSlice")
+    return proxier, nft, requests
+
+
+def test_nothing_is_written_before_every_initial_list() -> None:
+    proxier, nft, _ = make_proxier()
+    proxier.on_service(("ns", "web"), svc())
+    proxier.source_synced("Service")
+    proxier.sync()
+    assert not nft.scripts
+    proxier.source_synced("EndpointSlice")
+    proxier.sync()
+    assert "add table ip pyproxy" in nft.last
+    assert proxier.history[-1].full
+
+
+def test_partial_sync_writes_only_the_change_and_failure_forces_full() -> None:
+    proxier, nft, _ = make_proxier()
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.on_service(("ns", "web"), svc())
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", slice_name="web-1"))
+    proxier.on_service(("ns", "db"), svc("db", clusterIP="10.96.0.20", clusterIPs=["10.96.0.20"]))
+    proxier.sync()
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.2", slice_name="web-1"))
+    proxier.sync()
+    record = proxier.history[-1]
+    assert not record.full and record.endpoints_changed == 1
+    assert "10.244.1.2 . 8080" in nft.last and "10.96.0.20" not in nft.last
+    nft.fail_next = 1
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.3", slice_name="web-1"))
+    with pytest.raises(NftError):
+        proxier.sync()
+    assert proxier.history[-1].error
+    proxier.sync()
+    assert proxier.history[-1].full and "10.244.1.3 . 8080" in nft.last
+
+
+def test_periodic_sync_without_changes_writes_nothing() -> None:
+    proxier, nft, _ = make_proxier()
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.sync()
+    count = len(nft.scripts)
+    proxier.sync()
+    assert len(nft.scripts) == count
+
+
+def test_invalid_objects_are_counted() -> None:
+    proxier, _, _ = make_proxier()
+    proxier.on_service(("ns", "bad"), svc("bad", ports=[{"name": "http", "port": "eighty"}]))
+    assert proxier.skipped_total == {"Service": 1}
