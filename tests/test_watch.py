@@ -1,0 +1,150 @@
+"""The reflector against the API emulator: the real `kubernetes` client over a socket."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from apiemu import ApiEmulator
+
+from pyproxy.watch import Reflector, Resource, services_resource
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict[str, Any] | None] = {}
+        self.events = 0
+        self.synced = threading.Event()
+        self.lock = threading.Lock()
+
+    def handle(self, key: tuple[str, str], obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self.events += 1
+            if obj is None:
+                self.objects.pop(key, None)
+            else:
+                self.objects[key] = obj
+
+    def names(self) -> set[str]:
+        with self.lock:
+            return {name for _, name in self.objects}
+
+
+def wait(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def service(name: str, **labels: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "labels": labels},
+            "spec": {"ports": [{"name": "http", "port": 80}]}}
+
+
+@pytest.fixture
+def emu() -> Iterator[ApiEmulator]:
+    with ApiEmulator(bookmark_interval=0.2) as server:
+        yield server
+
+
+@pytest.fixture
+def reflector(emu: ApiEmulator) -> Iterator[tuple[Reflector, Recorder]]:
+    recorder = Recorder()
+    stop = threading.Event()
+    refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
+                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0)
+    refl._backoff.initial, refl._backoff.cap = 0.05, 0.2  # fast retries in tests
+    thread = threading.Thread(target=refl.run, daemon=True)
+    emu.create("services", service("before"))
+    thread.start()
+    yield refl, recorder
+    stop.set()
+    emu.drop_connections()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_list_then_watch(emu: ApiEmulator, reflector: tuple[Reflector, Recorder]) -> None:
+    refl, rec = reflector
+    assert rec.synced.wait(5)
+    assert rec.names() == {"before"}
+    emu.wait_for_watches(1, "services")
+    emu.create("services", service("added"))
+    emu.create("services", service("other-proxy", **{
+        "service.kubernetes.io/service-proxy-name": "x"}))
+    emu.delete("services", "before", "ns")
+    wait(lambda: rec.names() == {"added"})
+    # bookmarks move the position on without events
+    version = emu.resource_version
+    wait(lambda: refl.status.resource_version == str(version))
+
+
+def test_relist_after_410_reconciles_deletes(emu: ApiEmulator,
+                                             reflector: tuple[Reflector, Recorder]) -> None:
+    refl, rec = reflector
+    assert rec.synced.wait(5)
+    emu.wait_for_watches(1, "services")
+    emu.stall_watches(True)
+    emu.delete("services", "before", "ns")
+    emu.create("services", service("meanwhile"))
+    emu.compact()
+    emu.stall_watches(False)
+    emu.drop_connections()  # the next watch resumes from an expired position → 410
+    wait(lambda: rec.names() == {"meanwhile"})
+    assert refl.status.lists >= 2
+
+
+def test_api_away_and_back(emu: ApiEmulator, reflector: tuple[Reflector, Recorder]) -> None:
+    refl, rec = reflector
+    assert rec.synced.wait(5)
+    emu.wait_for_watches(1, "services")
+    emu.set_available(False, mode="refuse")
+    wait(lambda: refl.status.errors >= 2)
+    assert rec.names() == {"before"}  # nothing is forgotten while the API is away
+    emu.create("services", service("while-away"))
+    emu.delete("services", "before", "ns")
+    emu.set_available(True)
+    wait(lambda: rec.names() == {"while-away"})
+    assert refl.status.connected
+
+
+def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
+                                               reflector: tuple[Reflector, Recorder]) -> None:
+    refl, rec = reflector
+    assert rec.synced.wait(5)
+    emu.wait_for_watches(1, "services")
+    watches = refl.status.watches
+    emu.stall_watches(True)
+    wait(lambda: refl.status.errors >= 1, timeout=10)  # read timeout (2 s) fires
+    emu.stall_watches(False)
+    emu.create("services", service("after-stall"))
+    wait(lambda: "after-stall" in rec.names())
+    assert refl.status.watches > watches
+
+
+def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
+    from pyproxy.watch import nodes_resource
+
+    for name in ("node-a", "node-b"):
+        emu.create("nodes", {"metadata": {"name": name, "labels": {"zone": name}}})
+    rec = Recorder()
+    stop = threading.Event()
+    refl = Reflector(emu.api_client(), nodes_resource("node-a"), rec.handle, rec.synced.set,
+                     stop)
+    thread = threading.Thread(target=refl.run, daemon=True)
+    thread.start()
+    try:
+        assert rec.synced.wait(5)
+        assert rec.names() == {"node-a"}
+    finally:
+        stop.set()
+        emu.drop_connections()
+        thread.join(5)
+
+
+def test_resource_is_plain_data() -> None:
+    assert isinstance(services_resource(), Resource)
