@@ -4,6 +4,7 @@ the same code path."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -97,7 +98,8 @@ class SnapshotSource:
         for obj in objects:
             if not isinstance(obj, dict):
                 continue
-            meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+            raw_meta = obj.get("metadata")
+            meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
             namespace = str(meta.get("namespace") or "")
             if obj.get("kind") in ("Service", "EndpointSlice") and not namespace:
                 namespace = "default"
@@ -141,7 +143,7 @@ class ApiSource:
             self.proxier.expect(resource.kind)
             reflector = Reflector(
                 self.api_client, resource, handler,
-                on_synced=lambda kind=resource.kind: self.proxier.source_synced(kind),
+                on_synced=functools.partial(self.proxier.source_synced, resource.kind),
                 stop=self.stop, watch_timeout=self.watch_timeout,
                 read_timeout=self.read_timeout)
             self.reflectors.append(reflector)
