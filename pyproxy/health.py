@@ -1,0 +1,268 @@
+"""/healthz and /livez with kube-proxy's semantics, and the per-service health-check node
+ports of `externalTrafficPolicy: Local` LoadBalancers. Cloud load balancers act on these
+answers, so they follow upstream to the letter (reference §5).
+
+The state is pure (`ProxyHealth`, `ServiceHealth`); the HTTP servers are a thin shell.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import structlog
+
+from pyproxy.convert import node_is_eligible
+from pyproxy.model import IPFamily, Node, ServiceKey
+
+log = structlog.get_logger("pyproxy.health")
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class FamilyHealth:
+    last_updated: float = 0.0  # wall clock
+    oldest_queued: float | None = None  # monotonic
+
+
+@dataclass
+class ProxyHealth:
+    """Per-family freshness of the programmed rules, and whether this node should get
+    traffic. A family is unhealthy when an update has been queued for longer than
+    `timeout` (2 × syncPeriod) without being programmed; no pending update is healthy."""
+
+    families: tuple[IPFamily, ...]
+    timeout: float = 60.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+    node: Node | None = None
+    node_known: bool = False
+    _state: dict[IPFamily, FamilyHealth] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        now = self.wall_clock()
+        for family in self.families:
+            self._state[family] = FamilyHealth(last_updated=now)
+
+    def queued(self) -> None:
+        now = self.clock()
+        with self._lock:
+            for state in self._state.values():
+                if state.oldest_queued is None:
+                    state.oldest_queued = now
+
+    def updated(self, families: Iterable[IPFamily] | None = None) -> None:
+        now = self.wall_clock()
+        with self._lock:
+            for family in families or self._state:
+                self._state[family] = FamilyHealth(last_updated=now)
+
+    def set_node(self, node: Node | None) -> None:
+        with self._lock:
+            self.node = node
+            self.node_known = True
+
+    def family_healthy(self, family: IPFamily) -> bool:
+        state = self._state[family]
+        return state.oldest_queued is None or self.clock() - state.oldest_queued < self.timeout
+
+    def healthy(self) -> bool:
+        with self._lock:
+            return all(self.family_healthy(f) for f in self._state)
+
+    def node_eligible(self) -> bool:
+        with self._lock:
+            return node_is_eligible(self.node)
+
+    def response(self, with_node: bool) -> tuple[int, dict[str, Any]]:
+        """(status code, body) for /healthz (with_node) or /livez."""
+        now = self.wall_clock()
+        with self._lock:
+            statuses = {str(f): (self.family_healthy(f), self._state[f].last_updated)
+                        for f in self._state}
+            healthy = all(ok for ok, _ in statuses.values())
+            eligible = node_is_eligible(self.node)
+        ok = healthy and (eligible or not with_node)
+        last = max((ts for _, ts in statuses.values()), default=now)
+        body: dict[str, Any] = {
+            # As upstream: a 200 answer reports "now" as lastUpdated (compatibility).
+            "lastUpdated": _rfc3339(now if ok else last),
+            "currentTime": _rfc3339(now),
+        }
+        if with_node:
+            body["nodeEligible"] = eligible
+        body["healthy"] = healthy
+        body["status"] = {name: {"lastUpdated": _rfc3339(ts), "healthy": fam_ok}
+                          for name, (fam_ok, ts) in statuses.items()}
+        return (200 if ok else 503), body
+
+
+@dataclass
+class ServiceHealth:
+    """Local READY endpoint counts of the services that have a healthCheckNodePort."""
+
+    ports: dict[ServiceKey, int] = field(default_factory=dict)  # service → port
+    local_endpoints: dict[ServiceKey, int] = field(default_factory=dict)
+
+    def update(self, ports: Mapping[ServiceKey, int], counts: Mapping[ServiceKey, int]) -> None:
+        self.ports = dict(ports)
+        self.local_endpoints = {key: counts.get(key, 0) for key in ports}
+
+    def response(self, service: ServiceKey, proxy_healthy: bool) -> tuple[int, dict[str, Any]]:
+        count = self.local_endpoints.get(service, 0)
+        body = {
+            "service": {"namespace": service.namespace, "name": service.name},
+            "localEndpoints": count,
+            "serviceProxyHealthy": proxy_healthy,
+        }
+        # 200 only with a ready local endpoint AND a healthy proxy (kubernetes#115825).
+        return (200 if count > 0 and proxy_healthy else 503), body
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP shells
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 family: int = socket.AF_INET, v6only: bool = False) -> None:
+        self.address_family = family
+        self.v6only = v6only
+        super().__init__(address, handler)
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6 and self.v6only:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        super().server_bind()
+
+
+def _send(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any],
+          extra: Mapping[str, str] | None = None, pretty: bool = False) -> None:
+    data = json.dumps(body, indent=2 if pretty else None).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("X-Content-Type-Options", "nosniff")
+    for key, value in (extra or {}).items():
+        handler.send_header(key, value)
+    handler.send_header("Content-Length", str(len(data)))
+    handler.end_headers()
+    if handler.command != "HEAD":
+        handler.wfile.write(data)
+
+
+def parse_host_port(text: str) -> tuple[str, int, int]:
+    """"0.0.0.0:10256", "[::]:10256" → (host, port, address family)."""
+    host, _, port = text.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return host, int(port), family
+
+
+class HealthServer:
+    """/healthz and /livez (default 0.0.0.0:10256). Counters are reported through `count`."""
+
+    def __init__(self, address: str, health: ProxyHealth,
+                 count: Callable[[str, int], None] = lambda path, code: None) -> None:
+        host, port, family = parse_host_port(address)
+        health_ref, count_ref = health, count
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                path = self.path.split("?", 1)[0]
+                if path not in ("/healthz", "/livez"):
+                    # Only our two paths; nothing else is served or leaked.
+                    self.send_error(404)
+                    return
+                code, body = health_ref.response(with_node=path == "/healthz")
+                count_ref(path, code)
+                _send(self, code, body)
+
+            do_HEAD = do_GET
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                pass  # probes every few seconds: no access log
+
+        self.server = _Server((host, port), Handler, family)
+        self.thread = threading.Thread(target=self.server.serve_forever, name="healthz",
+                                       daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_address[1])
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class ServiceHealthServers:
+    """One listener per healthCheckNodePort, opened and closed as services come and go, on
+    each of the given addresses (per family, so dual-stack nodes don't collide:
+    kubernetes#114702). A port that cannot be bound is reported and retried, not fatal."""
+
+    def __init__(self, health: ServiceHealth, proxy: ProxyHealth,
+                 addresses: Iterable[str] = ("0.0.0.0",)) -> None:
+        self.health = health
+        self.proxy = proxy
+        self.addresses = tuple(addresses)
+        self.servers: dict[tuple[ServiceKey, int], list[_Server]] = {}
+        self.failures: dict[ServiceKey, str] = {}
+
+    def sync(self) -> None:
+        wanted = {(key, port) for key, port in self.health.ports.items()}
+        for gone in set(self.servers) - wanted:
+            for server in self.servers.pop(gone):
+                server.shutdown()
+                server.server_close()
+        self.failures = {}
+        for key, port in wanted - set(self.servers):
+            try:
+                self.servers[(key, port)] = [self._listen(key, addr, port)
+                                             for addr in self.addresses]
+            except OSError as err:
+                self.failures[key] = f"cannot listen on {port}: {err.strerror}"
+                log.warning("health check node port not served", service=str(key), port=port,
+                            error=err.strerror)
+
+    def _listen(self, key: ServiceKey, address: str, port: int) -> _Server:
+        health, proxy = self.health, self.proxy
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                code, body = health.response(key, proxy.healthy())
+                _send(self, code, body, {
+                    "X-Load-Balancing-Endpoint-Weight": str(body["localEndpoints"])},
+                    pretty=True)
+
+            def log_message(self, fmt: str, *args: Any) -> None:
+                pass
+
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        # v6only: the IPv4 listener has its own socket on the same port.
+        server = _Server((address, port), Handler, family, v6only=True)
+        threading.Thread(target=server.serve_forever, name=f"hcnp-{port}", daemon=True).start()
+        return server
+
+    def stop(self) -> None:
+        for servers in self.servers.values():
+            for server in servers:
+                server.shutdown()
+                server.server_close()
+        self.servers.clear()

@@ -1,0 +1,263 @@
+"""UDP conntrack cleanup planning (upstream's reconciler, pkg/proxy/conntrack/cleanup.go),
+table-driven and without a kernel: which entries are stale for a given cluster state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from builders import ep, make_service, make_slice, terminating
+
+from pyproxy.conntrack import (
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    Allowed,
+    ConntrackEntry,
+    UdpTarget,
+    allowed_map,
+    canonical_ip,
+    needs_cleanup,
+    stale,
+    udp_targets,
+)
+from pyproxy.model import IPFamily, Protocol, ServicePortName
+from pyproxy.snapshot import ClusterState, build_state
+
+NODE_IP = "192.168.50.1"
+NODE_IP6 = "fd00:50::1"
+CLIENT = "203.0.113.7"
+CLIENT6 = "2001:db8::7"
+DNS_VIP, DNS_VIP6 = "10.96.0.10", "fd00:96::a"
+EXTERNAL_IP = "192.0.2.10"
+LB_IP = "198.51.100.10"
+NODEPORT = 30053
+POD_A, POD_B, GONE = "10.244.1.2", "10.244.2.2", "10.244.9.9"
+POD_A6, GONE6 = "fd00:244:0:1::2", "fd00:244:0:9::2"
+
+
+def service(name: str, ip: str, *, ip6: str | None = None, proto: str = "UDP",
+            **spec: Any) -> dict[str, Any]:
+    svc = make_service("default", name, ip=ip)
+    svc["spec"]["ports"] = [{"name": "p", "port": 53, "protocol": proto, "targetPort": 5353}]
+    if ip6:
+        svc["spec"]["clusterIPs"] = [ip, ip6]
+        svc["spec"]["ipFamilies"] = ["IPv4", "IPv6"]
+        svc["spec"]["ipFamilyPolicy"] = "PreferDualStack"
+    lb = spec.pop("lb", None)
+    svc["spec"].update(spec)
+    if lb:
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": lb}]}}
+    return svc
+
+
+def endpoints(name: str, eps: list[dict[str, Any]], family: str = "IPv4",
+              proto: str = "UDP") -> dict[str, Any]:
+    eps_obj = make_slice("default", name, eps, family=family)
+    eps_obj["ports"] = [{"name": "p", "port": 5353, "protocol": proto}]
+    return eps_obj
+
+
+def cluster() -> ClusterState:
+    """dns: UDP, dual-stack, ClusterIP + external IP + LB VIP + NodePort, eTP=Local (ignored by
+    cleanup); web: TCP; empty: UDP without endpoints; draining: UDP whose only endpoints are
+    terminating (one still serving); other-nodes: UDP iTP=Local with endpoints elsewhere."""
+    objects = [
+        service("dns", DNS_VIP, ip6=DNS_VIP6, type="LoadBalancer", externalIPs=[EXTERNAL_IP],
+                externalTrafficPolicy="Local", lb=LB_IP,
+                ports=[{"name": "p", "port": 53, "protocol": "UDP", "targetPort": 5353,
+                        "nodePort": NODEPORT}]),
+        endpoints("dns", [ep(POD_A, "node-a"), ep(POD_B, "node-b")]),
+        endpoints("dns", [ep(POD_A6, "node-a")], family="IPv6"),
+        service("web", "10.96.0.20", proto="TCP"),
+        endpoints("web", [ep("10.244.1.3", "node-a")], proto="TCP"),
+        service("empty", "10.96.0.30"),
+        endpoints("empty", [ep("10.244.1.4", "node-a", ready=False, serving=False)]),
+        service("draining", "10.96.0.40"),
+        endpoints("draining", [terminating("10.244.3.2", "node-c"),
+                               terminating("10.244.3.3", "node-c", serving=False)]),
+        service("other-nodes", "10.96.0.50", internalTrafficPolicy="Local"),
+        endpoints("other-nodes", [ep("10.244.2.5", "node-b")]),
+    ]
+    state = build_state(objects)
+    assert not state.skipped, state.skipped
+    return state
+
+
+def entry(dst: str, reply_src: str, *, dport: int = 53, proto: int = IPPROTO_UDP,
+          src: str = CLIENT, sport: int = 40000) -> ConntrackEntry:
+    return ConntrackEntry(proto, src, dst, sport, dport, reply_src, 5353)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    entry: ConntrackEntry
+    stale: bool
+
+
+CASES = [
+    Case("ClusterIP, answered by a removed endpoint", entry(DNS_VIP, GONE), True),
+    Case("ClusterIP, answered by a current endpoint", entry(DNS_VIP, POD_A), False),
+    Case("ClusterIP, endpoint on another node (policy/topology ignored)", entry(DNS_VIP, POD_B),
+         False),
+    Case("ClusterIP, never NATed (rejected while there were no endpoints)",
+         entry(DNS_VIP, DNS_VIP), True),
+    Case("ClusterIP, another port of the same IP", entry(DNS_VIP, GONE, dport=54), False),
+    Case("TCP to a UDP service's IP:port", entry(DNS_VIP, GONE, proto=IPPROTO_TCP), False),
+    Case("TCP service", entry("10.96.0.20", GONE, dport=53, proto=IPPROTO_TCP), False),
+    Case("external IP, removed endpoint", entry(EXTERNAL_IP, GONE), True),
+    Case("external IP, current endpoint", entry(EXTERNAL_IP, POD_B), False),
+    Case("LoadBalancer VIP, removed endpoint", entry(LB_IP, GONE), True),
+    Case("LoadBalancer VIP, current endpoint", entry(LB_IP, POD_A), False),
+    Case("NodePort on the node IP, removed endpoint", entry(NODE_IP, GONE, dport=NODEPORT),
+         True),
+    Case("NodePort on the node IP, current endpoint", entry(NODE_IP, POD_A, dport=NODEPORT),
+         False),
+    Case("NodePort on the node IP, dropped (eTP=Local, not NATed)",
+         entry(NODE_IP, NODE_IP, dport=NODEPORT), True),
+    Case("NodePort number to a forwarded, non-local destination",
+         entry("198.18.0.1", "198.18.0.1", dport=NODEPORT), False),
+    Case("no serving endpoints: untouched", entry("10.96.0.30", GONE), False),
+    Case("no serving endpoints, not NATed: untouched", entry("10.96.0.30", "10.96.0.30"), False),
+    Case("terminating but serving endpoint kept", entry("10.96.0.40", "10.244.3.2"), False),
+    Case("terminating, not serving endpoint", entry("10.96.0.40", "10.244.3.3"), True),
+    Case("iTP=Local without local endpoints: flows elsewhere kept",
+         entry("10.96.0.50", "10.244.2.5"), False),
+    Case("unrelated UDP", entry("8.8.8.8", "8.8.8.8"), False),
+    Case("IPv6 ClusterIP, removed endpoint", entry(DNS_VIP6, GONE6, src=CLIENT6), True),
+    Case("IPv6 ClusterIP, current endpoint", entry(DNS_VIP6, POD_A6, src=CLIENT6), False),
+    Case("IPv6, other spellings of the same addresses",
+         entry("FD00:96:0:0::A", "fd00:244:0:1:0:0:0:2", src=CLIENT6), False),
+    Case("IPv6 NodePort on the node IP, removed endpoint",
+         entry(NODE_IP6, GONE6, src=CLIENT6, dport=NODEPORT), True),
+]
+
+
+@pytest.fixture(scope="module")
+def allowed() -> Allowed:
+    return allowed_map(udp_targets(cluster()).values(), node_ips=[NODE_IP, NODE_IP6])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_stale(case: Case, allowed: Allowed) -> None:
+    assert stale([case.entry], allowed) == ([case.entry] if case.stale else [])
+
+
+def test_stale_keeps_order_and_picks_exactly_the_stale_ones(allowed: Allowed) -> None:
+    entries = [c.entry for c in CASES]
+    assert stale(entries, allowed) == [c.entry for c in CASES if c.stale]
+
+
+def test_allowed_map_contents(allowed: Allowed) -> None:
+    both = frozenset({POD_A, POD_B})
+    assert allowed.service_ips == {
+        (DNS_VIP, 53): both,
+        (EXTERNAL_IP, 53): both,
+        (LB_IP, 53): both,
+        (DNS_VIP6, 53): frozenset({POD_A6}),
+        ("10.96.0.40", 53): frozenset({"10.244.3.2"}),
+        ("10.96.0.50", 53): frozenset({"10.244.2.5"}),
+    }
+    # One NodePort for both families: the IPv4 and IPv6 endpoints together.
+    assert allowed.node_ports == {NODEPORT: both | {POD_A6}}
+    assert allowed.node_ips == frozenset({NODE_IP, NODE_IP6})
+
+
+def test_nodeport_on_any_destination_without_node_ips() -> None:
+    """Without node IPs the NodePort rule matches any destination, as upstream does."""
+    loose = allowed_map(udp_targets(cluster()).values())
+    forwarded = entry("198.18.0.1", "198.18.0.1", dport=NODEPORT)
+    assert stale([forwarded], loose) == [forwarded]
+
+
+def test_empty_allowed_is_falsy() -> None:
+    assert not allowed_map([])
+    assert stale([entry(DNS_VIP, GONE)], allowed_map([])) == []
+
+
+def test_shared_destination_allows_the_union() -> None:
+    a = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, frozenset({POD_A}))
+    b = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, frozenset({POD_B}))
+    merged = allowed_map([a, b])
+    assert merged.service_ips[(EXTERNAL_IP, 53)] == {POD_A, POD_B}
+    assert stale([entry(EXTERNAL_IP, POD_B), entry(EXTERNAL_IP, GONE)], merged) == [
+        entry(EXTERNAL_IP, GONE)]
+
+
+def test_targets_per_family_and_only_udp_with_serving_endpoints() -> None:
+    targets = udp_targets(cluster())
+    names = {(key.name, fam) for key, fam in targets}
+    assert names == {("dns", IPFamily.IPv4), ("dns", IPFamily.IPv6), ("draining", IPFamily.IPv4),
+                     ("other-nodes", IPFamily.IPv4)}
+    dns6 = targets[(ServicePortName("default", "dns", "p", Protocol.UDP), IPFamily.IPv6)]
+    assert dns6 == UdpTarget(frozenset({(DNS_VIP6, 53)}), NODEPORT, frozenset({POD_A6}))
+    only4 = udp_targets(cluster(), families=(IPFamily.IPv4,))
+    assert {fam for _key, fam in only4} == {IPFamily.IPv4}
+
+
+def test_targets_of_some_services() -> None:
+    state = cluster()
+    some = udp_targets(state, services=[ServicePortName("default", "draining", "p",
+                                                        Protocol.UDP).service])
+    assert [key.name for key, _fam in some] == ["draining"]
+
+
+# ---------------------------------------------------------------------------------------------
+# needs_cleanup
+
+
+def _targets(objects: list[dict[str, Any]]) -> dict[Any, UdpTarget]:
+    return udp_targets(build_state(objects))
+
+
+BASE = [service("dns", DNS_VIP), endpoints("dns", [ep(POD_A), ep(POD_B)]),
+        service("web", "10.96.0.20", proto="TCP"),
+        endpoints("web", [ep("10.244.1.3")], proto="TCP")]
+
+
+def _change(index: int, obj: dict[str, Any]) -> list[dict[str, Any]]:
+    out = list(BASE)
+    out[index] = obj
+    return out
+
+
+NEEDS = [
+    ("nothing changed", BASE, False),
+    ("UDP endpoint removed", _change(1, endpoints("dns", [ep(POD_A)])), True),
+    ("UDP endpoint added", _change(1, endpoints("dns", [ep(POD_A), ep(POD_B), ep(GONE)])),
+     True),
+    ("UDP endpoint became not ready (terminating, still serving)",
+     _change(1, endpoints("dns", [ep(POD_A), terminating(POD_B)])), False),
+    ("UDP service lost every endpoint", _change(1, endpoints("dns", [])), False),
+    ("UDP service got an external IP", _change(0, service("dns", DNS_VIP,
+                                                           externalIPs=[EXTERNAL_IP])), True),
+    ("TCP endpoint removed", _change(3, endpoints("web", [], proto="TCP")), False),
+    ("new UDP service", [*BASE, service("new", "10.96.0.60"), endpoints("new", [ep(GONE)])],
+     True),
+]
+
+
+@pytest.mark.parametrize(("name", "objects", "expected"), NEEDS, ids=[n[0] for n in NEEDS])
+def test_needs_cleanup(name: str, objects: list[dict[str, Any]], expected: bool) -> None:
+    assert needs_cleanup(_targets(BASE), _targets(objects)) is expected
+
+
+def test_needs_cleanup_first_sync() -> None:
+    assert needs_cleanup(None, _targets(BASE)) is True
+    assert needs_cleanup(None, {}) is False
+
+
+def test_needs_cleanup_partial_current() -> None:
+    """A partial sync passes only the changed services' targets."""
+    before = _targets(BASE)
+    after = _targets(_change(1, endpoints("dns", [ep(POD_A)])))
+    assert needs_cleanup(before, {}) is False
+    assert needs_cleanup(before, after) is True
+
+
+def test_canonical_ip() -> None:
+    assert canonical_ip("FD00:0096:0::000A") == "fd00:96::a"
+    assert canonical_ip("10.0.0.1") == "10.0.0.1"
+    assert canonical_ip("not-an-ip:") == "not-an-ip:"
+    assert entry(DNS_VIP6, POD_A6).family is IPFamily.IPv6
