@@ -8,6 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from pyproxy.config import ConfigError, add_flags, from_args
 from pyproxy.explain import explain_report, format_table
 from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
@@ -66,7 +67,27 @@ def build_parser() -> argparse.ArgumentParser:
     cleanup = commands.add_parser(
         "cleanup", help="remove everything pyproxy programmed (its nftables tables)")
     cleanup.set_defaults(handler=_cmd_cleanup)
+
+    run = commands.add_parser(
+        "run", help="run the proxy: keep this node's nftables rules in step with the cluster",
+        description=(
+            "Watch Services, EndpointSlices and this Node (or a snapshot file with "
+            "--snapshot) and keep this node's nftables rules in step, batching changes "
+            "(minSyncPeriod). Stops on SIGTERM/SIGINT and leaves the rules in place."),
+    )
+    add_flags(run)
+    run.set_defaults(handler=_cmd_run)
     return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pyproxy.run import run_daemon
+
+    try:
+        config = from_args(args)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    return run_daemon(config)
 
 
 def _node_flags(cmd: argparse.ArgumentParser) -> None:

@@ -3,10 +3,16 @@ working, plus pyproxy's own (prefixed `pyproxy_`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pyproxy.explain import PortSelection
+from pyproxy.model import TrafficPolicy
+from pyproxy.topology import TOPOLOGY_NONE
 
 # Upstream's buckets for sync durations: exponential from 1 ms.
 _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
@@ -59,10 +65,6 @@ class Metrics:
         self.cleanup_failures = Counter(
             "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
             "Cumulative proxy nftables cleanup failures", registry=r)
-        self.no_local_endpoints = Gauge(
-            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
-            "Number of services with a Local traffic policy and no endpoints",
-            ["traffic_policy"], registry=r)
         self.healthz = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status",
                                ["code"], registry=r)
         self.livez = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status",
@@ -74,16 +76,16 @@ class Metrics:
         # pyproxy's own
         self.invalid_objects = Counter(
             "pyproxy_invalid_objects", "API objects skipped as invalid", ["kind"], registry=r)
-        self.topology_mode = Gauge(
-            "pyproxy_service_topology_mode",
-            "Topology mode in force per service port on this node (1 = in force)",
-            ["service", "port", "ip_family", "mode"], registry=r)
         self.sync_phase = Histogram(
             "pyproxy_sync_phase_duration_seconds", "Time per sync phase",
             ["phase"], buckets=_SYNC_BUCKETS, registry=r)
         self.table_repairs = Counter(
             "pyproxy_table_repairs", "Changes to pyproxy's tables made by someone else, repaired",
             registry=r)
+
+    def watch_selections(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
+        """Metrics computed at scrape time from the selections in force (off the sync path)."""
+        self.registry.register(_SelectionCollector(selections))
 
     def count_health(self, path: str, code: int) -> None:
         (self.healthz if path == "/healthz" else self.livez).labels(code=str(code)).inc()
@@ -98,3 +100,34 @@ class Metrics:
                 continue
             if now >= when:
                 self.network_programming.observe(now - when)
+
+
+class _SelectionCollector(Collector):
+    def __init__(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
+        self.selections = selections
+
+    def collect(self) -> Iterator[Metric]:
+        no_local = GaugeMetricFamily(
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            labels=["traffic_policy"])
+        topology = GaugeMetricFamily(
+            "pyproxy_service_topology_mode",
+            "Topology mode in force per service port on this node (1 = in force)",
+            labels=["service", "port", "ip_family", "mode"])
+        internal = external = 0
+        for ps in self.selections():
+            sel, port = ps.selection, ps.port
+            if sel.has_any_endpoints and sel.local == ():
+                if port.internal_policy is TrafficPolicy.LOCAL:
+                    internal += 1
+                if (port.external_policy is TrafficPolicy.LOCAL
+                        and port.externally_accessible(ps.family)):
+                    external += 1
+            if sel.topology != TOPOLOGY_NONE:
+                topology.add_metric([str(port.name.service), port.name.port, str(ps.family),
+                                     sel.topology], 1)
+        no_local.add_metric(["internal"], internal)
+        no_local.add_metric(["external"], external)
+        yield no_local
+        yield topology

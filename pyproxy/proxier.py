@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
 
-from pyproxy.explain import select_all
+from pyproxy.explain import PortSelection, select_all
 from pyproxy.model import IPFamily, ServiceKey, ServicePortName, ip_family
 from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
 from pyproxy.snapshot import ClusterState
@@ -94,12 +94,23 @@ def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ..
 def fragments(state: ClusterState, config: NodeConfig, family: IPFamily,
               services: Iterable[ServiceKey] | None = None) -> dict[Hashable, Fragment]:
     """The skeleton and every service port's fragment (or only those of `services`)."""
+    return select_and_render(state, config, family, services)[0]
+
+
+def select_and_render(
+    state: ClusterState, config: NodeConfig, family: IPFamily,
+    services: Iterable[ServiceKey] | None = None,
+) -> tuple[dict[Hashable, Fragment], dict[ServicePortName, PortSelection]]:
+    """Fragments, and the selections they were rendered from (kept for the live CLI and the
+    metrics, so neither has to select again)."""
     cfg = config.render_config(family)
     out: dict[Hashable, Fragment] = {SKELETON: skeleton(cfg)}
+    selections: dict[ServicePortName, PortSelection] = {}
     for ps in select_all(state, config.node_name, services):
         if ps.family is family:
             out[ps.port.name] = render_service(ps.port, ps.selection, cfg)
-    return out
+            selections[ps.port.name] = ps
+    return out, selections
 
 
 class FamilyProxier:
@@ -113,6 +124,8 @@ class FamilyProxier:
         self.config = config
         self.applier = Applier(family.nft_family, nft or LibNftables())
         self._owners: dict[ServiceKey, set[ServicePortName]] = {}
+        # The selection in force per service port (what the kernel was last asked to do).
+        self.selections: dict[ServicePortName, PortSelection] = {}
 
     def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
              full: bool = False) -> SyncResult:
@@ -121,19 +134,21 @@ class FamilyProxier:
         started = time.perf_counter()
         if changed is None:
             services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
-            wanted = fragments(state, self.config, self.family)
+            wanted, selections = select_and_render(state, self.config, self.family)
         else:
             services = set(changed)
-            wanted = fragments(state, self.config, self.family, services)
+            wanted, selections = select_and_render(state, self.config, self.family, services)
         render_seconds = time.perf_counter() - started
         updates: dict[Hashable, Fragment] = dict(wanted)
         for key in services:
             now = {p.name for p in state.ports_of(key)}
             for gone in self._owners.get(key, set()) - now:
                 updates[gone] = Fragment()
+                self.selections.pop(gone, None)
             if now:
                 self._owners[key] = now
             else:
                 self._owners.pop(key, None)
         result = self.applier.sync(updates, full=full)
+        self.selections.update(selections)
         return replace(result, render_seconds=render_seconds)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from pyproxy.model import IPFamily
 from pyproxy.nft import LibNftables
@@ -19,13 +20,16 @@ from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.snapshot import build_state
 
 _CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
 
 
-def libnft_in(netns: str) -> LibNftables:
-    """A LibNftables whose socket lives in the named namespace (`ip netns` name)."""
+def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """Run fn on a short-lived thread that entered the namespace: sockets it creates (a
+    libnftables context, a listening server) stay in that namespace afterwards. Threads that
+    fn starts inherit the namespace; the test's own threads never leave the root one."""
     made: dict[str, Any] = {}
 
-    def enter_and_create() -> None:
+    def enter_and_call() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
@@ -35,17 +39,21 @@ def libnft_in(netns: str) -> LibNftables:
                     raise OSError(err, f"setns {netns}: {os.strerror(err)}")
             finally:
                 os.close(fd)
-            made["nft"] = LibNftables()
+            made["result"] = fn()
         except BaseException as err:  # reported on the calling thread
             made["error"] = err
 
-    # The thread ends right after; its namespace switch dies with it.
-    thread = threading.Thread(target=enter_and_create, daemon=True)
+    thread = threading.Thread(target=enter_and_call, daemon=True)
     thread.start()
-    thread.join(10)
+    thread.join(30)
     if "error" in made:
         raise made["error"]
-    return made["nft"]  # type: ignore[no-any-return]
+    return made["result"]  # type: ignore[no-any-return]
+
+
+def libnft_in(netns: str) -> LibNftables:
+    """A LibNftables whose socket lives in the named namespace (`ip netns` name)."""
+    return call_in_netns(netns, LibNftables)
 
 
 class NodeProxy:

@@ -1,0 +1,301 @@
+"""`pyproxy run`: wiring the daemon together (the outermost shell).
+
+sources (API watches | snapshot file) → Proxier (cache + tracking) → runner → nftables,
+with health, metrics and conntrack cleanup listening to every sync.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from pyproxy.cache import Checkout, ClusterCache
+from pyproxy.config import ProxyConfig
+from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
+from pyproxy.daemon import Proxier, SyncRecord
+from pyproxy.explain import PortSelection
+from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.logs import setup_logging
+from pyproxy.metrics import Metrics
+from pyproxy.model import IPFamily, ServiceKey, ip_family
+from pyproxy.proxier import FamilyProxier
+from pyproxy.runner import BoundedFrequencyRunner
+from pyproxy.snapshot import ClusterState
+from pyproxy.sources import ApiSource, SnapshotSource
+
+log = structlog.get_logger("pyproxy")
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        except OSError as err:
+            log.warning("sd_notify failed", error=str(err))
+
+
+class ConntrackWorker:
+    """UDP conntrack cleanup off the sync path: dumping and deleting entries can take
+    seconds with many flows, and must not hold up the next sync. Requests coalesce."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+        self.pending: queue.Queue[tuple[IPFamily, Allowed]] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="conntrack", daemon=True)
+        self.thread.start()
+
+    def submit(self, family: IPFamily, allowed: Allowed) -> None:
+        self.pending.put((family, allowed))
+
+    def _run(self) -> None:
+        from pyproxy.netlink import ConntrackCleaner
+
+        cleaner = ConntrackCleaner()
+        while True:
+            family, allowed = self.pending.get()
+            result = cleaner.cleanup(family, allowed)
+            if result.deleted:
+                self.metrics.conntrack_deleted.labels(ip_family=str(family)).inc(result.deleted)
+                log.info("stale UDP conntrack entries deleted", family=str(family),
+                         deleted=result.deleted)
+
+
+@dataclass
+class DaemonObserver:
+    """Health, metrics, health-check node ports and conntrack cleanup after each sync."""
+
+    proxier_ref: Callable[[], Proxier]
+    families: tuple[IPFamily, ...]
+    node_ips: tuple[str, ...]
+    health: ProxyHealth
+    metrics: Metrics
+    service_health: ServiceHealth
+    hcnp_servers: ServiceHealthServers | None = None
+    conntrack: ConntrackWorker | None = None
+    on_first_sync: Callable[[], None] = lambda: None
+    after_sync: list[Callable[[], None]] = field(default_factory=list)
+    _udp_targets: dict[Any, UdpTarget] | None = None
+    _synced_once: bool = False
+
+    def queued(self) -> None:
+        self.health.queued()
+        self.metrics.last_queued.set_to_current_time()
+        services, endpoints = self.proxier_ref().cache.pending()
+        self.metrics.service_changes_pending.set(services)
+        self.metrics.endpoint_changes_pending.set(endpoints)
+
+    def failed(self, record: SyncRecord) -> None:
+        self.metrics.sync_failures.inc()
+
+    def synced(self, record: SyncRecord, checkout: Checkout) -> None:
+        proxier = self.proxier_ref()
+        state = proxier.cache.state()
+        self.health.updated()
+        self.health.set_node(proxier.cache.node)
+        m = self.metrics
+        m.sync_duration.observe(record.seconds)
+        (m.sync_full_duration if record.full else m.sync_partial_duration).observe(record.seconds)
+        for phase, seconds in (("render", record.render_seconds), ("diff", record.diff_seconds),
+                               ("kernel", record.kernel_seconds)):
+            m.sync_phase.labels(phase=phase).observe(seconds)
+        m.last_sync.set(record.started + record.seconds)
+        m.service_changes_total.inc(checkout.service_changes)
+        m.endpoint_changes_total.inc(checkout.endpoint_changes)
+        m.service_changes_pending.set(0)
+        m.endpoint_changes_pending.set(0)
+        m.observe_trigger_times(checkout.trigger_times, record.started + record.seconds)
+        self._service_health(state)
+        self._conntrack(state, None if record.full or checkout.topology_changed
+                        else checkout.services)
+        if not self._synced_once:
+            self._synced_once = True
+            self.on_first_sync()
+        for hook in self.after_sync:
+            hook()
+
+    def _service_health(self, state: ClusterState) -> None:
+        """Ports and local READY endpoint counts (distinct IPs, all ports and families)."""
+        node = self.proxier_ref().cache.node_name
+        ports: dict[ServiceKey, int] = {}
+        counts: dict[ServiceKey, int] = {}
+        for key, service_ports in state.ports_by_service.items():
+            hcnp = next((p.health_check_node_port for p in service_ports
+                         if p.health_check_node_port), 0)
+            if not hcnp:
+                continue
+            ports[key] = hcnp
+            ips = {ep.ip for p in service_ports for fam in self.families
+                   for ep in state.endpoints(p.name, fam) if ep.ready and ep.is_local(node)}
+            counts[key] = len(ips)
+        self.service_health.update(ports, counts)
+        if self.hcnp_servers is not None:
+            self.hcnp_servers.sync()
+
+    def _conntrack(self, state: ClusterState, services: frozenset[ServiceKey] | None) -> None:
+        if self.conntrack is None:
+            return
+        current = udp_targets(state, self.families, services)
+        previous = self._udp_targets
+        if previous is None or needs_cleanup(previous, current):
+            for family in self.families:
+                targets = [t for (name, fam), t in current.items() if fam is family]
+                if targets:
+                    self.conntrack.submit(family, allowed_map(targets, self.node_ips))
+        merged = dict(previous or {})
+        if services is None:
+            merged = dict(current)
+        else:
+            merged = {k: v for k, v in merged.items() if k[0].service not in services}
+            merged.update(current)
+        self._udp_targets = merged
+
+
+def current_selections(proxier: Proxier) -> list[PortSelection]:
+    """The selections in force, copied under the sync lock (for metrics and the live CLI)."""
+    with proxier.lock:
+        return [ps for family in proxier.proxiers for ps in family.selections.values()]
+
+
+def _families(node_ips: tuple[str, ...]) -> tuple[IPFamily, ...]:
+    found = tuple(dict.fromkeys(ip_family(ip) for ip in node_ips))
+    return found or (IPFamily.IPv4,)
+
+
+def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
+               api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits."""
+    setup_logging(config.logging_format, config.verbosity)
+    stop = stop or threading.Event()
+    node_name = config.node_name()
+    if node_ips is None:
+        from pyproxy.netlink import primary_addresses
+
+        node_ips = primary_addresses()
+    node_config = config.node_config(node_name, node_ips)
+    families = _families(node_config.node_ips)
+    for note in config.notes:
+        log.info("configuration", note=note)
+    log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
+             families=[str(f) for f in families],
+             source="snapshot" if config.snapshot else "api")
+
+    metrics = Metrics()
+    health = ProxyHealth(families, timeout=2 * config.sync_period)
+    service_health = ServiceHealth()
+    cache = ClusterCache(node_name)
+    proxier = Proxier(cache, [FamilyProxier(f, node_config) for f in families],
+                      full_sync_period=config.full_sync_period)
+    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, config.min_sync_period,
+                                    config.sync_period, config.sync_period)
+    proxier.request_sync = runner.run
+    hcnp_addresses = [ip for ip in node_config.node_ips] or ["0.0.0.0"]
+    observer = DaemonObserver(
+        lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
+        ServiceHealthServers(service_health, health, hcnp_addresses), ConntrackWorker(metrics),
+        on_first_sync=lambda: sd_notify("READY=1"))
+    metrics.watch_selections(lambda: current_selections(proxier))
+    proxier.observers.append(observer)
+
+    servers = _start_servers(config, health, metrics)
+    source: ApiSource | SnapshotSource
+    if config.snapshot:
+        source = SnapshotSource(config.snapshot, proxier, stop)
+        source.start()
+    else:
+        source = ApiSource(api_client or _api_client(config), proxier, node_name, stop)
+        source.start()
+        api = source
+        observer.after_sync.append(
+            lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
+
+    _install_signal_handlers(stop)
+    runner.loop(stop)
+    log.info("stopping; the rules stay in place")
+    sd_notify("STOPPING=1")
+    for server in servers:
+        server.stop()
+    if observer.hcnp_servers is not None:
+        observer.hcnp_servers.stop()
+    return 0
+
+
+class _MetricsServer:
+    def __init__(self, address: str, metrics: Metrics) -> None:
+        from prometheus_client import start_http_server
+
+        from pyproxy.health import parse_host_port
+
+        host, port, _ = parse_host_port(address)
+        self.server, self.thread = start_http_server(port, host, registry=metrics.registry)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _start_servers(config: ProxyConfig, health: ProxyHealth,
+                   metrics: Metrics) -> list[HealthServer | _MetricsServer]:
+    servers: list[HealthServer | _MetricsServer] = []
+    if config.healthz_bind_address:
+        try:
+            server = HealthServer(config.healthz_bind_address, health, metrics.count_health)
+            server.start()
+            servers.append(server)
+        except OSError as err:
+            if config.bind_address_hard_fail:
+                raise
+            log.error("healthz server not started", address=config.healthz_bind_address,
+                      error=str(err))
+    if config.metrics_bind_address:
+        try:
+            servers.append(_MetricsServer(config.metrics_bind_address, metrics))
+        except OSError as err:
+            if config.bind_address_hard_fail:
+                raise
+            log.error("metrics server not started", address=config.metrics_bind_address,
+                      error=str(err))
+    return servers
+
+
+def _api_client(config: ProxyConfig) -> Any:
+    from kubernetes import client
+    from kubernetes import config as kube_config
+
+    configuration = client.Configuration()
+    if config.kubeconfig:
+        kube_config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=config.kubeconfig,
+                                     client_configuration=configuration)
+    else:
+        kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=configuration)
+    if config.master:
+        configuration.host = config.master
+    return client.ApiClient(configuration)
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        log.info("signal received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)

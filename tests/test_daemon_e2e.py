@@ -1,0 +1,172 @@
+"""`pyproxy run` end to end: the real daemon in the node namespace, fed by a snapshot file or
+by the API emulator over a socket, with real backends and clients."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from apiemu import ApiEmulator
+from builders import ep, make_node, make_service, make_slice
+from netlab import Cluster, ConnResult, Lab, requires_netns, tally
+from nftns import call_in_netns
+
+pytestmark = [pytest.mark.netns, requires_netns]
+
+VIP = "10.96.0.10"
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Lab() as lab:
+        yield lab.standard_topology(backends=3)
+
+
+def objects(cluster: Cluster, pods: list[str], with_service: bool = True) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [make_node("node-a", "zone-1")]
+    if with_service:
+        out.append(make_service("ns", "web", ip=VIP))
+    out.append(make_slice("ns", "web", [ep(cluster.pods[p].ip4, "node-b") for p in pods]))
+    return out
+
+
+def start_daemon(cluster: Cluster, *extra: str, name: str = "pyproxy") -> subprocess.Popen[str]:
+    argv = [PYPROXY, "run", "--hostname-override", "node-a", "--bind-address", cluster.node_ip4,
+            "--cluster-cidr", f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
+            "--min-sync-period", "200ms", "--sync-period", "5s",
+            "--healthz-bind-address", "127.0.0.1:10256",
+            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", "", *extra]
+    return cluster.lab.popen(cluster.node, argv, log_name=f"{name}.log")
+
+
+def stop_daemon(cluster: Cluster, proc: subprocess.Popen[str]) -> None:
+    cluster.lab.stop_process(proc)
+
+
+def cleanup_tables(cluster: Cluster) -> None:
+    for family in ("ip", "ip6"):
+        cluster.node.run(["nft", "delete", "table", family, "pyproxy"], check=False)
+    cluster.lab.flush_conntrack(cluster.node)
+
+
+def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> float:
+    """Poll until check() holds; returns how long it took."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"not reached within {timeout}s: {what}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def backends(cluster: Cluster, count: int = 30) -> set[str]:
+    return set(tally(cluster.lab.connect(cluster.client, VIP, 80, count=count, parallel=10,
+                                         timeout=0.5)))
+
+
+def write_atomically(path: Path, docs: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(docs))
+    os.replace(tmp, path)
+
+
+def test_snapshot_mode_follows_the_file(cluster: Cluster, tmp_path: Path) -> None:
+    snapshot = tmp_path / "cluster.yaml"
+    write_atomically(snapshot, objects(cluster, ["pod-a", "pod-b"]))
+    daemon = start_daemon(cluster, "--snapshot", str(snapshot))
+    try:
+        eventually(lambda: backends(cluster) == {"pod-a", "pod-b"}, what="first sync")
+        write_atomically(snapshot, objects(cluster, ["pod-c"]))
+        took = eventually(lambda: backends(cluster, 10) == {"pod-c"}, what="endpoint change")
+        assert took < 5
+        write_atomically(snapshot, objects(cluster, ["pod-c"], with_service=False))
+        eventually(lambda: backends(cluster, 3) == {"timeout"}, what="service deleted")
+        # a broken file changes nothing
+        snapshot.write_text("{ not: yaml: at all")
+        time.sleep(0.6)
+        assert daemon.poll() is None
+    finally:
+        stop_daemon(cluster, daemon)
+        cleanup_tables(cluster)
+
+
+@pytest.fixture
+def emulator(cluster: Cluster) -> Iterator[ApiEmulator]:
+    # The emulator's listening socket lives in the node namespace (127.0.0.1 there), so the
+    # daemon reaches it while the test changes the cluster in-process.
+    emu = call_in_netns(cluster.node.full, lambda: ApiEmulator(bookmark_interval=1.0).start())
+    yield emu
+    emu.stop()
+
+
+class Probe:
+    """A continuous connection probe through the VIP, in the background."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.results: list[ConnResult] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.results += self.cluster.lab.connect(self.cluster.client, VIP, 80, count=20,
+                                                     timeout=1.0)
+
+    def finish(self) -> list[ConnResult]:
+        self.stop.set()
+        self.thread.join(30)
+        return self.results
+
+
+def test_api_mode_end_to_end(cluster: Cluster, emulator: ApiEmulator, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    emulator.write_kubeconfig(str(kubeconfig))
+    for obj in objects(cluster, ["pod-a"]):
+        emulator.create(obj["kind"], obj)
+    daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), name="pyproxy-api")
+    try:
+        eventually(lambda: backends(cluster) == {"pod-a"}, what="first sync from the API")
+        # scale up: traffic follows
+        scaled = objects(cluster, ["pod-a", "pod-b", "pod-c"])[-1]
+        emulator.apply("EndpointSlice", scaled)
+        eventually(lambda: backends(cluster, 40) == {"pod-a", "pod-b", "pod-c"}, what="scale up")
+
+        # the API goes away: traffic keeps flowing; changes made meanwhile arrive later
+        emulator.set_available(False, mode="503")
+        time.sleep(1.5)
+        assert backends(cluster, 30) == {"pod-a", "pod-b", "pod-c"}
+        emulator.apply("EndpointSlice", objects(cluster, ["pod-b"])[-1])
+        emulator.compact()
+        time.sleep(0.5)
+        assert "pod-a" in backends(cluster, 30)  # not seen yet: the API is away
+        emulator.set_available(True)
+        eventually(lambda: backends(cluster, 10) == {"pod-b"}, timeout=40,
+                   what="catch up after the API returns")
+
+        # restart under a continuous probe: no connection fails
+        probe = Probe(cluster)
+        time.sleep(0.5)
+        stop_daemon(cluster, daemon)
+        daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), name="pyproxy-api-2")
+        time.sleep(2.5)
+        results = probe.finish()
+        assert len(results) >= 40
+        assert tally(results) == {"pod-b": len(results)}, tally(results)
+
+        # the service is deleted: its address stops answering
+        emulator.delete("Service", "web", "ns")
+        eventually(lambda: backends(cluster, 3) == {"timeout"}, what="service deleted")
+    finally:
+        stop_daemon(cluster, daemon)
+        cleanup_tables(cluster)
