@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench clean
+.PHONY: all deps venv test unit lint bench demo clean
 
 all: test
 
@@ -43,6 +43,12 @@ unit: venv
 
 test: venv lint
 	$(BIN)/pytest -q
+
+demo: venv
+	scripts/demo.sh
+
+bench: venv
+	$(BIN)/python bench/bench_sync.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

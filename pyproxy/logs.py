@@ -12,10 +12,11 @@ import structlog
 _LEVELS = {0: logging.INFO, 1: logging.INFO, 2: logging.INFO, 3: logging.INFO}
 
 
-def setup_logging(fmt: str = "auto", verbosity: int = 0) -> None:
-    """fmt: "text", "json" or "auto" (text on a terminal, JSON elsewhere)."""
+def setup_logging(fmt: str = "text", verbosity: int = 0) -> None:
+    """fmt "json": JSON lines. "text" (kube-proxy's default): readable lines on a terminal,
+    JSON lines elsewhere, because a daemon's stderr is read by a log collector."""
     level = _LEVELS.get(verbosity, logging.DEBUG)
-    as_json = fmt == "json" or (fmt == "auto" and not sys.stderr.isatty())
+    as_json = fmt == "json" or not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
         structlog.processors.JSONRenderer() if as_json
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
