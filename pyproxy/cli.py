@@ -7,9 +7,12 @@ import ipaddress
 import json
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pyproxy.config import ConfigError, add_flags, from_args
+from pyproxy.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.explain import explain_report, format_table
+from pyproxy.formats import format_history, format_services, format_status, format_trace
 from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import FamilyProxier, NodeConfig, fragments, node_families
@@ -20,6 +23,7 @@ from pyproxy.snapshot import SnapshotError, load_snapshot
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3  # the live commands could not reach the daemon
 
 
 def _service_key(text: str) -> ServiceKey:
@@ -40,19 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
         "explain",
         help="show which endpoints a node uses for each service port, and why",
         description=(
-            "Read a cluster snapshot (Nodes, Services, EndpointSlices as `kubectl get -o yaml` "
-            "prints them) and show what NODE would do with every service port: the cluster "
-            "and local endpoint lists, the topology mode in force and the reasons."
+            "Show what a node does with every service port: the cluster and local endpoint "
+            "lists, the topology mode in force and the reasons. With -f, offline from a "
+            "cluster snapshot (Nodes, Services, EndpointSlices as `kubectl get -o yaml` "
+            "prints them) for --node; without, live from the running daemon."
         ),
     )
-    explain.add_argument("-f", "--file", required=True, help="snapshot file (YAML or JSON)")
-    explain.add_argument("--node", required=True, help="the node to explain for")
+    explain.add_argument("service_arg", nargs="?", type=_service_key, metavar="NS/NAME",
+                         help="only this service")
+    explain.add_argument("-f", "--file", help="snapshot file (YAML or JSON): offline mode")
+    explain.add_argument("--node", help="the node to explain for (offline mode)")
     explain.add_argument(
         "--service", type=_service_key, metavar="NS/NAME", help="only this service"
     )
     explain.add_argument(
         "-o", "--output", choices=("table", "json"), default="table", help="output format"
     )
+    _socket_flag(explain)
     explain.set_defaults(handler=_cmd_explain)
 
     for name, help_text in (
@@ -65,8 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=_cmd_render if name == "render" else _cmd_apply)
 
     cleanup = commands.add_parser(
-        "cleanup", help="remove everything pyproxy programmed (its nftables tables)")
+        "cleanup", help="remove everything pyproxy programmed (its nftables tables)",
+        description="Delete pyproxy's nftables tables (ip and ip6) in this network namespace.")
+    cleanup.add_argument("--kube-proxy", action="store_true",
+                         help="also remove what kube-proxy left behind (its nftables tables "
+                              "and KUBE-* iptables chains), when migrating")
     cleanup.set_defaults(handler=_cmd_cleanup)
+
+    _live_commands(commands)
 
     run = commands.add_parser(
         "run", help="run the proxy: keep this node's nftables rules in step with the cluster",
@@ -90,9 +104,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return run_daemon(config)
 
 
-def _node_flags(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--node", "--hostname-override", dest="node", required=True,
-                     help="the node's name (as in its Node object)")
+def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
+    if required:
+        cmd.add_argument("--node", "--hostname-override", dest="node", required=True,
+                         help="the node's name (as in its Node object)")
     cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
                      help="this node's address (repeat for dual-stack); NodePorts listen on it")
     cmd.add_argument("--cluster-cidr", default="",
@@ -162,20 +177,174 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 def _cmd_cleanup(args: argparse.Namespace) -> int:
     for family in IPFamily:
         Applier(family.nft_family).cleanup()
+    if args.kube_proxy:
+        from pyproxy.kubeproxy_cleanup import cleanup_kube_proxy
+
+        for line in cleanup_kube_proxy():
+            print(line)
     return EXIT_OK
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
-    state = load_snapshot(args.file)
-    report = explain_report(state, args.node, args.service)
-    if args.service is not None and not report["services"] and not report["skipped"]:
-        print(f"pyproxy: service {args.service} is not in the snapshot", file=sys.stderr)
+    service = args.service_arg or args.service
+    if args.file:
+        if not args.node:
+            raise UsageError("explain -f needs --node")
+        state = load_snapshot(args.file)
+        report = explain_report(state, args.node, service)
+        where = "in the snapshot"
+    else:
+        report = ask(args.socket, "/explain", service=service)
+        where = "known to the daemon"
+    if service is not None and not report["services"] and not report["skipped"]:
+        print(f"pyproxy: service {service} is not {where}", file=sys.stderr)
         return EXIT_ERROR
     if args.output == "json":
-        json.dump(report, sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        _print_json(report)
     else:
         sys.stdout.write(format_table(report))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# Live commands: ask the running daemon over its debug socket
+
+
+def _socket_flag(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--socket", default=DEFAULT_SOCKET,
+                     help=f"the daemon's debug socket (default {DEFAULT_SOCKET})")
+
+
+def _live_commands(commands: Any) -> None:
+    status = commands.add_parser(
+        "status", help="the running daemon: sync health, last syncs, counts, API connection",
+        description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
+                    "healthy, 3 the daemon cannot be reached.")
+    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(status)
+    status.set_defaults(handler=_cmd_status)
+
+    services = commands.add_parser(
+        "services", help="each service port, its addresses and the endpoints this node uses",
+        description="The service ports the daemon programs, with the endpoints in force "
+                    "and the topology mode (kubectl-style table).")
+    services.add_argument("service", nargs="?", type=_service_key, metavar="NS/NAME")
+    services.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
+    _socket_flag(services)
+    services.set_defaults(handler=_cmd_services)
+
+    trace = commands.add_parser(
+        "trace", help="where a new connection goes through this node's rules",
+        description="Follow a new connection through the rules the node programmed: the "
+                    "service matched, the chains walked, the DNAT candidates and their odds, "
+                    "masquerade or not, reject/drop. Live from the daemon's committed state, "
+                    "or offline with -f SNAPSHOT and the node flags.")
+    trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
+    trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
+                       help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
+    trace.add_argument("--from-node", action="store_true",
+                       help="the connection starts on the node itself (output hook)")
+    trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    trace.add_argument("-f", "--file", help="snapshot file: trace offline")
+    trace.add_argument("--node", "--hostname-override", dest="node",
+                       help="the node (offline mode)")
+    _node_flags(trace, required=False)
+    _socket_flag(trace)
+    trace.set_defaults(handler=_cmd_trace)
+
+    diff = commands.add_parser(
+        "diff", help="what differs between the rules committed and what the kernel holds",
+        description="Compare the rules the daemon believes it committed with the kernel's. "
+                    "Exit code 0 identical, 1 different, 3 the daemon cannot be reached.")
+    diff.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(diff)
+    diff.set_defaults(handler=_cmd_diff)
+
+    history = commands.add_parser(
+        "history", help="the last syncs: what changed, why, how long each phase took")
+    history.add_argument("-n", type=int, default=20, help="how many (default 20)")
+    history.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(history)
+    history.set_defaults(handler=_cmd_history)
+
+
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = ask(args.socket, "/status")
+    if args.output == "json":
+        _print_json(status)
+    else:
+        sys.stdout.write(format_status(status))
+    return EXIT_OK if status["healthy"] else EXIT_ERROR
+
+
+def _cmd_services(args: argparse.Namespace) -> int:
+    entries = ask(args.socket, "/services", service=args.service)
+    if args.output == "json":
+        _print_json(entries)
+    else:
+        sys.stdout.write(format_services(entries, wide=args.output == "wide"))
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    if args.file:
+        if not args.node:
+            raise UsageError("trace -f needs --node")
+        result = _offline_trace(args)
+    else:
+        result = ask(args.socket, "/trace", src=args.src, dst=args.dst,
+                     from_node="1" if args.from_node else None)
+    if args.output == "json":
+        _print_json(result)
+    else:
+        sys.stdout.write(format_trace(result))
+    return EXIT_OK
+
+
+def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
+    from pyproxy.live import parse_destination
+    from pyproxy.model import ip_family
+    from pyproxy.trace import trace
+
+    state = load_snapshot(args.file)
+    config = _node_config(args)
+    try:
+        dst, port, proto = parse_destination(args.dst)
+        family = ip_family(dst)
+        ipaddress.ip_address(args.src)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    desired = DesiredState()
+    for owner, fragment in fragments(state, config, family).items():
+        desired.set(owner, fragment, Change())
+    return trace(desired, config.render_config(family), args.src, dst, port, proto,
+                 from_node=args.from_node).as_dict()
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    result: dict[str, list[str]] = ask(args.socket, "/diff", timeout=600)
+    if args.output == "json":
+        _print_json(result)
+    else:
+        for family, lines in result.items():
+            print(f"table {family} {TABLE}: " + ("identical" if not lines else
+                                                  f"{len(lines)} difference(s)"))
+            for line in lines:
+                print(f"  {line}")
+    return EXIT_ERROR if any(result.values()) else EXIT_OK
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    records = ask(args.socket, "/history", n=args.n)
+    if args.output == "json":
+        _print_json(records)
+    else:
+        sys.stdout.write(format_history(records))
     return EXIT_OK
 
 
@@ -186,6 +355,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SnapshotError, NftError) as err:
         print(f"pyproxy: {err}", file=sys.stderr)
         return EXIT_ERROR
+    except DebugError as err:
+        print(f"pyproxy: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
     except UsageError as err:
         print(f"pyproxy: {err}", file=sys.stderr)
         return EXIT_USAGE

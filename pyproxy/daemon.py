@@ -24,6 +24,8 @@ from pyproxy.proxier import FamilyProxier
 
 log = structlog.get_logger("pyproxy.sync")
 
+REPAIR_REASON = "table changed by someone else"
+
 
 @dataclass(frozen=True)
 class SyncRecord:
@@ -64,12 +66,16 @@ class Proxier:
     wall_clock: Callable[[], float] = time.time
     observers: list[SyncObserver] = field(default_factory=list)
     request_sync: Callable[[], None] = lambda: None
+    on_invalid: list[Callable[[Skipped], None]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     history: deque[SyncRecord] = field(default_factory=lambda: deque(maxlen=100))
     skipped_total: dict[str, int] = field(default_factory=dict)
     _sources: dict[str, bool] = field(default_factory=dict)
+    # How often the table's structure is checked against what we committed (tampering).
+    verify_period: float = 30.0
     _need_full: bool = True
     _last_full: float = float("-inf")
+    _last_verify: float = float("-inf")
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -109,6 +115,8 @@ class Proxier:
     def _record(self, skipped: Skipped | None) -> None:
         if skipped is not None and skipped.invalid:
             self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1
+            for hook in self.on_invalid:
+                hook(skipped)
             log.warning("invalid object skipped", object=skipped.object, reason=skipped.reason)
         if self.cache.has_pending():
             for observer in self.observers:
@@ -133,6 +141,12 @@ class Proxier:
             now = self.clock()
             full, reason = self._full_reason(now)
             checkout = self.cache.checkout()
+            if not full and not checkout.services and not checkout.topology_changed \
+                    and now - self._last_verify >= self.verify_period:
+                self._last_verify = now
+                if not all(p.applier.structure_intact() for p in self.proxiers):
+                    log.warning("pyproxy's table was changed by someone else: repairing")
+                    full, reason = True, REPAIR_REASON
             changed = None if (full or checkout.topology_changed) else checkout.services
             if checkout.topology_changed and not full:
                 reason = "node labels changed"

@@ -49,7 +49,7 @@ def explain_report(
 ) -> dict[str, Any]:
     node = state.node(node_name)
     entries = [
-        _entry(ps) for ps in select_all(state, node_name)
+        port_entry(ps) for ps in select_all(state, node_name)
         if service is None or ps.port.name.service == service
     ]
     skipped = [
@@ -74,7 +74,7 @@ def _endpoint_list(endpoints: tuple[Endpoint, ...] | None) -> list[str] | None:
     return None if endpoints is None else [ep.key for ep in endpoints]
 
 
-def _entry(ps: PortSelection) -> dict[str, Any]:
+def port_entry(ps: PortSelection) -> dict[str, Any]:
     port, sel = ps.port, ps.selection
     return {
         "service": str(port.name.service),

@@ -4,6 +4,7 @@ in-memory mirror of what was committed, so a partial sync never reads the kernel
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import time
 from collections.abc import Callable, Hashable, Mapping
@@ -46,6 +47,21 @@ class LibNftables:
             raise NftError(_first_lines(err or out or f"nft exited {rc}"))
         return str(out)
 
+    def list_structure(self, family: str) -> str | None:
+        """Our table without set elements (terse): chains, rules, set declarations. Cheap,
+        since the layout has few chains. None when the table does not exist."""
+        self._nft.set_terse_output(True)
+        try:
+            rc, out, _ = self._nft.cmd(f"list table {family} {TABLE}")
+        finally:
+            self._nft.set_terse_output(False)
+        return str(out) if rc == 0 else None
+
+    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
+        """The elements of one set or map as nft prints them (None: no such set)."""
+        rc, out, _ = self._nft.cmd(f"list {kind} {family} {TABLE} {name}")
+        return parse_elements(str(out)) if rc == 0 else None
+
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         """Names of our table's chains and sets (terse: no elements, no affinity state)."""
         self._nft.set_json_output(True)
@@ -64,6 +80,32 @@ class LibNftables:
             elif "set" in obj or "map" in obj:
                 sets.append((obj.get("set") or obj.get("map"))["name"])
         return chains, sets
+
+
+def parse_elements(listing: str) -> list[str]:
+    """Elements from `nft list set|map` output: the text between `elements = {` and its
+    closing brace, split at the top-level commas."""
+    start = listing.find("elements = {")
+    if start < 0:
+        return []
+    body = listing[start + len("elements = {"):]
+    depth = 0
+    current: list[str] = []
+    out: list[str] = []
+    for char in body:
+        if char == "}" and depth == 0:
+            break
+        if char == "{":
+            depth += 1
+        elif char == "}":
+            depth -= 1
+        if char == "," and depth == 0:
+            out.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    out.append("".join(current))
+    return [" ".join(e.split()) for e in out if e.strip()]
 
 
 def _first_lines(text: str, limit: int = 20) -> str:
@@ -96,6 +138,9 @@ class Applier:
     started: bool = False
     stale_chains: dict[str, float] = field(default_factory=dict)
     last_script: str = ""
+    # The terse listing right after our last commit that changed chains or sets: what a
+    # later listing must still show, unless someone else changed the table.
+    committed_structure: str | None = None
 
     def sync(self, updates: Mapping[Hashable, Fragment], full: bool = False) -> SyncResult:
         t0 = self.clock()
@@ -130,6 +175,8 @@ class Applier:
         if full:
             self.need_full = False
             self.started = True
+        if full or any(kind != "element" for kind, _, _ in change.after):
+            self.committed_structure = self._structure()
         return SyncResult(full, script.count("\n"), change.touched(), t1 - t0, t2 - t1,
                           len(script))
 
@@ -152,6 +199,53 @@ class Applier:
             return  # retried at the next sync; a full sync finds them again anyway
         for name in due:
             del self.stale_chains[name]
+
+    def _structure(self) -> str | None:
+        lister = getattr(self.nft, "list_structure", None)
+        return lister(self.family) if lister else None
+
+    def structure_intact(self) -> bool:
+        """Whether chains, rules and set declarations are as we left them (cheap)."""
+        if self.committed_structure is None:
+            return True
+        return self._structure() == self.committed_structure
+
+    def diff(self, limit: int = 50) -> list[str]:
+        """What differs between what we committed and what the kernel holds: the structure
+        (chains, rules, declarations) and the elements of every set and map. Lists the
+        elements, so it costs time proportional to the table: for `pyproxy diff`."""
+        out: list[str] = []
+        current = self._structure()
+        if self.committed_structure is not None and current != self.committed_structure:
+            if current is None:
+                return [f"table {self.family} {TABLE} is missing"]
+            out.extend(difflib.unified_diff(
+                self.committed_structure.splitlines(), current.splitlines(),
+                "committed", "kernel", lineterm="", n=1))
+        lister = getattr(self.nft, "list_elements", None)
+        if lister is None:
+            return out
+        for name, kind, wanted in self._desired_elements():
+            found = lister(self.family, kind, name)
+            if found is None:
+                out.append(f"{kind} {name}: missing")
+                continue
+            have = set(found)
+            for element in sorted(wanted - have)[:limit]:
+                out.append(f"{kind} {name}: missing element {element}")
+            for element in sorted(have - wanted)[:limit]:
+                out.append(f"{kind} {name}: unexpected element {element}")
+        return out
+
+    def _desired_elements(self) -> list[tuple[str, str, set[str]]]:
+        declared: dict[str, str] = {}
+        elements: dict[str, set[str]] = {}
+        for (kind, container, key), value in self.state.slots():
+            if kind == "set" and "dynamic" not in value:
+                declared[container] = value.split(" ", 1)[0]
+            elif kind == "element":
+                elements.setdefault(container, set()).add(" ".join((key + value).split()))
+        return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]
 
     def cleanup(self) -> None:
         """Remove the table and everything in it."""

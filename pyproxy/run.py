@@ -6,6 +6,7 @@ with health, metrics and conntrack cleanup listening to every sync.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import signal
@@ -20,9 +21,11 @@ import structlog
 from pyproxy.cache import Checkout, ClusterCache
 from pyproxy.config import ProxyConfig
 from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
-from pyproxy.daemon import Proxier, SyncRecord
+from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
+from pyproxy.debug import DebugServer
 from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.live import handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
 from pyproxy.model import IPFamily, ServiceKey, ip_family
@@ -108,6 +111,8 @@ class DaemonObserver:
         self.health.updated()
         self.health.set_node(proxier.cache.node)
         m = self.metrics
+        if record.reason == REPAIR_REASON:
+            m.table_repairs.inc()
         m.sync_duration.observe(record.seconds)
         (m.sync_full_duration if record.full else m.sync_partial_duration).observe(record.seconds)
         for phase, seconds in (("render", record.render_seconds), ("diff", record.diff_seconds),
@@ -199,7 +204,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     proxier = Proxier(cache, [FamilyProxier(f, node_config) for f in families],
-                      full_sync_period=config.full_sync_period)
+                      full_sync_period=config.full_sync_period,
+                      verify_period=config.sync_period)
     runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, config.min_sync_period,
                                     config.sync_period, config.sync_period)
     proxier.request_sync = runner.run
@@ -209,6 +215,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         ServiceHealthServers(service_health, health, hcnp_addresses), ConntrackWorker(metrics),
         on_first_sync=lambda: sd_notify("READY=1"))
     metrics.watch_selections(lambda: current_selections(proxier))
+    proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)
 
     servers = _start_servers(config, health, metrics)
@@ -223,15 +230,40 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
 
+    debug = _start_debug(config, proxier, health, runner, source)
     _install_signal_handlers(stop)
     runner.loop(stop)
     log.info("stopping; the rules stay in place")
     sd_notify("STOPPING=1")
     for server in servers:
         server.stop()
+    if debug is not None:
+        debug.stop()
     if observer.hcnp_servers is not None:
         observer.hcnp_servers.stop()
     return 0
+
+
+def _start_debug(config: ProxyConfig, proxier: Proxier, health: ProxyHealth,
+                 runner: BoundedFrequencyRunner,
+                 source: ApiSource | SnapshotSource) -> DebugServer | None:
+    if not config.debug_socket:
+        return None
+
+    def source_status() -> Any:
+        if isinstance(source, SnapshotSource):
+            return {"snapshot": source.path, "loads": source.loads, "errors": source.errors,
+                    "lastError": source.last_error}
+        return {"api": [dataclasses.asdict(s) for s in source.status()]}
+
+    try:
+        server = DebugServer(config.debug_socket,
+                             handlers(proxier, health, runner, source_status))
+    except OSError as err:
+        log.error("debug socket not served", path=config.debug_socket, error=str(err))
+        return None
+    server.start()
+    return server
 
 
 class _MetricsServer:

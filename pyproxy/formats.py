@@ -1,0 +1,115 @@
+"""Tables for people, from the JSON the live commands receive (kubectl-style)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+
+def align(rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def _ago(timestamp: float | None) -> str:
+    if not timestamp:
+        return "never"
+    seconds = max(0.0, time.time() - timestamp)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _sync(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "none yet"
+    kind = "full" if record["full"] else "partial"
+    text = (f"{_ago(record['started'])}, {kind} ({record['reason']}), "
+            f"{record['seconds'] * 1000:.1f} ms, {record['commands']} commands")
+    return text + (f", FAILED: {record['error']}" if record.get("error") else "")
+
+
+def format_status(s: dict[str, Any]) -> str:
+    lines = [
+        f"node:              {s['node']} ({', '.join(s['families'])})",
+        f"healthy:           {'yes' if s['healthy'] else 'NO'}"
+        f" (node eligible for traffic: {'yes' if s['nodeEligible'] else 'no'})",
+        "initial lists:     " + ", ".join(
+            f"{name} {'done' if done else 'PENDING'}" for name, done in s["sources"].items()),
+        f"services:          {s['services']} ({s['servicePorts']} service ports programmed)",
+        f"pending changes:   {s['pendingChanges']['services']} services, "
+        f"{s['pendingChanges']['endpoints']} endpoint sets",
+        f"syncs:             {s['syncs']} ({s['syncFailures']} failed)",
+        f"last sync:         {_sync(s['lastSync'])}",
+        f"last full sync:    {_sync(s['lastFullSync'])}",
+        f"last partial sync: {_sync(s['lastPartialSync'])}",
+    ]
+    if s["invalidObjects"]:
+        lines.append("invalid objects:   " + ", ".join(
+            f"{kind} {count}" for kind, count in sorted(s["invalidObjects"].items())))
+    source = s.get("source") or {}
+    if "snapshot" in source:
+        last = f": {source['lastError']}" if source["lastError"] else ""
+        lines.append(f"source:            snapshot {source['snapshot']} ({source['loads']} "
+                     f"loads, {source['errors']} errors{last})")
+    for watch in source.get("api", []):
+        state = "connected" if watch["connected"] else "DISCONNECTED"
+        lines.append(f"watch {watch['kind']:<13}{state}, resourceVersion "
+                     f"{watch['resource_version'] or '-'}, {watch['events']} events, "
+                     f"{watch['lists']} lists, {watch['errors']} errors"
+                     + (f" (last: {watch['last_error']})" if watch["last_error"] else ""))
+    return "\n".join(lines) + "\n"
+
+
+def _endpoints(value: list[str] | None) -> str:
+    if value is None:
+        return "-"
+    return ",".join(value) if value else "<none>"
+
+
+def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
+    header = ["SERVICE", "PORT", "TYPE", "CLUSTER-IP", "NODEPORT", "TOPOLOGY", "ENDPOINTS"]
+    if wide:
+        header += ["LOCAL-ENDPOINTS", "EXTERNAL-IPS", "POLICIES", "AFFINITY"]
+    rows = [header]
+    for e in entries:
+        row = [e["service"], f"{e['servicePort']}/{e['protocol']}"
+               + (f" ({e['port']})" if e["port"] else ""),
+               e["type"], ",".join(e["clusterIPs"]) or "-", str(e["nodePort"] or "-"),
+               e["topology"], _endpoints(e["clusterEndpoints"])]
+        if wide:
+            row += [_endpoints(e["localEndpoints"]),
+                    ",".join(e["externalIPs"] + e["loadBalancerIPs"]) or "-",
+                    f"int={e['internalTrafficPolicy']},ext={e['externalTrafficPolicy']}",
+                    e["sessionAffinity"]]
+        rows.append(row)
+    return "\n".join(align(rows)) + "\n"
+
+
+def format_trace(t: dict[str, Any]) -> str:
+    lines = [f"{t['src']} -> {t['dst']}: {t['verdict']}"
+             + (f" (service {t['service']})" if t["service"] else "")]
+    lines.extend(f"  {step}" for step in t["steps"])
+    for c in t["candidates"]:
+        lines.append(f"  -> {c['endpoint']}  {c['probability'] * 100:.1f}%")
+    if t["verdict"] == "DNAT":
+        lines.append("  source: " + ("masqueraded to the node's address" if t["masquerade"]
+                                     else "client address preserved"))
+    return "\n".join(lines) + "\n"
+
+
+def format_history(records: list[dict[str, Any]]) -> str:
+    rows = [["WHEN", "KIND", "REASON", "SERVICES", "ENDPOINTS", "RENDER", "DIFF", "KERNEL",
+             "COMMANDS", "RESULT"]]
+    for r in records:
+        rows.append([
+            _ago(r["started"]), "full" if r["full"] else "partial", r["reason"],
+            str(r["services_changed"]), str(r["endpoints_changed"]),
+            f"{r['render_seconds'] * 1000:.1f}ms", f"{r['diff_seconds'] * 1000:.1f}ms",
+            f"{r['kernel_seconds'] * 1000:.1f}ms", str(r["commands"]),
+            "ok" if not r["error"] else f"FAILED: {r['error'][:60]}"])
+    return "\n".join(align(rows)) + "\n"

@@ -1,0 +1,116 @@
+"""What the daemon answers on its debug socket: status, services, explain, trace, diff and
+history, computed from the live state under the sync lock."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pyproxy.debug import Handler
+from pyproxy.explain import explain_report, port_entry
+from pyproxy.health import ProxyHealth
+from pyproxy.model import ServiceKey, ip_family
+from pyproxy.proxier import FamilyProxier
+from pyproxy.runner import BoundedFrequencyRunner
+from pyproxy.trace import trace
+
+from pyproxy.daemon import Proxier, SyncRecord  # isort: skip
+
+
+def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    out = dataclasses.asdict(record)
+    out["seconds"] = record.seconds
+    return out
+
+
+def parse_destination(text: str) -> tuple[str, int, str]:
+    """"IP:PORT/PROTO" (IPv6 as "[IP]:PORT/PROTO"; PROTO defaults to tcp)."""
+    address, _, proto = text.partition("/")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"destination {text!r}: expected IP:PORT[/PROTO]")
+    proto = (proto or "tcp").lower()
+    if proto not in ("tcp", "udp", "sctp"):
+        raise ValueError(f"destination {text!r}: protocol must be tcp, udp or sctp")
+    return host.strip("[]"), int(port), proto
+
+
+def service_key(text: str) -> ServiceKey:
+    namespace, sep, name = text.partition("/")
+    if not sep or not namespace or not name:
+        raise ValueError(f"expected NAMESPACE/NAME, got {text!r}")
+    return ServiceKey(namespace, name)
+
+
+def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[str, Any]:
+    dst, port, proto = parse_destination(query.get("dst", ""))
+    src = query.get("src") or ""
+    family = ip_family(dst)
+    for proxier in proxiers:
+        if proxier.family is family:
+            cfg = proxier.config.render_config(family)
+            result = trace(proxier.applier.state, cfg, src, dst, port, proto,
+                           from_node=query.get("from_node") == "1")
+            return result.as_dict()
+    raise ValueError(f"this node does not proxy {family}")
+
+
+def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
+             source_status: Callable[[], Any]) -> dict[str, Handler]:
+    def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:
+        def handle(query: Mapping[str, str]) -> tuple[int, Any]:
+            with proxier.lock:
+                return 200, fn(query)
+        return handle
+
+    def status(query: Mapping[str, str]) -> Any:
+        history = list(proxier.history)
+        ok = [r for r in history if r.error is None]
+        services, endpoints = proxier.cache.pending()
+        stats = runner.stats()
+        return {
+            "node": proxier.cache.node_name,
+            "families": [str(p.family) for p in proxier.proxiers],
+            "initialized": proxier.initialized,
+            "sources": proxier.sources(),
+            "healthy": health.healthy(),
+            "nodeEligible": health.node_eligible(),
+            "services": len(proxier.cache.services()),
+            "servicePorts": sum(len(p.selections) for p in proxier.proxiers),
+            "pendingChanges": {"services": services, "endpoints": endpoints},
+            "invalidObjects": dict(proxier.skipped_total),
+            "syncs": stats.runs, "syncFailures": stats.failures,
+            "lastSync": record_dict(history[-1] if history else None),
+            "lastFullSync": record_dict(next((r for r in reversed(ok) if r.full), None)),
+            "lastPartialSync": record_dict(next((r for r in reversed(ok) if not r.full),
+                                                None)),
+            "source": source_status(),
+        }
+
+    def services(query: Mapping[str, str]) -> Any:
+        wanted = service_key(query["service"]) if query.get("service") else None
+        entries = [port_entry(ps) for p in proxier.proxiers for ps in p.selections.values()
+                   if wanted is None or ps.port.name.service == wanted]
+        return sorted(entries, key=lambda e: (e["service"], e["port"], e["ipFamily"]))
+
+    def explain(query: Mapping[str, str]) -> Any:
+        wanted = service_key(query["service"]) if query.get("service") else None
+        return explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
+
+    def trace_handler(query: Mapping[str, str]) -> Any:
+        return trace_in(proxier.proxiers, query)
+
+    def diff(query: Mapping[str, str]) -> Any:
+        return {p.applier.family: p.applier.diff() for p in proxier.proxiers}
+
+    def history(query: Mapping[str, str]) -> Any:
+        count = int(query.get("n") or 20)
+        return [record_dict(r) for r in list(proxier.history)[-count:]]
+
+    return {
+        "/status": locked(status), "/services": locked(services), "/explain": locked(explain),
+        "/trace": locked(trace_handler), "/diff": locked(diff), "/history": locked(history),
+    }
