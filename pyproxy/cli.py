@@ -242,6 +242,8 @@ def _live_commands(commands: Any) -> None:
     trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
     trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
                        help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
+    trace.add_argument("--sport", type=int, metavar="PORT",
+                       help="the client's source port (Maglev hashes address and port)")
     trace.add_argument("--from-node", action="store_true",
                        help="the connection starts on the node itself (output hook)")
     trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
@@ -297,7 +299,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
             raise UsageError("trace -f needs --node")
         result = _offline_trace(args)
     else:
-        result = ask(args.socket, "/trace", src=args.src, dst=args.dst,
+        result = ask(args.socket, "/trace", src=args.src, dst=args.dst, sport=args.sport,
                      from_node="1" if args.from_node else None)
     if args.output == "json":
         _print_json(result)
@@ -323,7 +325,7 @@ def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
     for owner, fragment in fragments(state, config, family).items():
         desired.set(owner, fragment, Change())
     return trace(desired, config.render_config(family), args.src, dst, port, proto,
-                 from_node=args.from_node).as_dict()
+                 from_node=args.from_node, sport=args.sport).as_dict()
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

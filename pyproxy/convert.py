@@ -15,14 +15,20 @@ from datetime import date, datetime
 from typing import Any
 
 from pyproxy.model import (
+    ANNOTATION_BALANCING,
+    ANNOTATION_ENDPOINT_WEIGHTS,
+    ANNOTATION_HASH_SEED,
     ANNOTATION_TOPOLOGY_AWARE_HINTS,
     ANNOTATION_TOPOLOGY_KEYS,
     ANNOTATION_TOPOLOGY_MODE,
     ANNOTATION_TRIGGER_TIME,
+    ANNOTATION_WEIGHT,
     DEFAULT_AFFINITY_TIMEOUT,
+    DEFAULT_HASH_SEED,
     LABEL_HEADLESS,
     LABEL_SERVICE_NAME,
     LABEL_SERVICE_PROXY_NAME,
+    MAX_WEIGHT,
     TAINT_TO_BE_DELETED,
     TOPOLOGY_KEY_ANY,
     Endpoint,
@@ -290,6 +296,7 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
         ANNOTATION_TOPOLOGY_AWARE_HINTS
     )
     topology_keys = _topology_keys(spec, annotations)
+    balancing, seed, weights, balancing_note = _balancing(annotations)
 
     raw_ports = _list(spec.get("ports"), "spec.ports", MAX_SERVICE_PORTS)
     if not raw_ports:
@@ -330,9 +337,56 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
                 traffic_distribution=distribution,
                 topology_mode_annotation=topology_mode,
                 topology_keys=topology_keys,
+                balancing=balancing,
+                hash_seed=seed,
+                endpoint_weights=weights,
+                balancing_note=balancing_note,
             )
         )
     return tuple(ports)
+
+
+_ALGORITHMS = ("random", "round-robin", "source-hash", "maglev")
+
+
+def _balancing(
+    annotations: Mapping[str, str],
+) -> tuple[str, int, tuple[tuple[str, int], ...], str | None]:
+    """pyproxy's balancing annotations. Unlike other fields, a bad value here does not skip
+    the service: it keeps working with kube-proxy's behaviour (random, equal weights) and
+    the note says why."""
+    notes: list[str] = []
+    algorithm = annotations.get(ANNOTATION_BALANCING, "random").strip().lower() or "random"
+    if algorithm not in _ALGORITHMS:
+        notes.append(f"{ANNOTATION_BALANCING}={algorithm[:40]!r} is not one of "
+                     f"{', '.join(_ALGORITHMS)}: using random")
+        algorithm = "random"
+    seed = DEFAULT_HASH_SEED
+    if ANNOTATION_HASH_SEED in annotations:
+        try:
+            seed = int(annotations[ANNOTATION_HASH_SEED].strip(), 0)
+            if not 0 <= seed <= 0xFFFFFFFF:
+                raise ValueError
+        except ValueError:
+            notes.append(f"{ANNOTATION_HASH_SEED} is not a 32-bit number: using the default")
+            seed = DEFAULT_HASH_SEED
+    weights: list[tuple[str, int]] = []
+    for item in annotations.get(ANNOTATION_ENDPOINT_WEIGHTS, "").split(","):
+        if not item.strip():
+            continue
+        address, _, value = item.partition("=")
+        try:
+            ip = str(ipaddress.ip_address(address.strip()))
+            weight = int(value.strip())
+            if not 0 <= weight <= MAX_WEIGHT:
+                raise ValueError
+        except ValueError:
+            notes.append(f"{ANNOTATION_ENDPOINT_WEIGHTS}: {item.strip()[:60]!r} is not "
+                         f"IP=WEIGHT (0..{MAX_WEIGHT}): weights from it ignored")
+            weights = []
+            break
+        weights.append((ip, weight))
+    return algorithm, seed, tuple(weights), "; ".join(notes) or None
 
 
 def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:
@@ -462,8 +516,9 @@ def _slice(data: Any) -> SliceEndpoints:
     family = IPFamily(address_type)
     ports = _slice_ports(data.get("ports"))
     raw_endpoints = _list(data.get("endpoints"), "endpoints", MAX_SLICE_ENDPOINTS)
+    weight = _slice_weight(annotations)
     endpoints = tuple(
-        _endpoint(raw, f"endpoints[{i}]", family) for i, raw in enumerate(raw_endpoints)
+        _endpoint(raw, f"endpoints[{i}]", family, weight) for i, raw in enumerate(raw_endpoints)
     )
     return SliceEndpoints(
         service=ServiceKey(namespace, service),
@@ -494,7 +549,17 @@ def _slice_ports(value: Any) -> tuple[tuple[str, Protocol, int], ...]:
     return tuple(out)
 
 
-def _endpoint(raw: Any, field: str, family: IPFamily) -> Endpoint:
+def _slice_weight(annotations: Mapping[str, str]) -> int | None:
+    if ANNOTATION_WEIGHT not in annotations:
+        return None
+    text = annotations[ANNOTATION_WEIGHT].strip()
+    if not text.isdigit() or int(text) > MAX_WEIGHT:
+        raise Invalid(f"annotation {ANNOTATION_WEIGHT}: {text[:40]!r} is not a weight "
+                      f"0..{MAX_WEIGHT}")
+    return int(text)
+
+
+def _endpoint(raw: Any, field: str, family: IPFamily, weight: int | None = None) -> Endpoint:
     raw = _mapping(raw, field)
     addresses = _list(raw.get("addresses"), f"{field}.addresses", 100)
     if not addresses:
@@ -521,6 +586,7 @@ def _endpoint(raw: Any, field: str, family: IPFamily) -> Endpoint:
         topology=tuple(
             sorted(_labels(raw.get("deprecatedTopology"), f"{field}.deprecatedTopology").items())
         ),
+        weight=weight,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pyproxy.balancing import MAGLEV_TABLE_SIZE, Algorithm, effective_weights
 from pyproxy.model import Endpoint, IPFamily, ServiceKey, ServicePort, ip_family
 from pyproxy.snapshot import ClusterState
 from pyproxy.topology import Selection, select_endpoints
@@ -94,8 +95,45 @@ def port_entry(ps: PortSelection) -> dict[str, Any]:
         "clusterEndpoints": _endpoint_list(sel.cluster),
         "localEndpoints": _endpoint_list(sel.local),
         "hasEndpoints": sel.has_any_endpoints,
-        "reasons": list(sel.reasons),
+        "balancing": port.balancing,
+        "weights": _weights(port, sel),
+        "reasons": list(sel.reasons) + _balancing_reasons(port, sel),
     }
+
+
+def _weights(port: ServicePort, sel: Selection) -> dict[str, int]:
+    """Endpoint weights that differ from 1 (both lists)."""
+    endpoints = {ep.key: ep for ep in (*(sel.cluster or ()), *(sel.local or ()))}
+    weights, _ = effective_weights(port, list(endpoints.values()))
+    return {key: w for key, w in zip(endpoints, weights, strict=True) if w != 1}
+
+
+def _balancing_reasons(port: ServicePort, sel: Selection) -> list[str]:
+    out = []
+    if port.balancing_note:
+        out.append(f"balancing: {port.balancing_note}")
+    algorithm = Algorithm(port.balancing)
+    if port.session_affinity and algorithm is not Algorithm.RANDOM:
+        out.append(f"balancing: {algorithm} with session affinity: new clients are placed by "
+                   "weight, returning clients keep their endpoint")
+    elif algorithm is Algorithm.MAGLEV:
+        out.append(f"balancing: Maglev over a {MAGLEV_TABLE_SIZE}-slot table, hashing the "
+                   f"client address and port (seed 0x{port.hash_seed:08x}; `pyproxy trace "
+                   "--sport` shows a flow's endpoint)")
+    elif algorithm is Algorithm.SOURCE_HASH:
+        out.append(f"balancing: source hash of the client address (seed "
+                   f"0x{port.hash_seed:08x})")
+    elif algorithm is Algorithm.ROUND_ROBIN:
+        out.append("balancing: round robin (per node)")
+    endpoints = [*(sel.cluster or ()), *(sel.local or ())]
+    _, weight_note = effective_weights(port, endpoints)
+    if weight_note:
+        out.append(f"balancing: {weight_note}")
+    drained = sorted({ep.key for ep, w in zip(endpoints, effective_weights(
+        port, endpoints)[0], strict=True) if w == 0})
+    if drained:
+        out.append(f"balancing: draining (weight 0, no new connections): {', '.join(drained)}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """What the daemon answers on its debug socket: status, services, explain, trace, diff and
-history, computed from the live state under the sync lock."""
+history, computed from the live state under the sync lock; and /fault, the drills' kernel
+fault injection (docs/drills.md)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import structlog
 
 from pyproxy.debug import Handler
 from pyproxy.explain import explain_report, port_entry
@@ -16,6 +19,8 @@ from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.trace import trace
 
 from pyproxy.daemon import Proxier, SyncRecord  # isort: skip
+
+log = structlog.get_logger("pyproxy.live")
 
 
 def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:
@@ -38,6 +43,16 @@ def parse_destination(text: str) -> tuple[str, int, str]:
     return host.strip("[]"), int(port), proto
 
 
+MAX_FAULTS = 1_000_000
+
+
+def parse_fault_count(text: str) -> int:
+    """The N of `/fault?fail=N`: a whole number, 0 to MAX_FAULTS."""
+    if not text.isdigit() or int(text) > MAX_FAULTS:
+        raise ValueError(f"fail: expected a whole number 0..{MAX_FAULTS}, got {text[:40]!r}")
+    return int(text)
+
+
 def service_key(text: str) -> ServiceKey:
     namespace, sep, name = text.partition("/")
     if not sep or not namespace or not name:
@@ -52,8 +67,9 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
     for proxier in proxiers:
         if proxier.family is family:
             cfg = proxier.config.render_config(family)
+            sport = int(query["sport"]) if query.get("sport") else None
             result = trace(proxier.applier.state, cfg, src, dst, port, proto,
-                           from_node=query.get("from_node") == "1")
+                           from_node=query.get("from_node") == "1", sport=sport)
             return result.as_dict()
     raise ValueError(f"this node does not proxy {family}")
 
@@ -110,7 +126,18 @@ def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunn
         count = int(query.get("n") or 20)
         return [record_dict(r) for r in list(proxier.history)[-count:]]
 
+    def fault(query: Mapping[str, str]) -> Any:
+        """Drills: `?fail=N` makes the next N transactions of every family fail as if the
+        kernel refused them (0 stops it). Answers what is still pending per family."""
+        if "fail" in query:
+            count = parse_fault_count(query["fail"])
+            for p in proxier.proxiers:
+                p.applier.fail_next = count
+            log.warning("fault injection", fail_next=count)
+        return {"failNext": {p.applier.family: p.applier.fail_next for p in proxier.proxiers}}
+
     return {
         "/status": locked(status), "/services": locked(services), "/explain": locked(explain),
         "/trace": locked(trace_handler), "/diff": locked(diff), "/history": locked(history),
+        "/fault": locked(fault),
     }

@@ -44,10 +44,17 @@ ANNOTATION_TOPOLOGY_MODE = "service.kubernetes.io/topology-mode"
 ANNOTATION_TOPOLOGY_AWARE_HINTS = "service.kubernetes.io/topology-aware-hints"
 ANNOTATION_TOPOLOGY_KEYS = "service.pyproxy.io/topology-keys"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
+ANNOTATION_BALANCING = "service.pyproxy.io/balancing"
+ANNOTATION_HASH_SEED = "service.pyproxy.io/hash-seed"
+ANNOTATION_ENDPOINT_WEIGHTS = "service.pyproxy.io/endpoint-weights"
+ANNOTATION_WEIGHT = "service.pyproxy.io/weight"
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 
 TOPOLOGY_KEY_ANY = "*"
 DEFAULT_AFFINITY_TIMEOUT = 10800  # API default for sessionAffinityConfig.clientIP.timeoutSeconds
+# The hash seed every node uses unless a service sets its own: hashing agrees across nodes.
+DEFAULT_HASH_SEED = 0x70797078  # "pypx"
+MAX_WEIGHT = 1000
 
 
 def ip_family(address: str) -> IPFamily:
@@ -117,6 +124,12 @@ class ServicePort:
     traffic_distribution: str | None = None
     topology_mode_annotation: str | None = None
     topology_keys: tuple[str, ...] = ()
+    # pyproxy's balancing annotations (see balancing.py). An unusable value is reported in
+    # `balancing_note` and the service falls back to random.
+    balancing: str = "random"
+    hash_seed: int = DEFAULT_HASH_SEED
+    endpoint_weights: tuple[tuple[str, int], ...] = ()
+    balancing_note: str | None = None
 
     @property
     def protocol(self) -> Protocol:
@@ -182,6 +195,8 @@ class Endpoint:
     node_hints: frozenset[str] = frozenset()
     # EndpointSlice `deprecatedTopology`: labels for endpoints whose Node is unknown.
     topology: tuple[tuple[str, str], ...] = ()
+    # From the slice's `service.pyproxy.io/weight` annotation; None: not given.
+    weight: int | None = None
 
     @property
     def family(self) -> IPFamily:

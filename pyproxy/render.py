@@ -31,6 +31,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from ipaddress import ip_address, ip_network
 
+from pyproxy.balancing import (
+    Algorithm,
+    Balancing,
+    balancing_of,
+    effective_weights,
+    slots,
+    weighted_slots,
+)
 from pyproxy.model import Endpoint, IPFamily, ServicePort, TrafficPolicy
 from pyproxy.topology import Selection
 
@@ -332,15 +340,25 @@ class _ServiceRender:
     def external_is_local(self) -> bool:
         return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
 
+    def picker(self) -> _Picker:
+        return _Picker(self.cfg, self.proto, balancing_of(self.port), service_base_name(self.port))
+
+    def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
+        """The endpoints map's slots for a list: weights and the algorithm decide how often
+        each endpoint appears (Maglev: its consistent-hashing table)."""
+        weights, _ = effective_weights(self.port, endpoints)
+        return slots(endpoints, weights, Algorithm(self.port.balancing))
+
     def cluster_ip(self) -> Iterator[Item]:
-        endpoints = self.internal_list()
+        endpoints = self.weighted(self.internal_list())
         if not endpoints:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
             yield _elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip), f"{self.comment()} : drop")
             return
-        chain = f"cluster-{self.proto}-{len(endpoints)}"
-        yield _cluster_pick_chain(chain, self.proto, len(endpoints), self.cfg)
-        yield _elem(SERVICE_IPS_MAP, self.key3(self.cip), f"{self.comment()} : goto {chain}")
+        chain = _cluster_pick_chain(self.picker(), len(endpoints))
+        yield chain
+        yield _elem(SERVICE_IPS_MAP, self.key3(self.cip),
+                    f"{self.comment()} : goto {chain.container}")
         yield from self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
                               endpoints)
 
@@ -364,16 +382,15 @@ class _ServiceRender:
 
     def external_entry(self, dispatch: str, key: str, no_endpoints: str, slots: str,
                        prefix: str, nodeport: bool) -> Iterator[Item]:
-        cluster = self.sel.cluster or ()
+        cluster = self.weighted(self.sel.cluster or ())
         if not self.external_is_local():
-            chain = _external_pick_chain(self.proto, len(cluster), 0, False, nodeport, self.cfg)
+            chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport)
             yield chain
             yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
             yield from self.slots(slots, prefix, cluster)
             return
-        local = self.sel.local or ()
-        chain = _external_pick_chain(self.proto, len(cluster), len(local), True, nodeport,
-                                     self.cfg)
+        local = self.weighted(self.sel.local or ())
+        chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport)
         yield chain
         yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
         yield from self.slots(slots, prefix, local)
@@ -405,18 +422,51 @@ def _masquerade(cfg: RenderConfig) -> str:
     return f"meta mark set meta mark | {cfg.mark}"
 
 
-def _pick(cfg: RenderConfig, proto: str, count: int, offset: int, nodeport: bool) -> str:
-    """The DNAT through the endpoints map with a random index in offset..offset+count-1."""
-    ip = cfg.ip
-    off = f" offset {offset}" if offset else ""
-    if nodeport:
-        key, container = f"{proto} dport", nodeport_endpoints_map(proto)
-    else:
-        key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
-    return f"dnat {ip} to {key} . numgen random mod {count}{off} map @{container}"
+@dataclass(frozen=True)
+class _Picker:
+    """How a pick chain draws the index into the endpoints map."""
+
+    cfg: RenderConfig
+    proto: str
+    balancing: Balancing
+    service: str  # base name, for round robin's per-service chains
+
+    def index(self, count: int, offset: int) -> str:
+        """An index in offset..offset+count-1, per the algorithm."""
+        ip, alg, off = self.cfg.ip, self.balancing.algorithm, f" offset {offset}" if offset else ""
+        seed = f" seed 0x{self.balancing.seed:08x}"
+        if alg is Algorithm.ROUND_ROBIN:
+            return f"numgen inc mod {count}{off}"
+        if alg is Algorithm.SOURCE_HASH:
+            return f"jhash {ip} saddr mod {count}{seed}{off}"
+        if alg is Algorithm.MAGLEV:
+            return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
+        return f"numgen random mod {count}{off}"
+
+    def dnat(self, count: int, offset: int, nodeport: bool) -> str:
+        ip, proto = self.cfg.ip, self.proto
+        if nodeport:
+            key, container = f"{proto} dport", nodeport_endpoints_map(proto)
+        else:
+            key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
+        return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
+
+    def chain_name(self, base: str) -> str:
+        """Random keeps the plain shared name; hashing shares chains per seed; round robin's
+        `numgen inc` counter lives in its rule, so each service gets its own chain."""
+        alg = self.balancing.algorithm
+        if alg is Algorithm.ROUND_ROBIN:
+            return f"{base}-rr-{self.service}"[:250]
+        if alg is Algorithm.SOURCE_HASH:
+            return f"{base}-sh-{self.balancing.seed:08x}"
+        if alg is Algorithm.MAGLEV:
+            return f"{base}-mh-{self.balancing.seed:08x}"
+        return base
 
 
-def _cluster_pick_chain(name: str, proto: str, count: int, cfg: RenderConfig) -> Item:
+def _cluster_pick_chain(picker: _Picker, count: int) -> Item:
+    cfg, proto = picker.cfg, picker.proto
+    name = picker.chain_name(f"cluster-{proto}-{count}")
     rules = []
     if cfg.masquerade_all:
         rules.append(_masquerade(cfg))
@@ -426,20 +476,21 @@ def _cluster_pick_chain(name: str, proto: str, count: int, cfg: RenderConfig) ->
         not_local = cfg.local_match(negate=True)
         if not_local:
             rules.append(f"{not_local} {_masquerade(cfg)}")
-    rules.append(_pick(cfg, proto, count, 0, nodeport=False))
+    rules.append(picker.dnat(count, 0, nodeport=False))
     return _chain(name, rules)
 
 
-def _external_pick_chain(proto: str, cluster: int, local: int, is_local: bool, nodeport: bool,
-                         cfg: RenderConfig) -> Item:
+def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bool,
+                         nodeport: bool) -> Item:
+    cfg, proto = picker.cfg, picker.proto
     kind = "nodeport" if nodeport else "external"
     if not is_local:
         # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
-        return _chain(f"{kind}-{proto}-{cluster}",
-                      (_masquerade(cfg), _pick(cfg, proto, cluster, 0, nodeport)))
+        return _chain(picker.chain_name(f"{kind}-{proto}-{cluster}"),
+                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport)))
     rules = []
     if cluster:
-        to_cluster = _pick(cfg, proto, cluster, local, nodeport)
+        to_cluster = picker.dnat(cluster, local, nodeport)
         local_pods = cfg.local_match()
         if local_pods:
             # Pod traffic to an external address behaves as if it left and came back:
@@ -448,8 +499,8 @@ def _external_pick_chain(proto: str, cluster: int, local: int, is_local: bool, n
         # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
         rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
     if local:
-        rules.append(_pick(cfg, proto, local, 0, nodeport))
-    return _chain(f"{kind}-local-{proto}-{local}-{cluster}", rules)
+        rules.append(picker.dnat(local, 0, nodeport))
+    return _chain(picker.chain_name(f"{kind}-local-{proto}-{local}-{cluster}"), rules)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,17 +602,23 @@ class _AffinityRender:
                 rules.append(f"{entry} {_masquerade(cfg)}")
             elif cfg.local_match(negate=True):
                 rules.append(f"{entry} {cfg.local_match(negate=True)} {_masquerade(cfg)}")
-        sets = []
+        sets: dict[str, str] = {}
         for ep in endpoints:
             aff = affinity_set_name(svc.port, ep)
-            sets.append(aff)
+            sets[ep.key] = aff
             yield _set(aff, f"type {cfg.addr_type}; flags dynamic,timeout; "
                             f"timeout {svc.port.affinity_timeout}s;")
+            # Every endpoint, drained ones too: a returning client keeps its endpoint.
             rules.append(f"{ip} saddr @{aff} {_dnat_to(cfg, proto, ep)}")
-        n = len(endpoints)
-        for j, (ep, aff) in enumerate(zip(endpoints, sets, strict=True)):
+        # New clients: a cascade over the weighted slots (hashing algorithms would fight the
+        # affinity sets, so with affinity only the weights apply).
+        weights, _ = effective_weights(svc.port, endpoints)
+        choices = weighted_slots(endpoints, weights)
+        n = len(choices)
+        for j, ep in enumerate(choices):
             choose = f"numgen random mod {n - j} == 0 " if j < n - 1 else ""
-            rules.append(f"{choose}update @{aff} {{ {ip} saddr }} {_dnat_to(cfg, proto, ep)}")
+            rules.append(f"{choose}update @{sets[ep.key]} {{ {ip} saddr }} "
+                         f"{_dnat_to(cfg, proto, ep)}")
         yield _chain(name, rules)
 
 

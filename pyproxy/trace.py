@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
+from pyproxy.balancing import flow_key, hash_index
 from pyproxy.render import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,
@@ -22,13 +23,13 @@ from pyproxy.render import (
     SERVICE_NODEPORTS_MAP,
     Kind,
     RenderConfig,
-    endpoints_map,
-    nodeport_endpoints_map,
 )
 from pyproxy.ruleset import DesiredState
 
-_PICK = re.compile(r"^(cluster|external|nodeport)-(tcp|udp|sctp)-(\d+)$")
-_LOCAL_PICK = re.compile(r"^(external|nodeport)-local-(tcp|udp|sctp)-(\d+)-(\d+)$")
+_INDEX = re.compile(
+    r"dnat ip6? to .+? \. (?:numgen (?P<ng>random|inc) mod (?P<n1>\d+)"
+    r"|jhash (?P<hk>.+?) mod (?P<n2>\d+) seed (?P<seed>0x[0-9a-f]+))"
+    r"(?: offset (?P<off>\d+))? map @(?P<map>\S+)$")
 _DNAT = re.compile(r"dnat ip6? to \[?([0-9a-fA-F.:]+?)\]?:(\d+)$")
 _COMMENT = re.compile(r'comment "([^"]*)"')
 
@@ -59,13 +60,13 @@ class Trace:
 
 
 def trace(state: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
-          protocol: str, from_node: bool = False) -> Trace:
+          protocol: str, from_node: bool = False, sport: int | None = None) -> Trace:
     """A new connection from `src` to `dst:port/protocol`. `from_node`: sent by a process on
     the node itself (the output hook) rather than arriving from outside or from a pod."""
     proto = protocol.lower()
     src, dst = str(ip_address(src)), str(ip_address(dst))
     out = Trace(src, dst, port, proto)
-    walker = _Walker(state, cfg, out, from_node)
+    walker = _Walker(state, cfg, out, from_node, sport)
     if walker.firewall_drops():
         return out
     verdict = walker.dispatch()
@@ -81,6 +82,7 @@ class _Walker:
     cfg: RenderConfig
     out: Trace
     from_node: bool
+    sport: int | None = None
 
     def element(self, container: str, key: str) -> str | None:
         return self.state.value((Kind.ELEMENT, container, key))
@@ -142,48 +144,55 @@ class _Walker:
         if not verdict.startswith("goto "):
             return False
         chain = verdict.split(" ", 1)[1]
-        pick = _PICK.match(chain)
-        if pick:
-            kind, proto, count = pick.group(1), pick.group(2), int(pick.group(3))
-            self.masquerade_for(kind)
-            return self.choose(chain, proto, 0, count, nodeport=kind == "nodeport")
-        local = _LOCAL_PICK.match(chain)
-        if local:
-            return self.local_policy(chain, local.group(1) == "nodeport", local.group(2),
-                                     int(local.group(3)), int(local.group(4)))
-        return self.per_service_chain(chain)
+        rules = self.state.value((Kind.CHAIN, chain, ""))
+        if rules is None:
+            self.note(f"{chain}: chain not found")
+            return False
+        if "update @" in rules or "goto " in rules:
+            return self.per_service_chain(chain)
+        return self.pick_chain(chain, rules.split("\n"))
 
-    def masquerade_for(self, kind: str) -> None:
-        if kind != "cluster":
-            self.out.masquerade = True
-            self.note("external traffic under externalTrafficPolicy: Cluster: masquerade")
-        elif self.cfg.masquerade_all:
-            self.out.masquerade = True
-            self.note("masqueradeAll: masquerade")
-        elif self.cfg.local_match() is not None and not self.from_pod():
-            self.out.masquerade = True
-            self.note("source is not a local pod: masquerade")
+    def pick_chain(self, chain: str, rules: list[str]) -> bool:
+        """A shared pick chain: optional masquerade rules, then DNATs through the endpoints
+        map, each guarded by the source kind it applies to (render.py's shapes)."""
+        mark = f"meta mark set meta mark | {self.cfg.mark}"
+        for rule in rules:
+            applies, rest, why = self.condition(rule)
+            if not applies:
+                continue
+            if rest.startswith(mark):
+                self.out.masquerade = True
+                self.note(f"{chain}: masquerade ({why})")
+                rest = rest[len(mark):].strip()
+            if rest.startswith("dnat "):
+                if why == "always" and "-local-" in chain:
+                    why = "externalTrafficPolicy: Local: local endpoints, client IP preserved"
+                if why != "always":
+                    self.note(f"{chain}: {why}")
+                return self.pick(chain, rest)
+        self.note(f"{chain}: no rule DNATs this connection")
+        return False
+
+    def condition(self, rule: str) -> tuple[bool, str, str]:
+        """(does the rule apply to this source, the rest of the rule, why)."""
+        not_pods, pods = self.cfg.local_match(negate=True), self.cfg.local_match()
+        if not_pods and rule.startswith(not_pods + " "):
+            return not self.from_pod(), rule[len(not_pods) + 1:], "source is not a local pod"
+        if pods and rule.startswith(pods + " "):
+            return (self.from_pod(), rule[len(pods) + 1:],
+                    "pod traffic short-circuits to the cluster list")
+        if rule.startswith("fib saddr type local "):
+            return (self.from_node, rule[len("fib saddr type local "):],
+                    "traffic from the node itself uses the cluster list")
+        if rule.startswith("meta mark set"):
+            return True, rule, "external traffic under externalTrafficPolicy: Cluster"
+        return True, rule, "always"
 
     def from_pod(self) -> bool:
         value = self.cfg.local_value
         if self.cfg.local_match() is None or "/" not in value:
             return False  # interface-based detection cannot be decided from an address
         return ip_address(self.out.src) in ip_network(value)
-
-    def choose(self, chain: str, proto: str, offset: int, count: int, nodeport: bool) -> bool:
-        if nodeport:
-            container, prefix = nodeport_endpoints_map(proto), str(self.out.port)
-        else:
-            container, prefix = endpoints_map(proto), f"{self.out.dst} . {self.out.port}"
-        targets = []
-        for i in range(offset, offset + count):
-            value = self.element(container, f"{prefix} . {i}")
-            if value is not None:
-                address, target_port = value.split(": ", 1)[1].split(" . ")
-                targets.append(_endpoint(address, target_port))
-        self.note(f"{chain}: numgen random mod {count} over @{container} "
-                  f"{prefix} . {offset}..{offset + count - 1}")
-        return self.dnat(targets)
 
     def dnat(self, targets: list[str]) -> bool:
         if not targets:
@@ -199,21 +208,44 @@ class _Walker:
                 self.out.masquerade = True
         return True
 
-    def local_policy(self, chain: str, nodeport: bool, proto: str, local: int,
-                     cluster: int) -> bool:
-        if cluster and self.from_pod():
-            self.note(f"{chain}: pod traffic short-circuits to the cluster list")
-            return self.choose(chain, proto, local, cluster, nodeport)
-        if cluster and self.from_node:
-            self.out.masquerade = True
-            self.note(f"{chain}: traffic from the node: masquerade, cluster list")
-            return self.choose(chain, proto, local, cluster, nodeport)
-        if local:
-            self.note(f"{chain}: externalTrafficPolicy: Local: local endpoints, client IP "
-                      "preserved")
-            return self.choose(chain, proto, 0, local, nodeport)
-        self.note(f"{chain}: no local endpoint: not DNATed")
-        return False
+    def pick(self, chain: str, rule: str) -> bool:
+        match = _INDEX.search(rule)
+        if match is None:
+            self.note(f"{chain}: unrecognised rule {rule!r}")
+            return False
+        count = int(match["n1"] or match["n2"])
+        offset = int(match["off"] or 0)
+        container = match["map"]
+        if container.startswith("nodeport-"):
+            prefix = str(self.out.port)
+        else:
+            prefix = f"{self.out.dst} . {self.out.port}"
+        slots = []
+        for i in range(offset, offset + count):
+            value = self.element(container, f"{prefix} . {i}")
+            if value is not None:
+                address, target_port = value.split(": ", 1)[1].split(" . ")
+                slots.append(_endpoint(address, target_port))
+        if match["ng"]:
+            how = "at random" if match["ng"] == "random" else "in turn (round robin)"
+            self.note(f"{chain}: one of {count} slots of @{container} {how}")
+            return self.dnat(slots)
+        return self.hashed(chain, match, slots, offset, container)
+
+    def hashed(self, chain: str, match: re.Match[str], slots: list[str], offset: int,
+               container: str) -> bool:
+        count, seed = len(slots), int(match["seed"], 16)
+        with_port = " sport" in match["hk"]
+        algorithm = "Maglev" if with_port else "source hash"
+        if with_port and self.sport is None:
+            self.note(f"{chain}: {algorithm} over {count} slots of @{container}; give "
+                      "--sport to see where this flow goes")
+            return self.dnat(slots)
+        key = flow_key(ip_address(self.out.src).packed, self.sport if with_port else None)
+        slot = hash_index(key, seed, count)
+        self.note(f"{chain}: {algorithm}: jhash({match['hk']}) mod {count} seed "
+                  f"0x{seed:08x} = slot {offset + slot} of @{container}")
+        return self.dnat([slots[slot]])
 
     def per_service_chain(self, chain: str) -> bool:
         """Upstream-shaped chains (session affinity services): `external-…` decides the
