@@ -15,9 +15,14 @@ from pyproxy.explain import explain_report, format_table
 from pyproxy.formats import format_history, format_services, format_status, format_trace
 from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
-from pyproxy.proxier import FamilyProxier, NodeConfig, fragments, node_families
+from pyproxy.proxier import (
+    FamilyProxier,
+    NodeConfig,
+    desired_state,
+    node_families,
+    render_script,
+)
 from pyproxy.render import TABLE, LocalMode
-from pyproxy.ruleset import Change, DesiredState, full_commands
 from pyproxy.snapshot import SnapshotError, load_snapshot
 
 EXIT_OK = 0
@@ -150,14 +155,7 @@ class UsageError(ValueError):
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    state = load_snapshot(args.file)
-    config = _node_config(args)
-    for family in node_families(state, config):
-        desired = DesiredState()
-        change = Change()
-        for owner, fragment in fragments(state, config, family).items():
-            desired.set(owner, fragment, change)
-        sys.stdout.write(full_commands(family.nft_family, desired).text())
+    sys.stdout.write(render_script(load_snapshot(args.file), _node_config(args)))
     return EXIT_OK
 
 
@@ -321,11 +319,9 @@ def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
         ipaddress.ip_address(args.src)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    desired = DesiredState()
-    for owner, fragment in fragments(state, config, family).items():
-        desired.set(owner, fragment, Change())
-    return trace(desired, config.render_config(family), args.src, dst, port, proto,
-                 from_node=args.from_node, sport=args.sport).as_dict()
+    answer = trace(desired_state(state, config, family), config.render_config(family),
+                   args.src, dst, port, proto, from_node=args.from_node, sport=args.sport)
+    return answer.as_dict()
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:

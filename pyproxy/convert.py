@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import date, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from pyproxy.model import (
     ANNOTATION_BALANCING,
@@ -62,6 +62,9 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
+
+
+T = TypeVar("T")
 
 
 class Invalid(ValueError):
@@ -224,18 +227,23 @@ def _annotations(value: Any, field: str) -> dict[str, str]:
 
 def convert_service(obj: Any) -> tuple[ServicePort, ...] | Skipped:
     """A Service → its proxied ports, or why it is not proxied."""
+    return _guarded("Service", obj, _service_ports)
+
+
+def _guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
+    """Run a conversion; every failure becomes a Skipped naming the object and the reason."""
     data = api_dict(obj)
     meta = data.get("metadata") if isinstance(data, Mapping) else None
     namespace = _safe_name(meta, "namespace") or "default"
     name = _safe_name(meta, "name")
     try:
-        return _service_ports(data)
+        return convert(data)
     except _NotProxied as why:
-        return Skipped("Service", namespace, name, str(why), invalid=False)
+        return Skipped(kind, namespace, name, str(why), invalid=False)
     except Invalid as why:
-        return Skipped("Service", namespace, name, str(why))
+        return Skipped(kind, namespace, name, str(why))
     except Exception as why:  # a last safety net: bad input must never crash the proxy
-        return Skipped("Service", namespace, name, f"unreadable object: {why!r}")
+        return Skipped(kind, namespace, name, f"unreadable object: {why!r}")
 
 
 class _NotProxied(Exception):
@@ -482,18 +490,7 @@ def _topology_keys(spec: Mapping[str, Any], annotations: Mapping[str, str]) -> t
 
 def convert_endpoint_slice(obj: Any) -> SliceEndpoints | Skipped:
     """An EndpointSlice → the endpoints the proxy uses, or why it is not used."""
-    data = api_dict(obj)
-    meta = data.get("metadata") if isinstance(data, Mapping) else None
-    namespace = _safe_name(meta, "namespace") or "default"
-    name = _safe_name(meta, "name")
-    try:
-        return _slice(data)
-    except _NotProxied as why:
-        return Skipped("EndpointSlice", namespace, name, str(why), invalid=False)
-    except Invalid as why:
-        return Skipped("EndpointSlice", namespace, name, str(why))
-    except Exception as why:  # a last safety net: bad input must never crash the proxy
-        return Skipped("EndpointSlice", namespace, name, f"unreadable object: {why!r}")
+    return _guarded("EndpointSlice", obj, _slice)
 
 
 def _slice(data: Any) -> SliceEndpoints:

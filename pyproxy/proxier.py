@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from pyproxy.explain import PortSelection, select_all
 from pyproxy.model import IPFamily, ServiceKey, ServicePortName, ip_family
 from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
+from pyproxy.ruleset import Change, DesiredState, full_commands
 from pyproxy.snapshot import ClusterState
 
 if TYPE_CHECKING:
@@ -111,6 +112,22 @@ def select_and_render(
             out[ps.port.name] = render_service(ps.port, ps.selection, cfg)
             selections[ps.port.name] = ps
     return out, selections
+
+
+def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> DesiredState:
+    """Everything one family's table should hold, as a slot store (offline tools)."""
+    desired = DesiredState()
+    for owner, fragment in fragments(state, config, family).items():
+        desired.set(owner, fragment, Change())
+    return desired
+
+
+def render_script(state: ClusterState, config: NodeConfig,
+                  families: Iterable[IPFamily] | None = None) -> str:
+    """The complete nft script for the node: what `nft -f` loads into an empty namespace."""
+    return "".join(
+        full_commands(family.nft_family, desired_state(state, config, family)).text()
+        for family in (families or node_families(state, config)))
 
 
 class FamilyProxier:

@@ -17,8 +17,7 @@ from netlab import Lab, Netns, requires_netns
 from nftns import libnft_in
 
 from pyproxy.model import IPFamily, ServiceKey
-from pyproxy.proxier import FamilyProxier, NodeConfig, fragments
-from pyproxy.ruleset import Change, DesiredState, full_commands
+from pyproxy.proxier import FamilyProxier, NodeConfig, render_script
 from pyproxy.snapshot import build_state
 
 pytestmark = [pytest.mark.netns, requires_netns]
@@ -98,14 +97,7 @@ def snapshots(draw: st.DrawFn) -> list[dict[str, Any]]:
 
 
 def render_text(objs: list[dict[str, Any]]) -> str:
-    state = build_state(objs)
-    text = ""
-    for family in (IPFamily.IPv4, IPFamily.IPv6):
-        desired = DesiredState()
-        for owner, frag in fragments(state, CONFIG, family).items():
-            desired.set(owner, frag, Change())
-        text += full_commands(family.nft_family, desired).text()
-    return text
+    return render_script(build_state(objs), CONFIG, (IPFamily.IPv4, IPFamily.IPv6))
 
 
 @given(snapshots())
@@ -123,13 +115,8 @@ def test_example_snapshot_renders_and_loads(ns: Netns) -> None:
     from pyproxy.snapshot import load_snapshot
 
     state = load_snapshot(Path(__file__).parent.parent / "examples" / "cluster.yaml")
-    text = ""
-    for family in (IPFamily.IPv4, IPFamily.IPv6):
-        desired = DesiredState()
-        for owner, frag in fragments(state, CONFIG, family).items():
-            desired.set(owner, frag, Change())
-        text += full_commands(family.nft_family, desired).text()
-    ns.run(["nft", "-f", "-"], input=text)
+    ns.run(["nft", "-f", "-"], input=render_script(state, CONFIG,
+                                                    (IPFamily.IPv4, IPFamily.IPv6)))
     assert "service-ips" in ns.run(["nft", "list", "table", "ip6", "pyproxy"]).stdout
 
 
