@@ -4,7 +4,7 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack
+APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
 .PHONY: all deps venv test unit lint bench demo clean
@@ -24,10 +24,10 @@ deps:
 # The virtualenv holds the package and its test extras. Debian's nftables binding is the one
 # that matches the installed libnftables; only that package is linked in, because putting all
 # of dist-packages on PYTHONPATH would shadow the virtualenv's own packages.
-$(BIN)/pyproxy: pyproject.toml
+$(BIN)/pyproxy: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c requirements.lock -e '.[test]'
 	@touch $@
 
 venv: deps $(BIN)/pyproxy
@@ -45,10 +45,102 @@ test: venv lint
 	$(BIN)/pytest -q
 
 demo: venv
-	scripts/demo.sh
+	scripts/demo.sh $(if $(KEEP),--keep)
 
 bench: venv
 	$(BIN)/python bench/bench_sync.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# ---------------------------------------------------------------------------------------------
+# Shipping (docs/deploying.md): the container image, and an install on a host run by systemd.
+
+.PHONY: image install uninstall
+
+# `make image`: build Containerfile with docker or podman, whichever answers. The build context
+# is a temporary directory with only what the image needs (no .venv, no caches).
+IMAGE ?= ghcr.io/pyproxy/pyproxy:0.1.0
+CONTAINER_ENGINE ?=
+
+image:
+	@engine="$(CONTAINER_ENGINE)"; \
+	if [ -z "$$engine" ]; then \
+	  for candidate in docker podman; do \
+	    if command -v $$candidate >/dev/null 2>&1 && \
+	       timeout 20 $$candidate info >/dev/null 2>&1; then engine=$$candidate; break; fi; \
+	  done; \
+	fi; \
+	if [ -z "$$engine" ]; then \
+	  echo "make image: no working container engine (docker or podman with a running daemon)"; \
+	  echo "make image: nothing built; install one, or set CONTAINER_ENGINE=..., to build $(IMAGE)"; \
+	  exit 0; \
+	fi; \
+	context=$$(mktemp -d); trap 'rm -rf "$$context"' EXIT; \
+	tar -c --exclude=__pycache__ pyproject.toml README.md requirements.lock pyproxy \
+	  | tar -x -C "$$context" && \
+	echo "$$engine build -f Containerfile -t $(IMAGE)" && \
+	$$engine build -f Containerfile -t $(IMAGE) "$$context"
+
+# `make install`: the package in a virtualenv at PREFIX, the unit in UNITDIR, the example
+# configuration in SYSCONFDIR (existing files are kept). DESTDIR stages everything under
+# another root (packaging, tests) and never calls systemctl. REQUIREMENTS= (empty) skips the
+# dependencies; PIP_FLAGS and VENV_FLAGS go to pip and `python3 -m venv`.
+# The virtualenv uses Debian's python3 (not a python under /root or /home: the unit runs with
+# ProtectHome=yes), because Debian's nftables binding is linked into it as in `venv`.
+DESTDIR ?=
+PREFIX ?= /opt/pyproxy
+SYSCONFDIR ?= /etc/pyproxy
+UNITDIR ?= /etc/systemd/system
+INSTALL_PYTHON ?= /usr/bin/python3
+REQUIREMENTS ?= requirements.lock
+PIP_FLAGS ?=
+VENV_FLAGS ?=
+
+install:
+	@set -euo pipefail; \
+	case "$(PREFIX)" in /?*) ;; *) echo "make install: PREFIX must be an absolute path" >&2; exit 2;; esac; \
+	[ -z "$(DESTDIR)" ] && $(MAKE) --no-print-directory deps; \
+	root="$(DESTDIR)$(PREFIX)"; \
+	echo "virtualenv $$root"; \
+	$(INSTALL_PYTHON) -m venv $(VENV_FLAGS) "$$root"; \
+	compile=""; [ -n "$(DESTDIR)" ] && compile="--no-compile"; \
+	if [ -n "$(REQUIREMENTS)" ]; then \
+	  "$$root/bin/python" -m pip install -q $(PIP_FLAGS) $$compile --no-deps -r "$(REQUIREMENTS)"; fi; \
+	"$$root/bin/python" -m pip install -q $(PIP_FLAGS) $$compile --no-deps .; \
+	site=$$("$$root/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	[ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"; \
+	if [ -n "$(DESTDIR)" ]; then \
+	  { grep -rlIZ -F -- "$$root" "$$root/bin" "$$root/pyvenv.cfg" || true; } \
+	    | xargs -0 -r sed -i "s|$$root|$(PREFIX)|g"; \
+	  "$$root/bin/python" -m compileall -q -s "$(DESTDIR)" "$$site"; \
+	fi; \
+	install -d -m 0755 "$$root/share/doc/pyproxy"; \
+	install -m 0644 docs/deploying.md docs/configuration.md "$$root/share/doc/pyproxy/"; \
+	echo "unit $(DESTDIR)$(UNITDIR)/pyproxy.service"; \
+	install -d -m 0755 "$(DESTDIR)$(UNITDIR)"; \
+	sed -e "s|/opt/pyproxy|$(PREFIX)|g" -e "s|/etc/pyproxy|$(SYSCONFDIR)|g" \
+	  systemd/pyproxy.service > "$(DESTDIR)$(UNITDIR)/pyproxy.service"; \
+	chmod 0644 "$(DESTDIR)$(UNITDIR)/pyproxy.service"; \
+	install -d -m 0755 "$(DESTDIR)$(SYSCONFDIR)"; \
+	for file in config.yaml pyproxy.env; do \
+	  target="$(DESTDIR)$(SYSCONFDIR)/$$file"; \
+	  if [ -e "$$target" ]; then echo "kept $$target"; \
+	  else install -m 0644 "systemd/$$file" "$$target"; echo "configuration $$target"; fi; \
+	done; \
+	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; \
+	[ -n "$(DESTDIR)" ] || echo "next: edit $(SYSCONFDIR)/config.yaml, then: systemctl enable --now pyproxy"
+
+# `make uninstall`: removes the virtualenv and the unit, keeps SYSCONFDIR and the rules in the
+# kernel (run `pyproxy cleanup` first to remove those).
+uninstall:
+	@set -euo pipefail; \
+	root="$(DESTDIR)$(PREFIX)"; \
+	unit="$(DESTDIR)$(UNITDIR)/pyproxy.service"; \
+	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ] && [ -e "$$unit" ]; then \
+	  systemctl disable --now pyproxy.service || true; fi; \
+	rm -f "$$unit"; \
+	if [ -f "$$root/pyvenv.cfg" ]; then rm -rf "$$root"; echo "removed $$root"; \
+	elif [ -e "$$root" ]; then echo "make uninstall: $$root is not a virtualenv; left alone" >&2; fi; \
+	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; \
+	echo "kept $(DESTDIR)$(SYSCONFDIR)"

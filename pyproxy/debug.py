@@ -34,6 +34,8 @@ class DebugServer:
     def __init__(self, path: str, handlers: Mapping[str, Handler]) -> None:
         self.path = path
         directory = os.path.dirname(path) or "."
+        # An existing directory is left as it is (it may be shared): the socket itself is
+        # created 0600, which is what keeps it root-only.
         os.makedirs(directory, mode=0o700, exist_ok=True)
         if os.path.exists(path):
             os.unlink(path)  # a socket left by a previous run

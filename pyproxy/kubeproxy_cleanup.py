@@ -23,7 +23,8 @@ def cleanup_kube_proxy(nft: LibNftables | None = None) -> list[str]:
             done.append(f"deleted nftables table {family} {table}")
         except NftError:
             pass  # not there
-    for tool in ("iptables", "ip6tables"):
+    # Both backends: kube-proxy may have used iptables-legacy on this node.
+    for tool in ("iptables", "ip6tables", "iptables-legacy", "ip6tables-legacy"):
         if shutil.which(tool):
             done.extend(_iptables_cleanup(tool))
     return done
