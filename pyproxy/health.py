@@ -8,7 +8,9 @@ The state is pure (`ProxyHealth`, `ServiceHealth`); the HTTP servers are a thin 
 from __future__ import annotations
 
 import json
+import selectors
 import socket
+import socketserver
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -26,7 +28,12 @@ log = structlog.get_logger("pyproxy.health")
 
 
 def _rfc3339(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    """As Go marshals a time.Time (RFC 3339 with nanoseconds, trailing zeros trimmed)."""
+    when = datetime.fromtimestamp(ts, UTC)
+    text = when.strftime("%Y-%m-%dT%H:%M:%S")
+    if when.microsecond:
+        text += f".{when.microsecond:06d}".rstrip("0")
+    return text + "Z"
 
 
 @dataclass
@@ -89,8 +96,9 @@ class ProxyHealth:
         """(status code, body) for /healthz (with_node) or /livez."""
         now = self.wall_clock()
         with self._lock:
+            # Go marshals the per-family map with its keys sorted.
             statuses = {str(f): (self.family_healthy(f), self._state[f].last_updated)
-                        for f in self._state}
+                        for f in sorted(self._state, key=str)}
             healthy = all(ok for ok, _ in statuses.values())
             eligible = node_is_eligible(self.node)
         ok = healthy and (eligible or not with_node)
@@ -142,17 +150,98 @@ class _Server(ThreadingHTTPServer):
                  family: int = socket.AF_INET, v6only: bool = False) -> None:
         self.address_family = family
         self.v6only = v6only
+        # serve_forever() wakes on this at once: the stdlib loop polls every 0.5 s, so each
+        # listener closed would hold up the sync closing it by up to half a second. (Made
+        # first: a failed bind calls server_close(), which closes it.)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._stopping = False
+        self._serving = False
+        self._stopped = threading.Event()
         super().__init__(address, handler)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        self._serving = True
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(self, selectors.EVENT_READ)
+                selector.register(self._wake_r, selectors.EVENT_READ)
+                while not self._stopping:
+                    for key, _ in selector.select():
+                        if key.fileobj is self and not self._stopping:
+                            self._accept()
+        finally:
+            self._stopped.set()
+
+    def _accept(self) -> None:
+        # socketserver's _handle_request_noblock(), through the public hooks.
+        try:
+            request, client_address = self.get_request()
+        except OSError:
+            return
+        if not self.verify_request(request, client_address):
+            self.shutdown_request(request)
+            return
+        try:
+            self.process_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+            self.shutdown_request(request)
+
+    def shutdown(self) -> None:
+        """Stop serve_forever() (running in another thread, or not started yet)."""
+        self._stopping = True
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # already closed: nothing is serving
+            return
+        if self._serving:
+            self._stopped.wait()
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_r.close()
+        self._wake_w.close()
 
     def server_bind(self) -> None:
         if self.address_family == socket.AF_INET6 and self.v6only:
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        super().server_bind()
+        # Not HTTPServer.server_bind: its socket.getfqdn() is a reverse DNS lookup, which
+        # would hold up the sync that opens a health-check node port.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name = str(self.server_address[0])
+        self.server_port = int(self.server_address[1])
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """Answers like Go's net/http: no Server header (no version disclosed), a plain-text
+    "404 page not found", and no access log (probes come every few seconds)."""
+
+    # A thread per connection: one that never sends its request must not keep it forever.
+    timeout = 30.0
+
+    def send_response(self, code: int, message: str | None = None) -> None:
+        self.send_response_only(code, message)
+        self.send_header("Date", self.date_time_string())
+
+    def not_found(self) -> None:
+        data = b"404 page not found\n"
+        self.send_response(404)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        pass
 
 
 def _send(handler: BaseHTTPRequestHandler, code: int, body: dict[str, Any],
           extra: Mapping[str, str] | None = None, pretty: bool = False) -> None:
-    data = json.dumps(body, indent=2 if pretty else None).encode()
+    # Compact as Go's json.Marshal; pretty: upstream's tab-indented service health body.
+    data = (json.dumps(body, indent="\t") if pretty
+            else json.dumps(body, separators=(",", ":"))).encode()
     handler.send_response(code)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("X-Content-Type-Options", "nosniff")
@@ -180,21 +269,18 @@ class HealthServer:
         host, port, family = parse_host_port(address)
         health_ref, count_ref = health, count
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(_Handler):
             def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path not in ("/healthz", "/livez"):
                     # Only our two paths; nothing else is served or leaked.
-                    self.send_error(404)
+                    self.not_found()
                     return
                 code, body = health_ref.response(with_node=path == "/healthz")
                 count_ref(path, code)
                 _send(self, code, body)
 
             do_HEAD = do_GET
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                pass  # probes every few seconds: no access log
 
         self.server = _Server((host, port), Handler, family)
         self.thread = threading.Thread(target=self.server.serve_forever, name="healthz",
@@ -228,31 +314,34 @@ class ServiceHealthServers:
     def sync(self) -> None:
         wanted = {(key, port) for key, port in self.health.ports.items()}
         for gone in set(self.servers) - wanted:
-            for server in self.servers.pop(gone):
-                server.shutdown()
-                server.server_close()
+            _close(self.servers.pop(gone))
         self.failures = {}
         for key, port in wanted - set(self.servers):
+            opened: list[_Server] = []
             try:
-                self.servers[(key, port)] = [self._listen(key, addr, port)
-                                             for addr in self.addresses]
+                for addr in self.addresses:
+                    opened.append(self._listen(key, addr, port))
             except OSError as err:
+                # Close what did open, as upstream does, so that the retry at the next sync
+                # does not trip over our own half-open listeners.
+                _close(opened)
                 self.failures[key] = f"cannot listen on {port}: {err.strerror}"
                 log.warning("health check node port not served", service=str(key), port=port,
                             error=err.strerror)
+            else:
+                self.servers[(key, port)] = opened
 
     def _listen(self, key: ServiceKey, address: str, port: int) -> _Server:
         health, proxy = self.health, self.proxy
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
+        class Handler(_Handler):
+            def do_GET(self) -> None:  # any path, as upstream
                 code, body = health.response(key, proxy.healthy())
                 _send(self, code, body, {
                     "X-Load-Balancing-Endpoint-Weight": str(body["localEndpoints"])},
                     pretty=True)
 
-            def log_message(self, fmt: str, *args: Any) -> None:
-                pass
+            do_HEAD = do_GET
 
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         # v6only: the IPv4 listener has its own socket on the same port.
@@ -262,7 +351,11 @@ class ServiceHealthServers:
 
     def stop(self) -> None:
         for servers in self.servers.values():
-            for server in servers:
-                server.shutdown()
-                server.server_close()
+            _close(servers)
         self.servers.clear()
+
+
+def _close(servers: Iterable[_Server]) -> None:
+    for server in servers:
+        server.shutdown()
+        server.server_close()

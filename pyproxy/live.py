@@ -127,13 +127,20 @@ def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunn
         return [record_dict(r) for r in list(proxier.history)[-count:]]
 
     def fault(query: Mapping[str, str]) -> Any:
-        """Drills: `?fail=N` makes the next N transactions of every family fail as if the
-        kernel refused them (0 stops it). Answers what is still pending per family."""
+        """Drills: `?fail=N` makes the next N transactions of each family (or only of
+        `family=ip|ip6`) fail as if the kernel refused them; 0 stops it. Answers the
+        failures still to come, per family."""
+        appliers = [p.applier for p in proxier.proxiers]
+        if query.get("family"):
+            appliers = [a for a in appliers if a.family == query["family"]]
+            if not appliers:
+                raise ValueError(f"family: this node has no {query['family'][:10]!r} table")
         if "fail" in query:
             count = parse_fault_count(query["fail"])
-            for p in proxier.proxiers:
-                p.applier.fail_next = count
-            log.warning("fault injection", fail_next=count)
+            for applier in appliers:
+                applier.fail_next = count
+            log.warning("fault injection: transactions will fail", fail_next=count,
+                        families=[a.family for a in appliers])
         return {"failNext": {p.applier.family: p.applier.fail_next for p in proxier.proxiers}}
 
     return {

@@ -3,6 +3,8 @@ working, plus pyproxy's own (prefixed `pyproxy_`)."""
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 
@@ -16,16 +18,19 @@ from pyproxy.topology import TOPOLOGY_NONE
 
 # Upstream's buckets for sync durations: exponential from 1 ms.
 _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
-# Network programming latency: upstream uses linear then exponential buckets up to minutes.
-_NPL_BUCKETS = (0.25, 0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39,
-                40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59,
-                60, 75, 90, 105, 120, 180, 240, 300, 420, 600, 900, 1200, 1800, 3600)
+# Network programming latency, upstream's buckets: 0.25 s, 0.5 s, 1..59 s by 1 s, 60..115 s by
+# 5 s, 120..300 s by 30 s.
+_NPL_BUCKETS = (0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30))
+# What Go's time.Parse(time.RFC3339Nano, …) accepts; anything else is no trigger time.
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 started: float | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        # Trigger times from before this (wall clock) are not ours to measure (see below).
+        self.started = time.time() if started is None else started
         self.sync_duration = Histogram(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds", buckets=_SYNC_BUCKETS, registry=r)
@@ -92,13 +97,17 @@ class Metrics:
 
     def observe_trigger_times(self, trigger_times: Iterable[str], now: float) -> None:
         """Network programming latency from each changed EndpointSlice's
-        `endpoints.kubernetes.io/last-change-trigger-time` to now (the commit)."""
+        `endpoints.kubernetes.io/last-change-trigger-time` to now (the commit). As upstream,
+        an unparsable time is ignored, and so is one from before the proxy started: the
+        initial list brings every slice's old trigger time, which measures nothing we did."""
         for text in trigger_times:
+            if not _RFC3339.fullmatch(text):
+                continue
             try:
                 when = datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
             except ValueError:
                 continue
-            if now >= when:
+            if self.started < when <= now:
                 self.network_programming.observe(now - when)
 
 

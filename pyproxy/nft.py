@@ -141,27 +141,39 @@ class Applier:
     # The terse listing right after our last commit that changed chains or sets: what a
     # later listing must still show, unless someone else changed the table.
     committed_structure: str | None = None
+    # Fault injection (the debug socket's /fault, for drills): the next N non-empty
+    # transactions fail with NftError before reaching the kernel, as if it refused them.
+    fail_next: int = 0
 
     def sync(self, updates: Mapping[Hashable, Fragment], full: bool = False) -> SyncResult:
         t0 = self.clock()
-        change = Change()
+        full = full or self.need_full
+        # A full sync rewrites everything from the store: no need to track what changed.
+        change = None if full else Change()
         for owner, fragment in updates.items():
             self.state.set(owner, fragment, change)
-        full = full or self.need_full
         cmds = self._commands(change, full)
         if cmds.needs_full_sync:
             full = True
             cmds = self._commands(change, True)
-        for name in cmds.stale_chains:
-            self.stale_chains.setdefault(name, t0)
-        for (kind, name, _), value in change.after.items():
-            if kind == "chain" and value is not None:
-                self.stale_chains.pop(name, None)
+        if full:
+            # the listing found every chain nobody wants; keep their first-seen times
+            self.stale_chains = {n: self.stale_chains.get(n, t0) for n in cmds.stale_chains}
+        else:
+            assert change is not None
+            for name in cmds.stale_chains:
+                self.stale_chains.setdefault(name, t0)
+            for (kind, name, _), value in change.after.items():
+                if kind == "chain" and value is not None:
+                    self.stale_chains.pop(name, None)
         self._delete_stale_chains(t0)
         script = cmds.text()
         t1 = self.clock()
         try:
             if script:
+                if self.fail_next > 0:
+                    self.fail_next -= 1
+                    raise NftError("injected fault: transaction refused (debug socket /fault)")
                 self.nft.run(script)
         except NftError:
             # The kernel state is now unknown relative to the mirror: rewrite everything
@@ -175,13 +187,13 @@ class Applier:
         if full:
             self.need_full = False
             self.started = True
-        if full or any(kind != "element" for kind, _, _ in change.after):
+        if change is None or any(kind != "element" for kind, _, _ in change.after):
             self.committed_structure = self._structure()
-        return SyncResult(full, script.count("\n"), change.touched(), t1 - t0, t2 - t1,
-                          len(script))
+        touched = len(self.state) if change is None else change.touched()
+        return SyncResult(full, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
 
-    def _commands(self, change: Change, full: bool) -> Commands:
-        if not full:
+    def _commands(self, change: Change | None, full: bool) -> Commands:
+        if not full and change is not None:
             return incremental_commands(self.family, change)
         chains, sets = self.nft.list_names(self.family) if self.nft else ([], [])
         return full_commands(self.family, self.state, chains, sets,

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from ipaddress import ip_address, ip_network
+from typing import NamedTuple
 
 from pyproxy.balancing import (
     Algorithm,
@@ -137,10 +138,11 @@ class Kind(StrEnum):
     ELEMENT = "element"  # container = set/map name, key = element key, value = rest
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Item:
+class Item(NamedTuple):
     """One desired object. Items with the same (kind, container, key) are one slot in the
-    kernel; several owners may want the same slot (a pick chain shared by many services)."""
+    kernel; several owners may want the same slot (a pick chain shared by many services).
+    A tuple, not a dataclass: hundreds of thousands of them go through set operations on
+    every full sync, and tuple hashing is the fast path."""
 
     kind: Kind
     container: str
@@ -341,7 +343,7 @@ class _ServiceRender:
         return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
 
     def picker(self) -> _Picker:
-        return _Picker(self.cfg, self.proto, balancing_of(self.port), service_base_name(self.port))
+        return _Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
 
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
         """The endpoints map's slots for a list: weights and the algorithm decide how often
@@ -429,7 +431,7 @@ class _Picker:
     cfg: RenderConfig
     proto: str
     balancing: Balancing
-    service: str  # base name, for round robin's per-service chains
+    port: ServicePort  # round robin's chains are per service (named after it)
 
     def index(self, count: int, offset: int) -> str:
         """An index in offset..offset+count-1, per the algorithm."""
@@ -456,7 +458,7 @@ class _Picker:
         `numgen inc` counter lives in its rule, so each service gets its own chain."""
         alg = self.balancing.algorithm
         if alg is Algorithm.ROUND_ROBIN:
-            return f"{base}-rr-{self.service}"[:250]
+            return f"{base}-rr-{service_base_name(self.port)}"[:250]
         if alg is Algorithm.SOURCE_HASH:
             return f"{base}-sh-{self.balancing.seed:08x}"
         if alg is Algorithm.MAGLEV:

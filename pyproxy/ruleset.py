@@ -10,7 +10,6 @@ the smallest value wins, so the result does not depend on event order.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
@@ -27,10 +26,6 @@ from pyproxy.render import (
 Slot = tuple[Kind, str, str]
 
 
-def _slot(item: Item) -> Slot:
-    return (item.kind, item.container, item.key)
-
-
 @dataclass
 class Change:
     """What one update does to the kernel, slot by slot (value None = absent)."""
@@ -43,18 +38,24 @@ class Change:
 
 
 class DesiredState:
-    """All owners' fragments and the resulting slot values."""
+    """All owners' fragments and the resulting slot values.
+
+    A slot wanted by one owner (almost all of them) stores its value as a plain string; a
+    slot shared or disputed stores {value: owners}. This keeps a 10k-service table's store
+    small and its full sync quick."""
 
     def __init__(self) -> None:
         self._fragments: dict[Hashable, Fragment] = {}
-        self._values: dict[Slot, Counter[str]] = {}
+        self._values: dict[Slot, str | dict[str, int]] = {}
 
     def __len__(self) -> int:
         return len(self._values)
 
     def value(self, slot: Slot) -> str | None:
-        counts = self._values.get(slot)
-        return min(counts) if counts else None
+        current = self._values.get(slot)
+        if current is None or isinstance(current, str):
+            return current
+        return min(current)
 
     def fragment(self, owner: Hashable) -> Fragment:
         return self._fragments.get(owner, Fragment())
@@ -62,43 +63,63 @@ class DesiredState:
     def owners(self) -> Iterable[Hashable]:
         return self._fragments.keys()
 
-    def set(self, owner: Hashable, fragment: Fragment, change: Change) -> None:
+    def set(self, owner: Hashable, fragment: Fragment, change: Change | None = None) -> None:
         """Replace an owner's fragment (an empty fragment removes the owner), recording in
-        `change` the before/after value of every slot it touches."""
-        old = self._fragments.get(owner, Fragment()).items
+        `change` the before/after value of every slot it touches (a full sync, which
+        rewrites everything, passes none)."""
+        old = self._fragments.get(owner, _EMPTY).items
         new = fragment.items
         if old == new:
             return
-        for item in old - new:
-            self._remember(item, change)
+        removed, added = old - new, new - old
+        if change is not None:
+            for item in (*removed, *added):
+                slot = item[:3]
+                if slot not in change.before:
+                    change.before[slot] = self.value(slot)
+        for item in removed:
             self._drop(item)
-        for item in new - old:
-            self._remember(item, change)
-            self._values.setdefault(_slot(item), Counter())[item.value] += 1
-        for item in old ^ new:
-            change.after[_slot(item)] = self.value(_slot(item))
+        for item in added:
+            self._add(item)
+        if change is not None:
+            for item in (*removed, *added):
+                slot = item[:3]
+                change.after[slot] = self.value(slot)
         if new:
             self._fragments[owner] = fragment
         else:
             self._fragments.pop(owner, None)
 
-    def _remember(self, item: Item, change: Change) -> None:
-        slot = _slot(item)
-        if slot not in change.before:
-            change.before[slot] = self.value(slot)
+    def _add(self, item: Item) -> None:
+        slot: Slot = item[:3]
+        current = self._values.get(slot)
+        if current is None:
+            self._values[slot] = item.value
+        elif isinstance(current, str):
+            shared = {current: 1}
+            shared[item.value] = shared.get(item.value, 0) + 1
+            self._values[slot] = shared
+        else:
+            current[item.value] = current.get(item.value, 0) + 1
 
     def _drop(self, item: Item) -> None:
-        slot = _slot(item)
-        counts = self._values[slot]
-        counts[item.value] -= 1
-        if counts[item.value] <= 0:
-            del counts[item.value]
-        if not counts:
+        slot: Slot = item[:3]
+        current = self._values[slot]
+        if isinstance(current, str):
             del self._values[slot]
+            return
+        current[item.value] -= 1
+        if not current[item.value]:
+            del current[item.value]
+        if len(current) == 1 and next(iter(current.values())) == 1:
+            self._values[slot] = next(iter(current))
 
     def slots(self) -> Iterable[tuple[Slot, str]]:
-        for slot, counts in self._values.items():
-            yield slot, min(counts)
+        for slot, current in self._values.items():
+            yield slot, current if isinstance(current, str) else min(current)
+
+
+_EMPTY = Fragment()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,17 +224,22 @@ def full_commands(
     listing); those no longer desired are removed."""
     cmds = Commands(family)
     cmds.declare.append(f"add table {family} {TABLE} {{ comment \"rules for pyproxy\"; }}")
+    sets: dict[str, str] = {}
     chains: dict[str, str] = {}
-    elements: list[tuple[str, str]] = []
-    for (kind, container, key), value in sorted(state.slots()):
-        if kind is Kind.SET:
-            cmds.declare.append(_declare(family, container, value))
-            if "dynamic" not in value:
-                cmds.flush.append(f"flush {value.split(' ', 1)[0]} {_where(family, container)}")
+    elements: dict[str, list[str]] = {}
+    # One pass, no sorting of the (many) elements: their order in a command is irrelevant.
+    for (kind, container, key), value in state.slots():
+        if kind is Kind.ELEMENT:
+            elements.setdefault(container, []).append(key + value)
         elif kind is Kind.CHAIN:
             chains[container] = value
         else:
-            elements.append((container, key + value))
+            sets[container] = value
+    for name in sorted(sets):
+        value = sets[name]
+        cmds.declare.append(_declare(family, name, value))
+        if "dynamic" not in value:
+            cmds.flush.append(f"flush {value.split(' ', 1)[0]} {_where(family, name)}")
     for name in BASE_CHAINS:
         if recreate_base_chains:
             # Base chain properties (priority) cannot change in place (kubernetes#123162):
@@ -223,15 +249,17 @@ def full_commands(
         cmds.declare.append(f"add chain {_where(family, name)} {{ {base_chain_spec(name)} }}")
         cmds.flush.append(f"flush chain {_where(family, name)}")
         cmds.rules.extend(_add_rules(family, name, "\n".join(BASE_CHAIN_RULES[name])))
-    for name, rules in chains.items():
+    for name in sorted(chains):
         cmds.declare.append(f"add chain {_where(family, name)}")
         cmds.flush.append(f"flush chain {_where(family, name)}")
-        cmds.rules.extend(_add_rules(family, name, rules))
+        cmds.rules.extend(_add_rules(family, name, chains[name]))
     for name in sorted(set(existing_chains) - set(chains) - set(BASE_CHAINS)):
         cmds.flush.append(f"flush chain {_where(family, name)}")
         cmds.stale_chains.append(name)
-    desired_sets = {c: v for (k, c, _), v in state.slots() if k is Kind.SET}
-    for name in sorted(set(existing_sets) - set(desired_sets)):
+    for name in sorted(set(existing_sets) - set(sets)):
         cmds.delete_sets.append(f"delete set {_where(family, name)}")
-    cmds.add_elements = _group_elements(family, "add", elements)
+    cmds.add_elements = [
+        f"add element {_where(family, container)} {{ {', '.join(items)} }}"
+        for container, items in sorted(elements.items())
+    ]
     return cmds
