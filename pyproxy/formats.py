@@ -80,7 +80,10 @@ def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
         row = [e["service"], f"{e['servicePort']}/{e['protocol']}"
                + (f" ({e['port']})" if e["port"] else ""),
                e["type"], ",".join(e["clusterIPs"]) or "-", str(e["nodePort"] or "-"),
-               e["topology"], _endpoints(e["clusterEndpoints"])]
+               e["topology"],
+               # iTP=Local services use only the local list: show that one then
+               _endpoints(e["clusterEndpoints"] if e["clusterEndpoints"] is not None
+                          else e["localEndpoints"])]
         if wide:
             row += [_endpoints(e["localEndpoints"]),
                     ",".join(e["externalIPs"] + e["loadBalancerIPs"]) or "-",
