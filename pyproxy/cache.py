@@ -86,6 +86,8 @@ class ClusterCache:
         owner = self._slice_owner.get(key)
         if owner is not None and owner != piece.service:
             self._remove_slice(key)  # its service-name label changed
+        elif self._slices.get(piece.service, {}).get(name) == piece:
+            return None  # nothing changed (a relist, a resync): no sync, no latency sample
         self._remember_endpoints(piece.service)
         self._slices.setdefault(piece.service, {})[name] = piece
         self._slice_owner[key] = piece.service

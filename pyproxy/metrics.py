@@ -119,24 +119,26 @@ class _SelectionCollector(Collector):
         no_local = GaugeMetricFamily(
             "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
             "Number of services with a Local traffic policy and no endpoints",
-            labels=["traffic_policy"])
+            labels=["traffic_policy", "ip_family"])
         topology = GaugeMetricFamily(
             "pyproxy_service_topology_mode",
             "Topology mode in force per service port on this node (1 = in force)",
             labels=["service", "port", "ip_family", "mode"])
-        internal = external = 0
+        # Per family (upstream's newest labels): a dual-stack service counts once in each.
+        counts = {(policy, family): 0 for policy in ("internal", "external")
+                  for family in ("IPv4", "IPv6")}
         for ps in self.selections():
             sel, port = ps.selection, ps.port
             if sel.has_any_endpoints and sel.local == ():
                 if port.internal_policy is TrafficPolicy.LOCAL:
-                    internal += 1
+                    counts[("internal", str(ps.family))] += 1
                 if (port.external_policy is TrafficPolicy.LOCAL
                         and port.externally_accessible(ps.family)):
-                    external += 1
+                    counts[("external", str(ps.family))] += 1
             if sel.topology != TOPOLOGY_NONE:
                 topology.add_metric([str(port.name.service), port.name.port, str(ps.family),
                                      sel.topology], 1)
-        no_local.add_metric(["internal"], internal)
-        no_local.add_metric(["external"], external)
+        for (policy, family), count in counts.items():
+            no_local.add_metric([policy, family], count)
         yield no_local
         yield topology

@@ -158,3 +158,15 @@ def test_invalid_objects_are_counted() -> None:
     proxier, _, _ = make_proxier()
     proxier.on_service(("ns", "bad"), svc("bad", ports=[{"name": "http", "port": "eighty"}]))
     assert proxier.skipped_total == {"Service": 1}
+
+
+def test_an_unchanged_slice_event_is_not_a_change() -> None:
+    cache = ClusterCache("node-a")
+    piece = eps("10.244.1.1", slice_name="web-1")
+    piece["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": "2026-01-01T00:00:00Z"}
+    cache.set_slice(("ns", "web-1"), piece)
+    assert cache.checkout().trigger_times == ("2026-01-01T00:00:00Z",)
+    cache.set_slice(("ns", "web-1"), piece)  # a relist replays it
+    out = cache.checkout()
+    assert not out.services and not out.trigger_times
