@@ -78,6 +78,10 @@ class Metrics:
             "kubeproxy_conntrack_reconciler_deleted_entries",
             "Cumulative conntrack flows deleted by conntrack reconciler", ["ip_family"],
             registry=r)
+        self.conntrack_duration = Histogram(
+            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
+            "conntrack reconciler sync duration in seconds", ["ip_family"],
+            buckets=_SYNC_BUCKETS, registry=r)
         # pyproxy's own
         self.invalid_objects = Counter(
             "pyproxy_invalid_objects", "API objects skipped as invalid", ["kind"], registry=r)

@@ -141,6 +141,7 @@ class Applier:
     # The terse listing right after our last commit that changed chains or sets: what a
     # later listing must still show, unless someone else changed the table.
     committed_structure: str | None = None
+    cleanup_failures: int = 0  # stale chains that could not be deleted (a metric)
     # Fault injection (the debug socket's /fault, for drills): the next N non-empty
     # transactions fail with NftError before reaching the kernel, as if it refused them.
     fail_next: int = 0
@@ -208,6 +209,7 @@ class Applier:
         try:
             self.nft.run("".join(f"delete chain {self.family} {TABLE} {n}\n" for n in due))
         except NftError:
+            self.cleanup_failures += 1
             return  # retried at the next sync; a full sync finds them again anyway
         for name in due:
             del self.stale_chains[name]

@@ -72,6 +72,8 @@ class ConntrackWorker:
         while True:
             family, allowed = self.pending.get()
             result = cleaner.cleanup(family, allowed)
+            self.metrics.conntrack_duration.labels(ip_family=str(family)).observe(
+                result.duration)
             if result.deleted:
                 self.metrics.conntrack_deleted.labels(ip_family=str(family)).inc(result.deleted)
                 log.info("stale UDP conntrack entries deleted", family=str(family),
@@ -94,6 +96,7 @@ class DaemonObserver:
     after_sync: list[Callable[[], None]] = field(default_factory=list)
     _udp_targets: dict[Any, UdpTarget] | None = None
     _synced_once: bool = False
+    _cleanup_failures: int = 0
 
     def queued(self) -> None:
         self.health.queued()
@@ -113,6 +116,9 @@ class DaemonObserver:
         m = self.metrics
         if record.reason == REPAIR_REASON:
             m.table_repairs.inc()
+        failures = sum(p.applier.cleanup_failures for p in proxier.proxiers)
+        m.cleanup_failures.inc(failures - self._cleanup_failures)
+        self._cleanup_failures = failures
         m.sync_duration.observe(record.seconds)
         (m.sync_full_duration if record.full else m.sync_partial_duration).observe(record.seconds)
         for phase, seconds in (("render", record.render_seconds), ("diff", record.diff_seconds),
@@ -218,7 +224,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)
 
-    servers = _start_servers(config, health, metrics)
+    servers = _start_servers(config, health, metrics, stop)
     source: ApiSource | SnapshotSource
     if config.snapshot:
         source = SnapshotSource(config.snapshot, proxier, stop)
@@ -280,28 +286,52 @@ class _MetricsServer:
         self.server.server_close()
 
 
-def _start_servers(config: ProxyConfig, health: ProxyHealth,
-                   metrics: Metrics) -> list[HealthServer | _MetricsServer]:
+SERVER_RETRY_SECONDS = 5.0  # kube-proxy retries a health/metrics bind this often
+
+
+def _start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
+                   stop: threading.Event) -> list[HealthServer | _MetricsServer]:
+    """The healthz and metrics servers. A bind failure is fatal only with
+    bindAddressHardFail; otherwise it is logged and retried every 5 s, as kube-proxy does."""
     servers: list[HealthServer | _MetricsServer] = []
-    if config.healthz_bind_address:
+
+    def healthz() -> HealthServer:
+        assert config.healthz_bind_address
+        server = HealthServer(config.healthz_bind_address, health, metrics.count_health)
+        server.start()
+        return server
+
+    def metrics_server() -> _MetricsServer:
+        assert config.metrics_bind_address
+        return _MetricsServer(config.metrics_bind_address, metrics)
+
+    wanted: list[tuple[str, str | None, Callable[[], HealthServer | _MetricsServer]]] = [
+        ("healthz", config.healthz_bind_address, healthz),
+        ("metrics", config.metrics_bind_address, metrics_server),
+    ]
+    for name, address, start in wanted:
+        if not address:
+            continue
         try:
-            server = HealthServer(config.healthz_bind_address, health, metrics.count_health)
-            server.start()
-            servers.append(server)
+            servers.append(start())
         except OSError as err:
             if config.bind_address_hard_fail:
                 raise
-            log.error("healthz server not started", address=config.healthz_bind_address,
-                      error=str(err))
-    if config.metrics_bind_address:
-        try:
-            servers.append(_MetricsServer(config.metrics_bind_address, metrics))
-        except OSError as err:
-            if config.bind_address_hard_fail:
-                raise
-            log.error("metrics server not started", address=config.metrics_bind_address,
-                      error=str(err))
+            log.error(f"{name} server not started; retrying", address=address, error=str(err))
+            threading.Thread(target=_retry_server, args=(name, start, servers, stop),
+                             name=f"retry-{name}", daemon=True).start()
     return servers
+
+
+def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
+                  servers: list[HealthServer | _MetricsServer], stop: threading.Event) -> None:
+    while not stop.wait(SERVER_RETRY_SECONDS):
+        try:
+            servers.append(start())
+        except OSError:
+            continue
+        log.info(f"{name} server started")
+        return
 
 
 def _api_client(config: ProxyConfig) -> Any:
