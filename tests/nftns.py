@@ -52,8 +52,15 @@ def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
 
 
 def libnft_in(netns: str) -> LibNftables:
-    """A LibNftables whose socket lives in the named namespace (`ip netns` name)."""
-    return call_in_netns(netns, LibNftables)
+    """A LibNftables whose contexts' sockets live in the named namespace."""
+    import nftables
+
+    def context() -> Any:
+        ctx = call_in_netns(netns, nftables.Nftables)
+        ctx.set_echo_output(False)
+        return ctx
+
+    return LibNftables(context)
 
 
 class NodeProxy:
