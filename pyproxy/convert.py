@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import socket
 from collections.abc import Callable, Mapping
 from datetime import date, datetime
 from typing import Any, TypeVar
@@ -77,20 +78,27 @@ class Invalid(ValueError):
 
 def api_dict(obj: Any) -> Any:
     """The API (camelCase JSON) form of an object from the `kubernetes` client, or the object
-    itself when it already is plain data. The client's models carry `attribute_map`
-    (python name → JSON name); walking it avoids importing the client here."""
+    itself when it already is plain data (returned as is: copying 10k objects' worth of
+    dicts was half the cost of converting an initial list). The client's models carry
+    `attribute_map` (python name → JSON name); walking it avoids importing the client."""
+    if type(obj) is dict:
+        return obj
+    return _from_model(obj)
+
+
+def _from_model(obj: Any) -> Any:
     attribute_map = getattr(obj, "attribute_map", None)
     if isinstance(attribute_map, Mapping):
         out: dict[str, Any] = {}
         for attr, json_name in attribute_map.items():
             value = getattr(obj, attr, None)
             if value is not None:
-                out[json_name] = api_dict(value)
+                out[json_name] = _from_model(value)
         return out
     if isinstance(obj, Mapping):
-        return {k: api_dict(v) for k, v in obj.items()}
+        return {k: _from_model(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [api_dict(v) for v in obj]
+        return [_from_model(v) for v in obj]
     if isinstance(obj, datetime | date):
         return obj.isoformat()
     return obj
@@ -101,6 +109,8 @@ def api_dict(obj: Any) -> Any:
 
 
 def _mapping(value: Any, field: str) -> Mapping[str, Any]:
+    if type(value) is dict:  # the common case, without the (slow) ABC check
+        return value
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -146,11 +156,14 @@ def _bool(value: Any, field: str, default: bool) -> bool:
 
 
 def _ip(value: Any, field: str) -> str:
+    """A valid address in its canonical form (the same address always renders the same nft
+    text). inet_pton/inet_ntop: 100k endpoint addresses per initial list, and the C parser
+    is ~5x faster than ipaddress while just as strict (no leading zeros, no zone)."""
     text = _str(value, field)
+    family = socket.AF_INET6 if ":" in text else socket.AF_INET
     try:
-        # Normalised form: the same address always renders the same nft text.
-        return str(ipaddress.ip_address(text))
-    except ValueError:
+        return socket.inet_ntop(family, socket.inet_pton(family, text))
+    except (OSError, ValueError):
         raise Invalid(f"{field}: {text!r} is not an IP address") from None
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
@@ -132,6 +133,14 @@ def render_script(state: ClusterState, config: NodeConfig,
         for family in (families or node_families(state, config)))
 
 
+def trim_heap() -> None:
+    """Give freed memory back to the system. A full sync (and the initial lists before it)
+    allocates the whole script, libnftables' cache and the API's JSON; glibc keeps the freed
+    arenas, which at 10k services doubled the resident size (650 → 300 MB when trimmed)."""
+    with suppress(OSError, AttributeError):  # not glibc: nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection inside: a sync allocates hundreds of thousands of
@@ -167,6 +176,7 @@ class FamilyProxier:
             # The store and the selections live until the next full sync: keep the cyclic
             # GC from walking them again and again (it was most of a 10k-service sync).
             gc.freeze()
+            trim_heap()
         return result
 
     def _sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None,
