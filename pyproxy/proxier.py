@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
 
 from pyproxy.explain import PortSelection, select_all
+from pyproxy.gcutil import gc_paused, trim_heap
 from pyproxy.model import IPFamily, ServiceKey, ServicePortName, ip_family
 from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
 from pyproxy.ruleset import Change, DesiredState, full_commands
@@ -131,27 +130,6 @@ def render_script(state: ClusterState, config: NodeConfig,
     return "".join(
         full_commands(family.nft_family, desired_state(state, config, family)).text()
         for family in (families or node_families(state, config)))
-
-
-def trim_heap() -> None:
-    """Give freed memory back to the system. A full sync (and the initial lists before it)
-    allocates the whole script, libnftables' cache and the API's JSON; glibc keeps the freed
-    arenas, which at 10k services doubled the resident size (650 → 300 MB when trimmed)."""
-    with suppress(OSError, AttributeError):  # not glibc: nothing to trim
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside: a sync allocates hundreds of thousands of
-    short tuples and strings (no cycles), which would trigger collections of everything."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class FamilyProxier:

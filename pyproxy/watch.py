@@ -26,6 +26,8 @@ from typing import Any
 
 import structlog
 
+from pyproxy.gcutil import gc_paused
+
 log = structlog.get_logger("pyproxy.watch")
 
 ObjectKey = tuple[str, str]
@@ -162,10 +164,13 @@ class Reflector:
         self.status.lists += 1
         self.status.connected = True
         seen: set[ObjectKey] = set()
-        for item in body.get("items") or []:
-            key = _key(item)
-            seen.add(key)
-            self.handler(key, item)
+        # Converting a 10k-object list allocates millions of small objects without cycles;
+        # the cyclic GC would walk all of them again and again (~20 % of a cold start).
+        with gc_paused():
+            for item in body.get("items") or []:
+                key = _key(item)
+                seen.add(key)
+                self.handler(key, item)
         # Reconcile: whatever we knew and the list no longer has was deleted meanwhile.
         for key in self._known - seen:
             self.handler(key, None)
