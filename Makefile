@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench demo clean
+.PHONY: all deps venv test unit lint bench bench-daemon demo clean
 
 all: test
 
@@ -47,8 +47,13 @@ test: venv lint
 demo: venv
 	scripts/demo.sh $(if $(KEEP),--keep)
 
+# Sync speed against an upstream-style baseline measured in the same run (bench/README.md),
+# and the daemon end to end (initial list, memory, network programming latency).
 bench: venv
-	$(BIN)/python bench/bench_sync.py
+	$(BIN)/python bench/bench_sync.py $(BENCH_FLAGS)
+
+bench-daemon: venv
+	$(BIN)/python bench/bench_daemon.py $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
@@ -144,3 +149,13 @@ uninstall:
 	elif [ -e "$$root" ]; then echo "make uninstall: $$root is not a virtualenv; left alone" >&2; fi; \
 	if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi; \
 	echo "kept $(DESTDIR)$(SYSCONFDIR)"
+
+# ---------------------------------------------------------------------------------------------
+# `make chaos`: the long versions of the reliability and security drills (docs/drills.md) in
+# throwaway network namespaces, as root: the 60 s API outage, 10 SIGKILLs, 10,000 generated
+# objects… (about 10 minutes). Prints each drill's figures and the table of faults.
+# CHAOS_FLAGS: e.g. --only outage, --markdown FILE, --json FILE, --seed N.
+CHAOS_FLAGS ?=
+.PHONY: chaos
+chaos: venv
+	$(BIN)/python drills/chaos.py $(CHAOS_FLAGS)
