@@ -51,6 +51,7 @@ demo: venv
 # and the daemon end to end (initial list, memory, network programming latency).
 bench: venv
 	$(BIN)/python bench/bench_sync.py $(BENCH_FLAGS)
+	$(BIN)/python bench/bench_maglev.py
 
 bench-daemon: venv
 	$(BIN)/python bench/bench_daemon.py $(BENCH_FLAGS)
