@@ -58,6 +58,7 @@ MAX_TOPOLOGY_KEYS = 16
 MAX_HINTS = 64
 MAX_AFFINITY_TIMEOUT = 86400
 
+# Matched with fullmatch: `$` alone also matches before a trailing newline.
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
@@ -170,6 +171,8 @@ def _ip(value: Any, field: str) -> str:
 def _cidr(value: Any, field: str) -> str:
     text = _str(value, field).strip()
     try:
+        if "%" in text:  # Python accepts IPv6 zone indexes; the API and nft do not
+            raise ValueError(text)
         return str(ipaddress.ip_network(text, strict=False))
     except ValueError:
         raise Invalid(f"{field}: {text!r} is not a CIDR") from None
@@ -177,14 +180,14 @@ def _cidr(value: Any, field: str) -> str:
 
 def _dns_label(value: Any, field: str, max_len: int = 63) -> str:
     text = _str(value, field)
-    if not text or len(text) > max_len or not _DNS_LABEL.match(text):
+    if not text or len(text) > max_len or not _DNS_LABEL.fullmatch(text):
         raise Invalid(f"{field}: {text!r} is not a valid DNS label")
     return text
 
 
 def _dns_subdomain(value: Any, field: str) -> str:
     text = _str(value, field)
-    if not text or len(text) > 253 or not _DNS_SUBDOMAIN.match(text):
+    if not text or len(text) > 253 or not _DNS_SUBDOMAIN.fullmatch(text):
         raise Invalid(f"{field}: {text!r} is not a valid DNS subdomain name")
     return text
 
@@ -201,7 +204,7 @@ def _port_name(value: Any, field: str) -> str:
     # Service port names are DNS labels (IANA service names are a subset); "" is allowed for
     # a single unnamed port.
     text = _str(value, field)
-    if text and (len(text) > 63 or not _DNS_LABEL.match(text)):
+    if text and (len(text) > 63 or not _DNS_LABEL.fullmatch(text)):
         raise Invalid(f"{field}: {text!r} is not a valid port name")
     return text
 
@@ -209,9 +212,9 @@ def _port_name(value: Any, field: str) -> str:
 def is_label_key(key: str) -> bool:
     """A Kubernetes label key: optional DNS-subdomain prefix and '/', then a name ≤ 63."""
     prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
         return False
-    return 0 < len(name) <= 63 and bool(_LABEL_NAME.match(name))
+    return 0 < len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
 
 
 def _labels(value: Any, field: str) -> dict[str, str]:
@@ -220,7 +223,7 @@ def _labels(value: Any, field: str) -> dict[str, str]:
         if not isinstance(key, str) or not is_label_key(key):
             raise Invalid(f"{field}: {key!r} is not a valid label key")
         text = _str(val, f"{field}[{key}]")
-        if len(text) > 63 or not _LABEL_VALUE.match(text):
+        if len(text) > 63 or not _LABEL_VALUE.fullmatch(text):
             raise Invalid(f"{field}[{key}]: {text!r} is not a valid label value")
         out[key] = text
     return out
@@ -602,7 +605,7 @@ def _endpoint(raw: Any, field: str, family: IPFamily, weight: int | None = None)
 
 def _label_value(value: Any, field: str) -> str:
     text = _str(value, field)
-    if len(text) > 63 or not _LABEL_VALUE.match(text):
+    if len(text) > 63 or not _LABEL_VALUE.fullmatch(text):
         raise Invalid(f"{field}: {text!r} is not a valid label value")
     return text
 

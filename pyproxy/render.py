@@ -29,8 +29,8 @@ import hashlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from ipaddress import ip_address, ip_network
-from typing import NamedTuple
+from ipaddress import collapse_addresses, ip_address, ip_network
+from typing import Any, NamedTuple
 
 from pyproxy.balancing import (
     Algorithm,
@@ -386,12 +386,21 @@ class _ServiceRender:
                        prefix: str, nodeport: bool) -> Iterator[Item]:
         cluster = self.weighted(self.sel.cluster or ())
         if not self.external_is_local():
+            if not cluster:
+                # Endpoints exist, but none for this node's cluster traffic (topology keys
+                # matched none while iTP=Local keeps the service alive): reject, as when a
+                # service has no endpoints.
+                yield _elem(no_endpoints, key, f"{self.comment()} : goto {REJECT_CHAIN}")
+                return
             chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport)
             yield chain
             yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
             yield from self.slots(slots, prefix, cluster)
             return
         local = self.weighted(self.sel.local or ())
+        if not cluster and not local:
+            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+            return
         chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport)
         yield chain
         yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
@@ -403,9 +412,11 @@ class _ServiceRender:
             yield _elem(no_endpoints, key, f"{self.comment()} : drop")
 
     def firewall(self) -> Iterator[Item]:
-        ranges = self.port.source_ranges_of(self.cfg.family)
+        # Overlapping ranges would be conflicting intervals in the set: collapse them. A
+        # range covering everything is no firewall at all.
+        ranges = _collapsed(self.port.source_ranges_of(self.cfg.family))
         vips = self.port.load_balancer_vips(self.cfg.family)
-        if not ranges or not vips:
+        if not ranges or not vips or any(r.endswith("/0") for r in ranges):
             return
         # If a range holds this node's address, the node may send from the VIP itself
         # (it is bound locally), so the VIPs are allowed too, as upstream does.
@@ -418,6 +429,12 @@ class _ServiceRender:
             yield _elem(FIREWALL_IPS_SET, self.key3(vip))
             for source in allowed:
                 yield _elem(FIREWALL_ALLOW_SET, f"{self.key3(vip)} . {source}")
+
+
+def _collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
+    """CIDRs of one family without overlaps (the interval set refuses overlapping ones)."""
+    nets: list[Any] = [ip_network(r) for r in ranges]
+    return tuple(str(n) for n in collapse_addresses(nets))
 
 
 def _masquerade(cfg: RenderConfig) -> str:

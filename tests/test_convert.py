@@ -309,3 +309,11 @@ def test_nodes() -> None:
     assert node.deleting and node.taints == ("ToBeDeletedByClusterAutoscaler",)
     bad = convert_node({"kind": "Node", "metadata": {"name": "n", "labels": {"k": 1}}})
     assert isinstance(bad, Skipped) and "labels" in bad.reason
+
+
+@pytest.mark.parametrize("tweak", [
+    _set("metadata.name", "svc\n"), _set("spec.ports.0.name", "http\n"),
+    _set("spec.loadBalancerSourceRanges", ["fd00:203::%pwn/64"]),
+], ids=["newline in name", "newline in port name", "zone index in a CIDR"])
+def test_what_the_api_server_refuses_is_refused(tweak: Callable[[Obj], None]) -> None:
+    assert isinstance(convert_service(make_service("ns", "svc", tweak)), Skipped)

@@ -257,3 +257,27 @@ def test_full_commands_declare_everything_once() -> None:
     assert "flush map ip pyproxy service-ips" in text
     stale = full_commands("ip", state, existing_chains=["cluster-tcp-9", "services"])
     assert stale.stale_chains == ["cluster-tcp-9"]
+
+
+def test_source_ranges_are_collapsed_and_a_catch_all_means_no_firewall() -> None:
+    def lb(*ranges: str) -> Callable[[dict[str, Any]], None]:
+        def apply(svc: dict[str, Any]) -> None:
+            svc["spec"].update(type="LoadBalancer", loadBalancerSourceRanges=list(ranges),
+                               ports=[{"name": "http", "port": 80, "nodePort": 30080}])
+            svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.1"}]}}
+        return apply
+
+    items = frag(lb("10.0.0.0/8", "10.1.0.0/16"), [on(A1, "node-a")])
+    assert set(elements(items, "firewall-allow")) == {"198.51.100.1 . tcp . 80 . 10.0.0.0/8"}
+    assert not elements(frag(lb("0.0.0.0/0"), [on(A1, "node-a")]), "firewall-ips")
+
+
+def test_node_port_with_no_cluster_endpoints_for_this_node_rejects() -> None:
+    # iTP=Local keeps the service alive; topology keys leave no cluster endpoint here
+    items = frag(spec(type="NodePort", internalTrafficPolicy="Local",
+                      topologyKeys=["kubernetes.io/hostname"],
+                      ports=[{"name": "http", "port": 80, "nodePort": 30080}]),
+                 [ep(B1, "node-b", "zone-2")])
+    assert elements(items, "no-endpoint-nodeports") == {
+        "tcp . 30080": ' comment "ns/svc:http" : goto reject-chain'}
+    assert not any(name.endswith("-0") for name in chains(items))
