@@ -97,7 +97,7 @@ def log(msg: str) -> None:
 def pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    k = max(0, min(len(s) - 1, round(q / 100 * len(s) + 0.5) - 1))
     return s[k]
 
 
@@ -148,17 +148,16 @@ class Profiler:
 
 def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
+    from synth import NODE_CONFIG, Cluster, apply_change, plan_changes
+
     import pyproxy.proxier as proxier_mod
     from pyproxy.model import IPFamily
-    from pyproxy.nft import LibNftables
+    from pyproxy.nft import LibNftables, SyncResult
     from pyproxy.proxier import FamilyProxier
     from pyproxy.render import TABLE
     from pyproxy.ruleset import Change as RChange
     from pyproxy.ruleset import DesiredState
     from pyproxy.snapshot import build_state
-    from synth import NODE_CONFIG, Cluster, apply_change, plan_changes
-
-    from pyproxy.nft import SyncResult
 
     prof = Profiler(args.profile)
     gcc = GcClock()
@@ -297,7 +296,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
                if kind == "element" and container == "service-ips")
     nft._nft.set_json_output(True)
     try:
-        rc, out, err = nft._nft.cmd(f"list map ip {TABLE} service-ips")
+        rc, out, _err = nft._nft.cmd(f"list map ip {TABLE} service-ips")
     finally:
         nft._nft.set_json_output(False)
     have = -1
@@ -330,9 +329,10 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
 def worker_baseline(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
     import nftables
-    from pyproxy.snapshot import build_state
     from synth import CLUSTER_CIDR, THIS_NODE, Cluster, apply_change, plan_changes
     from upstream_layout import cold_chunks, render_services, update
+
+    from pyproxy.snapshot import build_state
 
     nft = nftables.Nftables()
     nft.set_echo_output(False)
@@ -386,6 +386,9 @@ def worker_baseline(args: argparse.Namespace) -> dict[str, Any]:
             "render_ms": (t1 - t0) * 1e3, "kernel_ms": k * 1e3,
             "total_ms": (t1 - t0 + k) * 1e3, "commands": text.count("\n")})
         state = new_state
+        done = sum(len(v) for v in samples.values())
+        if done % 25 == 0:
+            log(f"baseline: {done} changes")
     res["changes"] = samples
     res["rss_end"] = rss()
     log("baseline: one-service changes done")
@@ -637,7 +640,11 @@ def main() -> None:
                     help="pyproxy runs, each in a fresh netns (cold start: median of runs; "
                          "changes: samples pooled)")
     ap.add_argument("--no-baseline", action="store_true",
-                    help="skip the upstream-style baseline (~40 s at 10k x 10)")
+                    help="skip the upstream-style baseline (~6 min at 10k x 10)")
+    ap.add_argument("--with-baseline", action="store_true",
+                    help="run the baseline with --large too (off by default there: its cold "
+                         "load takes well over 20 min at 44k and triggered kernel soft lockups "
+                         "on the test machine)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="also write all figures as JSON ('-': "
                     "JSON on stdout instead of the table)")
@@ -660,6 +667,7 @@ def main() -> None:
 
     if args.large:
         args.services, args.endpoints = 44_000, 5
+        args.no_baseline = args.no_baseline or not args.with_baseline
     elif args.quick:
         args.services = 1_000
     if args.changes < 20:

@@ -122,7 +122,8 @@ class Cluster:
         spec: Obj = {
             "type": s.kind, "clusterIP": vip, "clusterIPs": [vip], "ipFamilies": ["IPv4"],
             "ipFamilyPolicy": "SingleStack", "ports": ports, "selector": {"app": key.name},
-            "sessionAffinity": "None", "internalTrafficPolicy": "Local" if s.itp_local else "Cluster",
+            "sessionAffinity": "None",
+            "internalTrafficPolicy": "Local" if s.itp_local else "Cluster",
         }
         status: Obj = {"loadBalancer": {}}
         if s.kind != "ClusterIP":

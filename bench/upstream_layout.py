@@ -36,19 +36,29 @@ MASQ = "0x00004000"
 CHUNK = 500
 
 
+_BASE = (("nat-prerouting", "nat hook prerouting priority -100", "jump services"),
+         ("nat-output", "nat hook output priority -100", "jump services"),
+         ("nat-postrouting", "nat hook postrouting priority 100", "jump masquerading"),
+         ("filter-forward", "filter hook forward priority -110",
+          "ct state new jump service-endpoints-check"),
+         ("filter-output", "filter hook output priority -110",
+          "ct state new jump service-endpoints-check"),
+         ("filter-input", "filter hook input priority -110",
+          "ct state new jump service-endpoints-check"))
+_KEY3 = "ipv4_addr . inet_proto . inet_service"
+
+
 def skeleton() -> str:
+    base = "".join(f"  chain {name} {{ type {hook}; policy accept; {rule}; }}\n"
+                   for name, hook, rule in _BASE)
     return f"""table {T} {{
-  map service-ips {{ type ipv4_addr . inet_proto . inet_service : verdict; }}
+  map service-ips {{ type {_KEY3} : verdict; }}
   map service-nodeports {{ type inet_proto . inet_service : verdict; }}
-  map no-endpoint-services {{ type ipv4_addr . inet_proto . inet_service : verdict; }}
+  map no-endpoint-services {{ type {_KEY3} : verdict; }}
   set cluster-ips {{ type ipv4_addr; }}
-  chain nat-prerouting {{ type nat hook prerouting priority -100; policy accept; jump services; }}
-  chain nat-output {{ type nat hook output priority -100; policy accept; jump services; }}
-  chain nat-postrouting {{ type nat hook postrouting priority 100; policy accept; jump masquerading; }}
-  chain filter-forward {{ type filter hook forward priority -110; policy accept; ct state new jump service-endpoints-check; }}
-  chain filter-output {{ type filter hook output priority -110; policy accept; ct state new jump service-endpoints-check; }}
-  chain filter-input {{ type filter hook input priority -110; policy accept; ct state new jump service-endpoints-check; }}
-  chain service-endpoints-check {{ ip daddr . meta l4proto . th dport vmap @no-endpoint-services; }}
+{base}  chain service-endpoints-check {{
+    ip daddr . meta l4proto . th dport vmap @no-endpoint-services
+  }}
   chain reject-chain {{ reject; }}
   chain mark-for-masquerade {{ meta mark set meta mark | {MASQ}; }}
   chain masquerading {{

@@ -213,7 +213,10 @@ class Applier:
             renew = getattr(self.nft, "renew", None)
             if renew:
                 renew()
-        if change is None or any(kind != "element" for kind, _, _ in change.after):
+        if change is None or any(slot[0] != "element" and change.before.get(slot) != value
+                                 for slot, value in change.after.items()):
+            # only when a chain or a declaration really changed: a service moving to an
+            # existing shared pick chain touches the chain's slot but not its value
             self.committed_structure = self._structure()
         touched = len(self.state) if change is None else change.touched()
         return SyncResult(full, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
@@ -231,6 +234,7 @@ class Applier:
         due = [n for n, since in self.stale_chains.items() if now - since >= STALE_CHAIN_GRACE]
         if not due:
             return
+        intact = self.structure_intact()
         try:
             self.nft.run("".join(f"delete chain {self.family} {TABLE} {n}\n" for n in due))
         except NftError:
@@ -238,6 +242,11 @@ class Applier:
             return  # retried at the next sync; a full sync finds them again anyway
         for name in due:
             del self.stale_chains[name]
+        if self.committed_structure is not None and intact:
+            # Our own deletion changed the structure: without this, the next check would
+            # take it for tampering (a needless full "repair" sync, and a false `pyproxy
+            # diff` until then). Left alone if someone else had changed it before.
+            self.committed_structure = self._structure()
 
     def _structure(self) -> str | None:
         lister = getattr(self.nft, "list_structure", None)

@@ -16,6 +16,7 @@ import yaml
 
 from pyproxy.convert import convert_endpoint_slice, convert_node, convert_service
 from pyproxy.endpoints import merge_slices
+from pyproxy.gcutil import gc_paused
 from pyproxy.model import (
     Endpoint,
     IPFamily,
@@ -83,6 +84,11 @@ def load_snapshot(path: str | Path) -> ClusterState:
 
 def build_state(objects: Iterable[Any]) -> ClusterState:
     """Model objects from API objects (dicts or client models), dispatched on `kind`."""
+    with gc_paused():  # many small objects, no cycles: the cyclic GC would only slow it down
+        return _build_state(objects)
+
+
+def _build_state(objects: Iterable[Any]) -> ClusterState:
     nodes: dict[str, Node] = {}
     ports: list[ServicePort] = []
     slices: dict[ServiceKey, list[SliceEndpoints]] = {}

@@ -158,7 +158,8 @@ class Reflector:
     def _list(self) -> str:
         response = self._call(_request_timeout=(10, 120))
         try:
-            body = json.loads(response.data)
+            with gc_paused():
+                body = json.loads(response.data)
         finally:
             response.release_conn()
         self.status.lists += 1
