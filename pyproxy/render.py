@@ -424,7 +424,9 @@ class _ServiceRender:
         nets = [ip_network(r) for r in ranges]
         if any(ip_address(n) in net for n in self.cfg.node_ips for net in nets
                if ip_address(n).version == net.version):
-            allowed.extend(vips)
+            # collapsed again: a VIP inside a range (VIPs from the node subnet) would be
+            # an overlapping interval the kernel refuses
+            allowed = list(_collapsed([*ranges, *vips]))
         for vip in vips:
             yield _elem(FIREWALL_IPS_SET, self.key3(vip))
             for source in allowed:
@@ -434,7 +436,9 @@ class _ServiceRender:
 def _collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
     """CIDRs of one family without overlaps (the interval set refuses overlapping ones)."""
     nets: list[Any] = [ip_network(r) for r in ranges]
-    return tuple(str(n) for n in collapse_addresses(nets))
+    # A single address is written (and printed back by nft) without its /32 or /128.
+    return tuple(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n)
+                 for n in collapse_addresses(nets))
 
 
 def _masquerade(cfg: RenderConfig) -> str:

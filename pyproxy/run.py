@@ -107,6 +107,10 @@ class DaemonObserver:
 
     def failed(self, record: SyncRecord) -> None:
         self.metrics.sync_failures.inc()
+        # A failed sync leaves work pending (the kernel does not hold what it should): if
+        # it keeps failing, /healthz turns 503 after 2 x syncPeriod even when nothing new
+        # was queued (a repair of a damaged table that the kernel keeps refusing).
+        self.health.queued()
 
     def synced(self, record: SyncRecord, checkout: Checkout) -> None:
         proxier = self.proxier_ref()

@@ -281,3 +281,14 @@ def test_node_port_with_no_cluster_endpoints_for_this_node_rejects() -> None:
     assert elements(items, "no-endpoint-nodeports") == {
         "tcp . 30080": ' comment "ns/svc:http" : goto reject-chain'}
     assert not any(name.endswith("-0") for name in chains(items))
+
+
+def test_a_range_holding_the_node_and_the_vip_is_one_interval() -> None:
+    def lb(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="LoadBalancer", loadBalancerSourceRanges=["192.168.50.0/24"],
+                           ports=[{"name": "http", "port": 80, "nodePort": 30080}])
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": "192.168.50.200"}]}}
+
+    items = frag(lb, [on(A1, "node-a")])  # the node is 192.168.50.1
+    assert set(elements(items, "firewall-allow")) == {
+        "192.168.50.200 . tcp . 80 . 192.168.50.0/24"}
