@@ -242,6 +242,9 @@ def _live_commands(commands: Any) -> None:
                        help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
     trace.add_argument("--sport", type=int, metavar="PORT",
                        help="the client's source port (Maglev hashes address and port)")
+    trace.add_argument("--verify", action="store_true",
+                       help="check every element the answer relied on against the kernel "
+                            "(live mode); exit code 1 if the kernel disagrees")
     trace.add_argument("--from-node", action="store_true",
                        help="the connection starts on the node itself (output hook)")
     trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
@@ -298,12 +301,17 @@ def _cmd_trace(args: argparse.Namespace) -> int:
         result = _offline_trace(args)
     else:
         result = ask(args.socket, "/trace", src=args.src, dst=args.dst, sport=args.sport,
-                     from_node="1" if args.from_node else None)
+                     from_node="1" if args.from_node else None,
+                     verify="1" if args.verify else None)
     if args.output == "json":
         _print_json(result)
     else:
         sys.stdout.write(format_trace(result))
-    return EXIT_OK
+    problems = result.get("verified")
+    if problems is not None and args.output != "json":
+        print("verified against the kernel: " + ("every element the answer used is there"
+                                                 if not problems else "; ".join(problems)))
+    return EXIT_ERROR if problems else EXIT_OK
 
 
 def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:

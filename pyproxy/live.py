@@ -70,8 +70,26 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
             sport = int(query["sport"]) if query.get("sport") else None
             result = trace(proxier.applier.state, cfg, src, dst, port, proto,
                            from_node=query.get("from_node") == "1", sport=sport)
-            return result.as_dict()
+            answer = result.as_dict()
+            if query.get("verify") == "1":
+                answer["verified"] = verify(proxier, result.consulted)
+            return answer
     raise ValueError(f"this node does not proxy {family}")
+
+
+def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str]:
+    """Check every element the trace relied on against the kernel: the answer holds for
+    the kernel only if each is there with the same value. Returns the mismatches."""
+    problems = []
+    getter = getattr(proxier.applier.nft, "get_element", None)
+    if getter is None:
+        return ["this applier cannot read the kernel"]
+    for container, element in consulted:
+        key = element.split(" : ", 1)[0].split(" comment ", 1)[0]
+        found = getter(proxier.applier.family, container, key)
+        if found != element:
+            problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
+    return problems
 
 
 def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunner,

@@ -77,6 +77,14 @@ class LibNftables:
         rc, out, _ = self._factory().cmd(f"list {kind} {family} {TABLE} {name}")
         return parse_elements(str(out)) if rc == 0 else None
 
+    def get_element(self, family: str, container: str, key: str) -> str | None:
+        """One element as the kernel holds it (`nft get element`), or None when absent."""
+        rc, out, _ = self._factory().cmd(f"get element {family} {TABLE} {container} {{ {key} }}")
+        if rc != 0:
+            return None
+        found = parse_elements(str(out))
+        return found[0] if found else None
+
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         """Names of our table's chains and of its sets and maps."""
         block = self.list_structure(family)

@@ -48,6 +48,9 @@ class Trace:
     # (endpoint "IP:port", probability)
     candidates: list[tuple[str, float]] = field(default_factory=list)
     masquerade: bool = False
+    # Every element the answer relied on, (set or map, "key" + "value" as nft prints it),
+    # so that `--verify` can check them against the kernel.
+    consulted: list[tuple[str, str]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -85,7 +88,10 @@ class _Walker:
     sport: int | None = None
 
     def element(self, container: str, key: str) -> str | None:
-        return self.state.value((Kind.ELEMENT, container, key))
+        value = self.state.value((Kind.ELEMENT, container, key))
+        if value is not None:
+            self.out.consulted.append((container, " ".join((key + value).split())))
+        return value
 
     def key3(self) -> str:
         return f"{self.out.dst} . {self.out.protocol} . {self.out.port}"
