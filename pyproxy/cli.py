@@ -13,6 +13,7 @@ from pyproxy.config import ConfigError, add_flags, from_args
 from pyproxy.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.explain import explain_report, format_table
 from pyproxy.formats import format_history, format_services, format_status, format_trace
+from pyproxy.live import service_key
 from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import (
@@ -32,10 +33,10 @@ EXIT_UNREACHABLE = 3  # the live commands could not reach the daemon
 
 
 def _service_key(text: str) -> ServiceKey:
-    namespace, slash, name = text.partition("/")
-    if not slash or not namespace or not name:
-        raise argparse.ArgumentTypeError(f"expected NAMESPACE/NAME, got {text!r}")
-    return ServiceKey(namespace, name)
+    try:
+        return service_key(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

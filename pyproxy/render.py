@@ -571,7 +571,7 @@ class _AffinityRender:
         return f"{prefix}-{service_base_name(self.svc.port)}"
 
     def items(self) -> Iterator[Item]:
-        svc, cfg = self.svc, self.svc.cfg
+        svc = self.svc
         internal = self.chain("local" if svc.port.internal_policy is TrafficPolicy.LOCAL
                               else "service")
         if svc.sel.cluster is not None:
@@ -597,7 +597,6 @@ class _AffinityRender:
             yield _elem(SERVICE_NODEPORTS_MAP, key, f"{svc.comment()} : goto {external}")
             if svc.external_is_local() and not svc.sel.local:
                 yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, f"{svc.comment()} : drop")
-        del cfg
 
     def external_rules(self) -> list[str]:
         svc, cfg = self.svc, self.svc.cfg

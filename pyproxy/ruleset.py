@@ -57,12 +57,6 @@ class DesiredState:
             return current
         return min(current)
 
-    def fragment(self, owner: Hashable) -> Fragment:
-        return self._fragments.get(owner, Fragment())
-
-    def owners(self) -> Iterable[Hashable]:
-        return self._fragments.keys()
-
     def set(self, owner: Hashable, fragment: Fragment, change: Change | None = None) -> None:
         """Replace an owner's fragment (an empty fragment removes the owner), recording in
         `change` the before/after value of every slot it touches (a full sync, which
