@@ -36,10 +36,10 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [REPO, os.path.join(REPO, "tests"), HERE]
 
 from apiemu import ApiEmulator  # noqa: E402
-
-from pyproxy import debug  # noqa: E402
 from nftns import call_in_netns  # noqa: E402
 from synth import NODE_IP, Cluster  # noqa: E402
+
+from pyproxy import debug  # noqa: E402
 
 PYPROXY = os.path.join(REPO, ".venv", "bin", "pyproxy")
 
@@ -49,7 +49,8 @@ def sh(*argv: str) -> None:
 
 
 def rss_mib(pid: int) -> tuple[float, float]:
-    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
     return (int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024)
 
 
