@@ -44,7 +44,8 @@ def measure(args: argparse.Namespace) -> None:
         ports = convert_service(svc)
         assert isinstance(ports, tuple)
 
-        def slice_of(generation: int, first: int) -> object:
+        def slice_of(generation: int, first: int,
+                     n: int = n, key: ServiceKey = key) -> object:
             eps = [{"addresses": [f"10.77.{n}.{first + i}"], "nodeName": "node-b"}
                    for i in range(10)]
             return convert_endpoint_slice({

@@ -14,19 +14,24 @@ Layouts (all in ``table ip pyproxy``, same nat/filter skeleton):
 
 L1  chain per service, inline cascade:
       service-ips: VIP . proto . port : goto svc-<name>
-      svc-<name>:  masq-mark rule; ``numgen random mod (N-j) == 0 meta l4proto tcp dnat to EPj:8080``
+      svc-<name>:  masq-mark rule; ``numgen random mod (N-j) == 0 meta l4proto tcp \
+dnat to EPj:8080``
                    (j = 0..N-2); last rule a plain ``meta l4proto tcp dnat to EPlast:8080``
 L2  few chains, data maps (chain count independent of #services):
       service-ips: VIP . proto . port : goto pick-<proto>-N    (N = endpoint count; shared chains)
       pick-<proto>-N: masq-mark rule;
-                   ``dnat ip to ip daddr . <proto> dport . numgen random mod N map @endpoints-<proto>``
-      endpoints-<proto> (typeof ip daddr . <proto> dport . numgen random mod 1 : ip daddr . <proto> dport):
+                   ``dnat ip to ip daddr . <proto> dport . numgen random mod N \
+map @endpoints-<proto>``
+      endpoints-<proto> (typeof ip daddr . <proto> dport . numgen random mod 1 : \
+ip daddr . <proto> dport):
                    VIP . port . idx : EP . port
-      One map + pick chains per protocol: with ``th dport`` in the typeof, nft 1.0.6 can load the map
+      One map + pick chains per protocol: with ``th dport`` in the typeof, nft 1.0.6 can load \
+the map
       and rules in one transaction but fails to add a rule referencing the map later ("conflicting
       protocols specified: ip vs. th"), so the protocol is fixed per map instead.
 L3  hybrid: L1's per-service chain, endpoint choice via a per-service named map
-      svc-<name>:  masq-mark rule; ``meta l4proto tcp dnat ip to numgen random mod N map @eps-<name>``
+      svc-<name>:  masq-mark rule; ``meta l4proto tcp dnat ip to numgen random mod N \
+map @eps-<name>``
       eps-<name> (typeof numgen random mod 1 : ip daddr . <proto> dport): idx : EP . port
 
 Change operations (each its own transaction, timed around ``Nftables().cmd()`` only):
@@ -65,11 +70,12 @@ EP_BASE = (10 << 24) | (128 << 16)      # 10.128.0.0/9: endpoint (pod) IPs
 
 
 class Svc:
-    __slots__ = ("idx", "name", "vip", "proto", "port", "eps")
+    __slots__ = ("eps", "idx", "name", "port", "proto", "vip")
 
     def __init__(self, idx: int, n_eps: int, ep_gen: int = 0, proto: str = "tcp", port: int = 80):
         self.idx = idx
-        self.name = f"svc-{idx}-ns{idx % 97}/name{idx}/{proto}/p{port}"   # '/' like upstream; legal unquoted
+        # '/' like upstream; legal unquoted
+        self.name = f"svc-{idx}-ns{idx % 97}/name{idx}/{proto}/p{port}"
         self.vip = ip4(VIP_BASE + 1 + idx)
         self.proto = proto
         self.port = port
@@ -90,18 +96,26 @@ def masq_rule() -> str:
 
 
 def skeleton(max_eps: int, layout: str) -> str:
-    """Base chains, dispatch maps, minimal filter side. Per-layout objects follow as flat commands."""
+    """Base chains, dispatch maps, minimal filter side.
+
+    Per-layout objects follow as flat commands."""
     s = [f"table {TABLE} {{",
          "  map service-ips { type ipv4_addr . inet_proto . inet_service : verdict; }",
          "  map no-endpoint-services { type ipv4_addr . inet_proto . inet_service : verdict; }",
          "  set cluster-ips { type ipv4_addr; }",
-         "  chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; jump services; }",
+         "  chain nat-prerouting { type nat hook prerouting priority dstnat; policy accept; "
+         "jump services; }",
          "  chain nat-output { type nat hook output priority -100; policy accept; jump services; }",
-         "  chain nat-postrouting { type nat hook postrouting priority srcnat; policy accept; jump masquerading; }",
-         "  chain filter-forward { type filter hook forward priority -110; policy accept; ct state new jump service-endpoints-check; }",
-         "  chain filter-output { type filter hook output priority -110; policy accept; ct state new jump service-endpoints-check; }",
-         "  chain filter-input { type filter hook input priority -110; policy accept; ct state new jump service-endpoints-check; }",
-         "  chain service-endpoints-check { ip daddr . meta l4proto . th dport vmap @no-endpoint-services; }",
+         "  chain nat-postrouting { type nat hook postrouting priority srcnat; policy accept; "
+         "jump masquerading; }",
+         "  chain filter-forward { type filter hook forward priority -110; policy accept; "
+         "ct state new jump service-endpoints-check; }",
+         "  chain filter-output { type filter hook output priority -110; policy accept; "
+         "ct state new jump service-endpoints-check; }",
+         "  chain filter-input { type filter hook input priority -110; policy accept; "
+         "ct state new jump service-endpoints-check; }",
+         "  chain service-endpoints-check { "
+         "ip daddr . meta l4proto . th dport vmap @no-endpoint-services; }",
          "  chain reject-chain { reject; }",
          f"  chain mark-for-masquerade {{ meta mark set meta mark | {MASQ_BIT}; }}",
          "  chain masquerading {",
@@ -113,12 +127,14 @@ def skeleton(max_eps: int, layout: str) -> str:
     if layout == "L2":
         for proto in L2_PROTOS:
             s.append(f"  map endpoints-{proto} {{")
-            s.append(f"    typeof ip daddr . {proto} dport . numgen random mod 1 : ip daddr . {proto} dport")
+            s.append(f"    typeof ip daddr . {proto} dport . numgen random mod 1 : "
+                     f"ip daddr . {proto} dport")
             s.append("  }")
             for n in range(1, max_eps + 1):
                 s.append(f"  chain pick-{proto}-{n} {{")
                 s.append(f"    {masq_rule()}")
-                s.append(f"    dnat ip to ip daddr . {proto} dport . numgen random mod {n} map @endpoints-{proto}")
+                s.append(f"    dnat ip to ip daddr . {proto} dport . numgen random mod {n} "
+                         f"map @endpoints-{proto}")
                 s.append("  }")
     s.append("}")
     return "\n".join(s) + "\n"
@@ -131,7 +147,8 @@ def l1_chain_rules(svc: Svc) -> list[str]:
     rules = [masq_rule()]
     for j, (ip, port) in enumerate(svc.eps):
         if j < n - 1:
-            rules.append(f"numgen random mod {n - j} == 0 meta l4proto {svc.proto} dnat to {ip}:{port}")
+            rules.append(f"numgen random mod {n - j} == 0 "
+                         f"meta l4proto {svc.proto} dnat to {ip}:{port}")
         else:
             rules.append(f"meta l4proto {svc.proto} dnat to {ip}:{port}")
     return rules
@@ -140,13 +157,15 @@ def l1_chain_rules(svc: Svc) -> list[str]:
 def l1_add_service(svc: Svc) -> list[str]:
     c = [f"add chain {TABLE} {svc.name}"]
     c += [f"add rule {TABLE} {svc.name} {r}" for r in l1_chain_rules(svc)]
-    c.append(f"add element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} : goto {svc.name} }}")
+    c.append(f"add element {TABLE} service-ips "
+             f"{{ {svc.vip} . {svc.proto} . {svc.port} : goto {svc.name} }}")
     c.append(f"add element {TABLE} cluster-ips {{ {svc.vip} }}")
     return c
 
 
 def l1_replace_eps(svc: Svc) -> list[str]:
-    return [f"flush chain {TABLE} {svc.name}"] + [f"add rule {TABLE} {svc.name} {r}" for r in l1_chain_rules(svc)]
+    return [f"flush chain {TABLE} {svc.name}"] + [f"add rule {TABLE} {svc.name} {r}"
+                                                  for r in l1_chain_rules(svc)]
 
 
 def l1_del_service(svc: Svc) -> list[str]:
@@ -160,7 +179,8 @@ def l1_del_service(svc: Svc) -> list[str]:
 
 def l2_ep_elems(svc: Svc, eps=None, start: int = 0) -> str:
     eps = svc.eps if eps is None else eps
-    return ", ".join(f"{svc.vip} . {svc.port} . {start + j} : {ip} . {p}" for j, (ip, p) in enumerate(eps))
+    return ", ".join(f"{svc.vip} . {svc.port} . {start + j} : {ip} . {p}"
+                     for j, (ip, p) in enumerate(eps))
 
 
 def l2_ep_keys(svc: Svc, idxs) -> str:
@@ -169,32 +189,39 @@ def l2_ep_keys(svc: Svc, idxs) -> str:
 
 def l2_add_service(svc: Svc) -> list[str]:
     return [f"add element {TABLE} endpoints-{svc.proto} {{ {l2_ep_elems(svc)} }}",
-            f"add element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} : goto pick-{svc.proto}-{len(svc.eps)} }}",
+            f"add element {TABLE} service-ips "
+            f"{{ {svc.vip} . {svc.proto} . {svc.port} : goto pick-{svc.proto}-{len(svc.eps)} }}",
             f"add element {TABLE} cluster-ips {{ {svc.vip} }}"]
 
 
 def l2_replace_eps(old: Svc, new: Svc) -> list[str]:
     # same N: element-only change in endpoints-<proto>, no verdict/goto involved
-    return [f"delete element {TABLE} endpoints-{old.proto} {{ {l2_ep_keys(old, range(len(old.eps)))} }}",
+    return [f"delete element {TABLE} endpoints-{old.proto} "
+            f"{{ {l2_ep_keys(old, range(len(old.eps)))} }}",
             f"add element {TABLE} endpoints-{new.proto} {{ {l2_ep_elems(new)} }}"]
 
 
 def l2_remove_one(svc: Svc, j: int) -> list[str]:
-    """Remove endpoint j: move the last endpoint into slot j, drop the last slot, re-point to pick-(N-1)."""
+    """Remove endpoint j: move the last endpoint into slot j, drop the last slot,
+    re-point to pick-(N-1)."""
     n = len(svc.eps)
-    c = [f"delete element {TABLE} endpoints-{svc.proto} {{ {l2_ep_keys(svc, sorted({j, n - 1}))} }}"]
+    c = [f"delete element {TABLE} endpoints-{svc.proto} "
+         f"{{ {l2_ep_keys(svc, sorted({j, n - 1}))} }}"]
     if j != n - 1:
         last = svc.eps[n - 1]
-        c.append(f"add element {TABLE} endpoints-{svc.proto} {{ {svc.vip} . {svc.port} . {j} : {last[0]} . {last[1]} }}")
+        c.append(f"add element {TABLE} endpoints-{svc.proto} "
+                 f"{{ {svc.vip} . {svc.port} . {j} : {last[0]} . {last[1]} }}")
     c.append(f"delete element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} }}")
-    c.append(f"add element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} : goto pick-{svc.proto}-{n - 1} }}")
+    c.append(f"add element {TABLE} service-ips "
+             f"{{ {svc.vip} . {svc.proto} . {svc.port} : goto pick-{svc.proto}-{n - 1} }}")
     return c
 
 
 def l2_del_service(svc: Svc) -> list[str]:
     return [f"delete element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} }}",
             f"delete element {TABLE} cluster-ips {{ {svc.vip} }}",
-            f"delete element {TABLE} endpoints-{svc.proto} {{ {l2_ep_keys(svc, range(len(svc.eps)))} }}"]
+            f"delete element {TABLE} endpoints-{svc.proto} "
+            f"{{ {l2_ep_keys(svc, range(len(svc.eps)))} }}"]
 
 
 # --- L3 -----------------------------------------------------------------------------
@@ -205,7 +232,8 @@ def l3_map(svc: Svc) -> str:
 
 def l3_chain_rules(svc: Svc) -> list[str]:
     return [masq_rule(),
-            f"meta l4proto {svc.proto} dnat ip to numgen random mod {len(svc.eps)} map @{l3_map(svc)}"]
+            f"meta l4proto {svc.proto} dnat ip to numgen random mod {len(svc.eps)} "
+            f"map @{l3_map(svc)}"]
 
 
 def l3_elems(svc: Svc) -> str:
@@ -218,7 +246,8 @@ def l3_add_service(svc: Svc) -> list[str]:
          f"add element {TABLE} {m} {{ {l3_elems(svc)} }}",
          f"add chain {TABLE} {svc.name}"]
     c += [f"add rule {TABLE} {svc.name} {r}" for r in l3_chain_rules(svc)]
-    c.append(f"add element {TABLE} service-ips {{ {svc.vip} . {svc.proto} . {svc.port} : goto {svc.name} }}")
+    c.append(f"add element {TABLE} service-ips "
+             f"{{ {svc.vip} . {svc.proto} . {svc.port} : goto {svc.name} }}")
     c.append(f"add element {TABLE} cluster-ips {{ {svc.vip} }}")
     return c
 
@@ -243,7 +272,7 @@ def l3_remove_one(svc: Svc, j: int) -> list[str]:
 
 
 def l3_del_service(svc: Svc) -> list[str]:
-    return l1_del_service(svc) + [f"delete map {TABLE} {l3_map(svc)}"]
+    return [*l1_del_service(svc), f"delete map {TABLE} {l3_map(svc)}"]
 
 
 # --- cold load ---------------------------------------------------------------------
@@ -265,11 +294,13 @@ def render_cold(layout: str, model: list[Svc], max_eps: int) -> str:
             vip_elems.append(f"{s.vip} . {s.proto} . {s.port} : goto pick-{s.proto}-{len(s.eps)}")
         for proto, elems in chunks.items():
             for i in range(0, len(elems), 1000):
-                out.append(f"add element {TABLE} endpoints-{proto} {{ {', '.join(elems[i:i + 1000])} }}\n")
+                out.append(f"add element {TABLE} endpoints-{proto} "
+                           f"{{ {', '.join(elems[i:i + 1000])} }}\n")
     elif layout == "L3":
         for s in model:
             m = l3_map(s)
-            out.append(f"add map {TABLE} {m} {{ typeof numgen random mod 1 : ip daddr . {s.proto} dport; elements = {{ {l3_elems(s)} }}; }}\n")
+            out.append(f"add map {TABLE} {m} {{ typeof numgen random mod 1 : "
+                       f"ip daddr . {s.proto} dport; elements = {{ {l3_elems(s)} }}; }}\n")
             out.append(f"add chain {TABLE} {s.name}\n")
             out.extend(f"add rule {TABLE} {s.name} {r}\n" for r in l3_chain_rules(s))
             vip_elems.append(f"{s.vip} . {s.proto} . {s.port} : goto {s.name}")
@@ -307,7 +338,7 @@ def render_op(layout: str, op: str, svc: Svc, n_eps: int) -> str:
     return "\n".join(cmds) + "\n"
 
 
-# ----------------------------------------------------------------------------- worker (inside netns)
+# ------------------------------------------------------------------------- worker (inside netns)
 
 def rss_mb() -> tuple[float, float]:
     cur = 0.0
@@ -370,7 +401,7 @@ def worker(args) -> dict:
     return res
 
 
-# ----------------------------------------------------------------------------- verify (real packets)
+# ------------------------------------------------------------------------- verify (real packets)
 
 VERIFY_PY = r"""
 import socket, sys
@@ -382,7 +413,8 @@ for i in range(count):
 
 
 def verify(layout: str) -> dict:
-    """Small ruleset with a UDP VIP 10.96.0.10:53 -> 3 endpoints on lo, 90 packets, count DNAT targets."""
+    """Small ruleset with a UDP VIP 10.96.0.10:53 -> 3 endpoints on lo, 90 packets,
+    count DNAT targets."""
     ns = f"ppxbench-{os.getpid()}-v{layout}"
     eps = [("10.1.0.1", 5353), ("10.1.0.2", 5354), ("10.1.0.3", 5355)]
     svc = Svc(0, 3, proto="udp", port=53)
@@ -393,13 +425,14 @@ def verify(layout: str) -> dict:
         sh = "ip link set lo up; " + "; ".join(f"ip addr add {ip}/32 dev lo" for ip, _ in eps) + \
              "; ip route add 10.96.0.0/12 dev lo"
         subprocess.run(["ip", "netns", "exec", ns, "sh", "-c", sh], check=True)
-        p = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=model_text, text=True,
-                           capture_output=True)
+        p = subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=model_text,
+                           text=True, capture_output=True)
         if p.returncode:
             return {"layout": layout, "error": p.stderr}
-        subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", VERIFY_PY, svc.vip, "53", "90"], check=True)
-        ct = subprocess.run(["ip", "netns", "exec", ns, "conntrack", "-L", "-p", "udp"], capture_output=True,
-                            text=True).stdout
+        subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", VERIFY_PY, svc.vip,
+                        "53", "90"], check=True)
+        ct = subprocess.run(["ip", "netns", "exec", ns, "conntrack", "-L", "-p", "udp"],
+                            capture_output=True, text=True).stdout
         counts: dict = {}
         for line in ct.splitlines():
             f = [x for x in line.split() if x.startswith(("src=", "sport="))]
@@ -442,15 +475,17 @@ def drive(args) -> None:
           f"(change ops: median of {args.changes} transactions each)")
     for k in keys:
         vals = [r[k] for r in results]
-        print(f"  {k:<16} {statistics.median(vals):>10.3f}   (runs: {', '.join(f'{v:.3f}' for v in vals)})")
+        print(f"  {k:<16} {statistics.median(vals):>10.3f}   "
+              f"(runs: {', '.join(f'{v:.3f}' for v in vals)})")
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"layout": args.layout, "services": args.services, "endpoints": args.endpoints,
-                                "runs": results}) + "\n")
+            f.write(json.dumps({"layout": args.layout, "services": args.services,
+                                "endpoints": args.endpoints, "runs": results}) + "\n")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layout", choices=["L1", "L2", "L3"], default="L2")
     ap.add_argument("--services", type=int, default=1000)
     ap.add_argument("--endpoints", type=int, default=10)
@@ -464,7 +499,8 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.render_only:
-        sys.stdout.write(render_cold(args.layout, build_model(args.services, args.endpoints), args.endpoints))
+        sys.stdout.write(render_cold(args.layout, build_model(args.services, args.endpoints),
+                                     args.endpoints))
     elif args.verify:
         for lay in ("L1", "L2", "L3"):
             print(json.dumps(verify(lay)))
