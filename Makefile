@@ -35,7 +35,7 @@ venv: deps $(BIN)/pyproxy
 	  [ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"
 
 lint: venv
-	$(BIN)/ruff check pyproxy tests
+	$(BIN)/ruff check pyproxy tests drills demo bench
 	$(BIN)/mypy
 
 unit: venv
