@@ -530,8 +530,11 @@ def _slice(data: Any) -> SliceEndpoints:
     ports = _slice_ports(data.get("ports"))
     raw_endpoints = _list(data.get("endpoints"), "endpoints", MAX_SLICE_ENDPOINTS)
     weight = _slice_weight(annotations)
+    # Numbered after the first port: SliceEndpoints keeps them that way (see there).
+    number = ports[0][2] if ports else 0
     endpoints = tuple(
-        _endpoint(raw, f"endpoints[{i}]", family, weight) for i, raw in enumerate(raw_endpoints)
+        _endpoint(raw, f"endpoints[{i}]", family, number, weight)
+        for i, raw in enumerate(raw_endpoints)
     )
     return SliceEndpoints(
         service=ServiceKey(namespace, service),
@@ -572,7 +575,8 @@ def _slice_weight(annotations: Mapping[str, str]) -> int | None:
     return int(text)
 
 
-def _endpoint(raw: Any, field: str, family: IPFamily, weight: int | None = None) -> Endpoint:
+def _endpoint(raw: Any, field: str, family: IPFamily, number: int,
+              weight: int | None = None) -> Endpoint:
     raw = _mapping(raw, field)
     addresses = _list(raw.get("addresses"), f"{field}.addresses", 100)
     if not addresses:
@@ -587,7 +591,7 @@ def _endpoint(raw: Any, field: str, family: IPFamily, weight: int | None = None)
     hints = _mapping(raw.get("hints"), f"{field}.hints")
     return Endpoint(
         ip=ip,
-        port=0,
+        port=number,
         # API defaults: a missing ready/serving means true, a missing terminating false.
         ready=_bool(conditions.get("ready"), f"{field}.conditions.ready", True),
         serving=_bool(conditions.get("serving"), f"{field}.conditions.serving", True),

@@ -17,11 +17,14 @@ def merge_slices(
     non-terminating one wins (a pod IP reused while the old pod terminates). The result is
     sorted by `IP:port` so that diffs and rule order are stable.
     """
+    lists = [piece.endpoints_numbered(number) for piece in slices
+             if piece.family is family and piece.service == port.service
+             for number in piece.numbers_for(port)]
+    if len(lists) == 1:
+        return lists[0]  # one slice declares the port: already sorted and unique
     chosen: dict[str, Endpoint] = {}
-    for piece in slices:
-        if piece.family is not family or piece.service != port.service:
-            continue
-        for ep in piece.endpoints_for(port):
+    for endpoints in lists:
+        for ep in endpoints:
             old = chosen.get(ep.key)
             if old is None or (old.terminating and not ep.terminating):
                 chosen[ep.key] = ep

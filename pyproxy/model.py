@@ -8,7 +8,7 @@ against missing fields or wrong types again.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -230,7 +230,13 @@ class Node:
 
 @dataclass(frozen=True, slots=True)
 class SliceEndpoints:
-    """The part of one EndpointSlice that the proxy uses."""
+    """The part of one EndpointSlice that the proxy uses.
+
+    `endpoints` is normalised on construction: sorted by address, one entry per address (a
+    non-terminating copy wins over a terminating one), each carrying the number of the
+    slice's first port. Almost every slice has one port, so its endpoints serve as the
+    merged list of that service port as they are: no copy per sync, per port or per reader.
+    """
 
     service: ServiceKey
     name: str
@@ -240,15 +246,47 @@ class SliceEndpoints:
     endpoints: tuple[Endpoint, ...]
     trigger_time: str | None = None
 
-    def endpoints_for(self, port: ServicePortName) -> Iterable[Endpoint]:
-        """This slice's endpoints for a service port, matched by port name and protocol."""
+    def __post_init__(self) -> None:
+        normal = _normalised(self.endpoints, self.ports[0][2] if self.ports else 0)
+        if normal is not None:
+            object.__setattr__(self, "endpoints", normal)
+
+    def numbers_for(self, port: ServicePortName) -> Iterator[int]:
+        """The port numbers this slice declares for a service port (by name and protocol)."""
         for name, protocol, number in self.ports:
             if name == port.port and protocol is port.protocol:
-                for ep in self.endpoints:
-                    # positional: much cheaper than dataclasses.replace at 100k endpoints
-                    yield Endpoint(ep.ip, number, ep.ready, ep.serving, ep.terminating,
-                                   ep.node_name, ep.zone, ep.zone_hints, ep.node_hints,
-                                   ep.topology, ep.weight)
+                yield number
+
+    def endpoints_for(self, port: ServicePortName) -> Iterator[Endpoint]:
+        """This slice's endpoints for a service port, matched by port name and protocol."""
+        for number in self.numbers_for(port):
+            yield from self.endpoints_numbered(number)
+
+    def endpoints_numbered(self, number: int) -> tuple[Endpoint, ...]:
+        """The endpoints with `number` as their port (the stored ones when it is theirs)."""
+        if not self.endpoints or self.endpoints[0].port == number:
+            return self.endpoints
+        # positional: much cheaper than dataclasses.replace at 100k endpoints
+        return tuple(Endpoint(ep.ip, number, ep.ready, ep.serving, ep.terminating,
+                              ep.node_name, ep.zone, ep.zone_hints, ep.node_hints,
+                              ep.topology, ep.weight) for ep in self.endpoints)
+
+
+def _normalised(endpoints: tuple[Endpoint, ...], number: int) -> tuple[Endpoint, ...] | None:
+    """`endpoints` sorted, unique and numbered `number`; None when they already are."""
+    keys = [ep.key for ep in endpoints]
+    if (all(ep.port == number for ep in endpoints)
+            and all(a < b for a, b in zip(keys, keys[1:], strict=False))):
+        return None
+    chosen: dict[str, Endpoint] = {}
+    for ep in endpoints:
+        if ep.port != number:
+            ep = Endpoint(ep.ip, number, ep.ready, ep.serving, ep.terminating, ep.node_name,
+                          ep.zone, ep.zone_hints, ep.node_hints, ep.topology, ep.weight)
+        old = chosen.get(ep.ip)
+        if old is None or (old.terminating and not ep.terminating):
+            chosen[ep.ip] = ep
+    return tuple(sorted(chosen.values(), key=lambda ep: ep.key))
 
 
 @dataclass(frozen=True, slots=True)

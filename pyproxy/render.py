@@ -25,8 +25,9 @@ How a new connection to a service is handled (table `ip pyproxy` / `ip6 pyproxy`
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from ipaddress import collapse_addresses, ip_address, ip_network
@@ -165,8 +166,15 @@ def _chain(name: str, rules: Sequence[str]) -> Item:
     return Item(Kind.CHAIN, name, "", "\n".join(rules))
 
 
+# Item(...) goes through the NamedTuple's Python-level __new__; building the tuple directly
+# halves the cost, which counts at a few hundred thousand elements per full render.
+_new_tuple: Callable[[type[Item], tuple[Kind, str, str, str]], Item] = (
+    tuple.__new__)
+_ELEMENT = Kind.ELEMENT
+
+
 def _elem(container: str, key: str, value: str = "") -> Item:
-    return Item(Kind.ELEMENT, container, key, value)
+    return _new_tuple(Item, (_ELEMENT, container, key, value))
 
 
 # Base chains: name → (type, hook, priority) as upstream; `dstnat` keyword avoided because
@@ -308,20 +316,26 @@ class _ServiceRender:
             self.cfg.family
         )
 
-    def items(self) -> Iterator[Item]:
-        yield _elem(CLUSTER_IPS_SET, self.cip)
-        yield from self.firewall()
+    def items(self) -> list[Item]:
+        # One list, extended: nested generators cost a resumption per item and level, and
+        # this runs for every element of a full render.
+        out = [_elem(CLUSTER_IPS_SET, self.cip)]
+        if self.port.source_ranges:
+            out += self.firewall()
         if not self.sel.has_any_endpoints:
-            yield from self.no_endpoints(f"goto {REJECT_CHAIN}", self.all_entries())
-            return
-        for ep in self.sel.all_reachable:
-            yield _elem(HAIRPIN_SET, f"{ep.ip} . {ep.ip}")
+            out += self.no_endpoints(f"goto {REJECT_CHAIN}", self.all_entries())
+            return out
+        out += [_new_tuple(Item, (_ELEMENT, HAIRPIN_SET, f"{ep.ip} . {ep.ip}", ""))
+                for ep in self.sel.all_reachable]
         if self.port.session_affinity:
-            yield from _AffinityRender(self).items()
-        else:
-            yield from self.cluster_ip()
-            yield from self.external()
-            yield from self.node_port()
+            out += _AffinityRender(self).items()
+            return out
+        out += self.cluster_ip()
+        if self.port.external_ips or self.port.load_balancer_ingress:
+            out += self.external()
+        if self.port.node_port:
+            out += self.node_port()
+        return out
 
     def all_entries(self) -> Iterator[tuple[str, str]]:
         yield NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip)
@@ -348,26 +362,31 @@ class _ServiceRender:
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
         """The endpoints map's slots for a list: weights and the algorithm decide how often
         each endpoint appears (Maglev: its consistent-hashing table)."""
+        if (self.port.balancing != Algorithm.MAGLEV and not self.port.endpoint_weights
+                and all(ep.weight is None for ep in endpoints)):
+            return tuple(endpoints)  # the common case: one slot per endpoint
         weights, _ = effective_weights(self.port, endpoints)
         return slots(endpoints, weights, Algorithm(self.port.balancing))
 
-    def cluster_ip(self) -> Iterator[Item]:
+    def cluster_ip(self) -> list[Item]:
         endpoints = self.weighted(self.internal_list())
         if not endpoints:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
-            yield _elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip), f"{self.comment()} : drop")
-            return
+            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip),
+                          f"{self.comment()} : drop")]
         chain = _cluster_pick_chain(self.picker(), len(endpoints))
-        yield chain
-        yield _elem(SERVICE_IPS_MAP, self.key3(self.cip),
-                    f"{self.comment()} : goto {chain.container}")
-        yield from self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
-                              endpoints)
+        return [chain,
+                _elem(SERVICE_IPS_MAP, self.key3(self.cip),
+                      f"{self.comment()} : goto {chain.container}"),
+                *self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
+                            endpoints)]
 
     def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
-              offset: int = 0) -> Iterator[Item]:
-        for i, ep in enumerate(endpoints):
-            yield _elem(container, f"{prefix} . {offset + i}", f" : {ep.ip} . {ep.port}")
+              offset: int = 0) -> list[Item]:
+        # the bulk of a full render: one element per endpoint and list
+        return [_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
+                                  f" : {ep.ip} . {ep.port}"))
+                for i, ep in enumerate(endpoints, offset)]
 
     def external(self) -> Iterator[Item]:
         for addr in self.externals():
@@ -452,7 +471,8 @@ class _Picker:
     cfg: RenderConfig
     proto: str
     balancing: Balancing
-    port: ServicePort  # round robin's chains are per service (named after it)
+    # Round robin's chains are per service (named after it); the others ignore the port.
+    port: ServicePort | None
 
     def index(self, count: int, offset: int) -> str:
         """An index in offset..offset+count-1, per the algorithm."""
@@ -479,6 +499,7 @@ class _Picker:
         `numgen inc` counter lives in its rule, so each service gets its own chain."""
         alg = self.balancing.algorithm
         if alg is Algorithm.ROUND_ROBIN:
+            assert self.port is not None, "a round-robin chain is named after its service"
             return f"{base}-rr-{service_base_name(self.port)}"[:250]
         if alg is Algorithm.SOURCE_HASH:
             return f"{base}-sh-{self.balancing.seed:08x}"
@@ -488,6 +509,19 @@ class _Picker:
 
 
 def _cluster_pick_chain(picker: _Picker, count: int) -> Item:
+    if picker.balancing.algorithm is Algorithm.ROUND_ROBIN:
+        return _build_cluster_pick_chain(picker, count)
+    return _shared_cluster_pick_chain(picker.cfg, picker.proto, picker.balancing, count)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balancing,
+                               count: int) -> Item:
+    # Thousands of services share each of these chains: build it once, not per service.
+    return _build_cluster_pick_chain(_Picker(cfg, proto, balancing, None), count)
+
+
+def _build_cluster_pick_chain(picker: _Picker, count: int) -> Item:
     cfg, proto = picker.cfg, picker.proto
     name = picker.chain_name(f"cluster-{proto}-{count}")
     rules = []

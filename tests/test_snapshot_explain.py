@@ -40,6 +40,23 @@ def test_slices_merge_and_deduplicate() -> None:
     assert [e.key for e in state.endpoints(HTTP, IPFamily.IPv6)] == ["[fd00:244::1]:8080"]
 
 
+def test_one_slice_is_its_own_merged_list() -> None:
+    # Within one slice: sorted by `IP:port` as text (so 10.244.1.10 before 10.244.1.1), a
+    # duplicated address once, the non-terminating copy winning.
+    state = build_state([
+        make_service("ns", "svc"),
+        make_slice("ns", "svc", [ep("10.244.1.9"), terminating("10.244.1.10"),
+                                 ep("10.244.1.1"), ep("10.244.1.10")]),
+    ])
+    merged = state.endpoints(HTTP, IPFamily.IPv4)
+    assert [(e.key, e.terminating) for e in merged] == [
+        ("10.244.1.10:8080", False), ("10.244.1.1:8080", False), ("10.244.1.9:8080", False)]
+    # The slice's own endpoints, not copies: nothing is rebuilt per sync or per reader.
+    (piece,) = state.slices[ServiceKey("ns", "svc")]
+    assert merged is piece.endpoints
+    assert state.endpoints(HTTP, IPFamily.IPv4) is merged
+
+
 def test_endpoints_match_service_ports_by_name_and_protocol() -> None:
     def two_ports(svc: dict[str, Any]) -> None:
         svc["spec"]["ports"] = [{"name": "http", "port": 80}, {"name": "dns", "port": 53,
