@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import socket
+import sys
 from collections.abc import Callable, Mapping
 from datetime import date, datetime
 from typing import Any, TypeVar
@@ -596,8 +597,10 @@ def _endpoint(raw: Any, field: str, family: IPFamily, number: int,
         ready=_bool(conditions.get("ready"), f"{field}.conditions.ready", True),
         serving=_bool(conditions.get("serving"), f"{field}.conditions.serving", True),
         terminating=_bool(conditions.get("terminating"), f"{field}.conditions.terminating", False),
-        node_name=_dns_subdomain(node_name, f"{field}.nodeName") if node_name else None,
-        zone=_label_value(zone, f"{field}.zone") if zone else None,
+        # interned: a handful of distinct names shared by 100k endpoints
+        node_name=sys.intern(_dns_subdomain(node_name, f"{field}.nodeName"))
+        if node_name else None,
+        zone=sys.intern(_label_value(zone, f"{field}.zone")) if zone else None,
         zone_hints=_hint_names(hints.get("forZones"), f"{field}.hints.forZones"),
         node_hints=_hint_names(hints.get("forNodes"), f"{field}.hints.forNodes"),
         topology=tuple(
@@ -615,11 +618,25 @@ def _label_value(value: Any, field: str) -> str:
 
 
 def _hint_names(value: Any, field: str) -> frozenset[str]:
+    if not value:
+        # Shared: frozenset(set()) would be a fresh 216-byte object, two per endpoint.
+        return _NO_NAMES
     names: set[str] = set()
     for i, raw in enumerate(_list(value, field, MAX_HINTS)):
         raw = _mapping(raw, f"{field}[{i}]")
-        names.add(_label_value(raw.get("name"), f"{field}[{i}].name"))
-    return frozenset(names)
+        names.add(sys.intern(_label_value(raw.get("name"), f"{field}[{i}].name")))
+    return _shared(frozenset(names))
+
+
+_NO_NAMES: frozenset[str] = frozenset()
+# Hint sets repeat across endpoints (a few zones, the nodes): one object per distinct set.
+_SHARED_NAMES: dict[frozenset[str], frozenset[str]] = {}
+
+
+def _shared(names: frozenset[str]) -> frozenset[str]:
+    if len(_SHARED_NAMES) > 10_000:  # bounded: node hints can be as many as nodes
+        _SHARED_NAMES.clear()
+    return _SHARED_NAMES.setdefault(names, names)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ against missing fields or wrong types again.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import pairwise
 
 
 class Protocol(StrEnum):
@@ -276,7 +277,7 @@ def _normalised(endpoints: tuple[Endpoint, ...], number: int) -> tuple[Endpoint,
     """`endpoints` sorted, unique and numbered `number`; None when they already are."""
     keys = [ep.key for ep in endpoints]
     if (all(ep.port == number for ep in endpoints)
-            and all(a < b for a, b in zip(keys, keys[1:], strict=False))):
+            and all(a < b for a, b in pairwise(keys))):
         return None
     chosen: dict[str, Endpoint] = {}
     for ep in endpoints:

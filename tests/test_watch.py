@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from apiemu import ApiEmulator
 
-from pyproxy.watch import Reflector, Resource, services_resource
+from pyproxy.watch import Handler, Reflector, Resource, services_resource
 
 
 class Recorder:
@@ -144,6 +145,64 @@ def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
         stop.set()
         emu.drop_connections()
         thread.join(5)
+
+
+@contextlib.contextmanager
+def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
+            page_size: int) -> Iterator[Reflector]:
+    stop = threading.Event()
+    refl = Reflector(emu.api_client(), services_resource(), handle, synced.set, stop,
+                     page_size=page_size)
+    thread = threading.Thread(target=refl.run, daemon=True)
+    thread.start()
+    try:
+        yield refl
+    finally:
+        stop.set()
+        emu.drop_connections()
+        thread.join(5)
+        assert not thread.is_alive()
+
+
+def test_lists_are_read_in_pages(emu: ApiEmulator) -> None:
+    for i in range(5):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, page_size=2) as refl:
+        assert rec.synced.wait(5)
+        assert rec.names() == {f"svc-{i}" for i in range(5)}
+        assert emu.count("list", "services") == 3  # 2 + 2 + 1
+        assert refl.status.lists == 1
+        # The watch resumes from the list's version: nothing missed, nothing repeated.
+        emu.wait_for_watches(1, "services")
+        emu.create("services", service("later"))
+        wait(lambda: "later" in rec.names())
+        assert rec.events == 6
+
+
+def test_list_snapshot_expiring_between_pages_lists_again_in_one_piece(
+        emu: ApiEmulator) -> None:
+    for i in range(5):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    changed = threading.Event()
+
+    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
+        rec.handle(key, obj)
+        if key[1] == "svc-1" and not changed.is_set():
+            # Between the first and the second page: the cluster changes and the server
+            # forgets the snapshot the continue token points into.
+            changed.set()
+            emu.delete("services", "svc-4", "ns")
+            emu.create("services", service("svc-5"))
+            emu.compact()
+
+    with running(emu, handle, rec.synced, page_size=2) as refl:
+        assert rec.synced.wait(5)
+        assert changed.is_set()
+        assert rec.names() == {"svc-0", "svc-1", "svc-2", "svc-3", "svc-5"}
+        assert emu.count("list", "services", status=410) == 1
+        assert refl.status.errors == 0  # part of listing, not an API failure
 
 
 def test_resource_is_plain_data() -> None:
