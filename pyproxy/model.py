@@ -198,13 +198,12 @@ class Endpoint:
     topology: tuple[tuple[str, str], ...] = ()
     # From the slice's `service.pyproxy.io/weight` annotation; None: not given.
     weight: int | None = None
-    # `IP:port` (IPv6 in brackets): the identity of an endpoint within a service port.
-    # Computed once: merging, sorting and rendering 100k endpoints ask for it repeatedly.
-    key: str = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        key = f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
-        object.__setattr__(self, "key", key)
+    @property
+    def key(self) -> str:
+        """`IP:port` (IPv6 in brackets): the identity of an endpoint within a service port.
+        Computed when asked (merging several slices, explain), not stored: 100k endpoints
+        would carry 6 MB of it, and the common one-slice path never asks."""
+        return f"[{self.ip}]:{self.port}" if ":" in self.ip else f"{self.ip}:{self.port}"
 
     @property
     def family(self) -> IPFamily:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import time
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -176,12 +176,16 @@ class Applier:
     # transactions fail with NftError before reaching the kernel, as if it refused them.
     fail_next: int = 0
 
-    def sync(self, updates: Mapping[Hashable, Fragment], full: bool = False) -> SyncResult:
+    def sync(self, updates: Mapping[Hashable, Fragment] | Iterable[tuple[Hashable, Fragment]],
+             full: bool = False) -> SyncResult:
+        """`updates`: owner → fragment, or (owner, fragment) pairs produced as they are
+        consumed (the proxier renders while the store takes them in)."""
         t0 = self.clock()
         full = full or self.need_full
         # A full sync rewrites everything from the store: no need to track what changed.
         change = None if full else Change()
-        for owner, fragment in updates.items():
+        pairs = updates.items() if isinstance(updates, Mapping) else updates
+        for owner, fragment in pairs:
             self.state.set(owner, fragment, change)
         cmds = self._commands(change, full)
         if cmds.needs_full_sync:

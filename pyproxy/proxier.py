@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from ipaddress import ip_address, ip_network
 from typing import TYPE_CHECKING
@@ -106,14 +107,40 @@ def select_and_render(
 ) -> tuple[dict[Hashable, Fragment], dict[ServicePortName, PortSelection]]:
     """Fragments, and the selections they were rendered from (kept for the live CLI and the
     metrics, so neither has to select again)."""
-    cfg = config.render_config(family)
-    out: dict[Hashable, Fragment] = {SKELETON: skeleton(cfg)}
     selections: dict[ServicePortName, PortSelection] = {}
-    for ps in select_all(state, config.node_name, services):
-        if ps.family is family:
-            out[ps.port.name] = render_service(ps.port, ps.selection, cfg)
-            selections[ps.port.name] = ps
+    out = dict(rendered(state, config, family, services, selections))
     return out, selections
+
+
+def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
+             services: Iterable[ServiceKey] | None,
+             selections: dict[ServicePortName, PortSelection],
+             spent: list[float] | None = None) -> Iterator[tuple[Hashable, Fragment]]:
+    """The skeleton's and each service port's fragment, one at a time, recording the
+    selections they came from. A consumer that stores each fragment's items as it comes
+    never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
+    accumulates the seconds spent selecting and rendering (not in the consumer)."""
+    clock = time.perf_counter
+    started = clock()
+    cfg = config.render_config(family)
+    seconds = 0.0
+    pending: Iterator[PortSelection] = select_all(state, config.node_name, services)
+    owner: Hashable = SKELETON
+    fragment = skeleton(cfg)
+    while True:
+        seconds += clock() - started
+        yield owner, fragment
+        started = clock()
+        ps = next(pending, None)
+        while ps is not None and ps.family is not family:
+            ps = next(pending, None)
+        if ps is None:
+            break
+        owner, fragment = ps.port.name, render_service(ps.port, ps.selection, cfg)
+        selections[ps.port.name] = ps
+    seconds += clock() - started
+    if spent is not None:
+        spent.append(seconds)
 
 
 def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> DesiredState:
@@ -161,24 +188,29 @@ class FamilyProxier:
               full: bool) -> SyncResult:
         """Bring the table to `state`. With `changed`, only those services are selected and
         rendered again (a partial sync); otherwise every service is."""
-        started = time.perf_counter()
         if changed is None:
             services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
-            wanted, selections = select_and_render(state, self.config, self.family)
         else:
             services = set(changed)
-            wanted, selections = select_and_render(state, self.config, self.family, services)
-        render_seconds = time.perf_counter() - started
-        updates: dict[Hashable, Fragment] = dict(wanted)
+        removed: list[tuple[Hashable, Fragment]] = []
         for key in services:
             now = {p.name for p in state.ports_of(key)}
             for gone in self._owners.get(key, set()) - now:
-                updates[gone] = Fragment()
+                removed.append((gone, Fragment()))
                 self.selections.pop(gone, None)
             if now:
                 self._owners[key] = now
             else:
                 self._owners.pop(key, None)
+        selections: dict[ServicePortName, PortSelection] = {}
+        spent: list[float] = []
+        # Streamed: each fragment goes into the store as soon as it is rendered.
+        updates = itertools.chain(
+            rendered(state, self.config, self.family, None if changed is None else services,
+                     selections, spent),
+            removed)
         result = self.applier.sync(updates, full=full)
         self.selections.update(selections)
-        return replace(result, render_seconds=render_seconds)
+        render_seconds = sum(spent)
+        return replace(result, render_seconds=render_seconds,
+                       diff_seconds=max(0.0, result.diff_seconds - render_seconds))

@@ -10,8 +10,9 @@ the smallest value wins, so the result does not depend on event order.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 
 from pyproxy.render import (
     BASE_CHAIN_RULES,
@@ -41,18 +42,23 @@ class DesiredState:
     """All owners' fragments and the resulting slot values.
 
     A slot wanted by one owner (almost all of them) stores its value as a plain string; a
-    slot shared or disputed stores {value: owners}. This keeps a 10k-service table's store
-    small and its full sync quick."""
+    slot shared or disputed stores {value: owners}. Slots are stored per (kind, container)
+    and then by key, so no tuple is kept per slot: the element's own key string is the
+    dictionary key. This keeps a 10k-service table's store small and its full sync quick."""
 
     def __init__(self) -> None:
-        self._fragments: dict[Hashable, Fragment] = {}
-        self._values: dict[Slot, str | dict[str, int]] = {}
+        # Each owner's items, flattened (kind, container, key, value, kind, …): 32 bytes an
+        # item where a tuple of Items costs 80, and the daemon keeps every owner's.
+        self._fragments: dict[Hashable, tuple[str, ...]] = {}
+        self._values: dict[tuple[Kind, str], dict[str, _Value]] = {}
 
     def __len__(self) -> int:
-        return len(self._values)
+        return sum(len(inner) for inner in self._values.values())
 
     def value(self, slot: Slot) -> str | None:
-        current = self._values.get(slot)
+        kind, container, key = slot
+        inner = self._values.get((kind, container))
+        current = inner.get(key) if inner is not None else None
         if current is None or isinstance(current, str):
             return current
         return min(current)
@@ -61,11 +67,20 @@ class DesiredState:
         """Replace an owner's fragment (an empty fragment removes the owner), recording in
         `change` the before/after value of every slot it touches (a full sync, which
         rewrites everything, passes none)."""
-        old = self._fragments.get(owner, _EMPTY).items
-        new = fragment.items
-        if old == new:
+        flat_old = self._fragments.get(owner, ())
+        flat_new = tuple(chain.from_iterable(fragment.items))
+        if flat_old == flat_new:
             return
-        removed, added = old - new, new - old
+        new = fragment.items
+        removed: Iterable[Item]
+        added: Iterable[Item]
+        if flat_old:
+            old = _unflattened(flat_old)
+            old_set, new_set = set(old), set(new)
+            removed = [item for item in old if item not in new_set]
+            added = [item for item in new if item not in old_set]
+        else:
+            removed, added = (), new  # a new owner (every owner of a cold start)
         if change is not None:
             for item in (*removed, *added):
                 slot = item[:3]
@@ -80,39 +95,65 @@ class DesiredState:
                 slot = item[:3]
                 change.after[slot] = self.value(slot)
         if new:
-            self._fragments[owner] = fragment
+            self._fragments[owner] = flat_new
         else:
             self._fragments.pop(owner, None)
 
     def _add(self, item: Item) -> None:
-        slot: Slot = item[:3]
-        current = self._values.get(slot)
+        kind, container, key, value = item
+        inner = self._values.get((kind, container))
+        if inner is None:
+            inner = self._values[(kind, container)] = {}
+        current = inner.get(key)
         if current is None:
-            self._values[slot] = item.value
+            inner[key] = value
         elif isinstance(current, str):
             shared = {current: 1}
-            shared[item.value] = shared.get(item.value, 0) + 1
-            self._values[slot] = shared
+            shared[value] = shared.get(value, 0) + 1
+            inner[key] = shared
         else:
-            current[item.value] = current.get(item.value, 0) + 1
+            current[value] = current.get(value, 0) + 1
 
     def _drop(self, item: Item) -> None:
-        slot: Slot = item[:3]
-        current = self._values[slot]
+        kind, container, key, value = item
+        inner = self._values[(kind, container)]
+        current = inner[key]
         if isinstance(current, str):
-            del self._values[slot]
+            del inner[key]
+            if not inner:
+                del self._values[(kind, container)]
             return
-        current[item.value] -= 1
-        if not current[item.value]:
-            del current[item.value]
+        current[value] -= 1
+        if not current[value]:
+            del current[value]
         if len(current) == 1 and next(iter(current.values())) == 1:
-            self._values[slot] = next(iter(current))
+            inner[key] = next(iter(current))
 
-    def slots(self) -> Iterable[tuple[Slot, str]]:
-        for slot, current in self._values.items():
-            yield slot, current if isinstance(current, str) else min(current)
+    def slots(self) -> Iterator[tuple[Slot, str]]:
+        for kind, container, entries in self.containers():
+            for key, value in entries:
+                yield (kind, container, key), value
+
+    def containers(self) -> Iterator[tuple[Kind, str, Iterator[tuple[str, str]]]]:
+        """Per (kind, container): its (key, value) pairs (a full sync writes them in one
+        command per container)."""
+        for (kind, container), inner in self._values.items():
+            yield kind, container, _resolved(inner)
 
 
+def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, str]]:
+    for key, current in inner.items():
+        yield key, current if isinstance(current, str) else min(current)
+
+
+_Value = str | dict[str, int]
+
+
+def _unflattened(flat: tuple[str, ...]) -> list[Item]:
+    fields = iter(flat)
+    # tuple.__new__: the fields are an Item's already (the kind still a Kind)
+    return [tuple.__new__(Item, group)
+            for group in zip(fields, fields, fields, fields, strict=True)]
 _EMPTY = Fragment()
 
 
@@ -222,13 +263,12 @@ def full_commands(
     chains: dict[str, str] = {}
     elements: dict[str, list[str]] = {}
     # One pass, no sorting of the (many) elements: their order in a command is irrelevant.
-    for (kind, container, key), value in state.slots():
+    for kind, container, entries in state.containers():
         if kind is Kind.ELEMENT:
-            elements.setdefault(container, []).append(key + value)
-        elif kind is Kind.CHAIN:
-            chains[container] = value
+            elements[container] = [key + value for key, value in entries]
         else:
-            sets[container] = value
+            for _key, value in entries:  # one: chains and sets have no key
+                (chains if kind is Kind.CHAIN else sets)[container] = value
     for name in sorted(sets):
         value = sets[name]
         cmds.declare.append(_declare(family, name, value))

@@ -181,7 +181,7 @@ def test_protocols_get_their_own_maps() -> None:
 
 
 def _frag(*items: Item) -> Fragment:
-    return Fragment(frozenset(items))
+    return Fragment(tuple(items))
 
 
 def test_shared_slots_are_reference_counted() -> None:
