@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,10 @@ class WatchStatus:
     events: int = 0
     errors: int = 0
     last_error: str = ""
+    # The last complete list: seconds in all, and of those waiting for the server's pages
+    # (request + transfer); the rest is decoding and handing the objects over.
+    last_list_seconds: float = 0.0
+    last_list_server_seconds: float = 0.0
 
 
 class Reflector:
@@ -167,9 +172,11 @@ class Reflector:
         seen: set[ObjectKey] = set()
         version = ""
         limit, token = self.page_size, ""
+        started, waited = time.monotonic(), 0.0
         while True:
             try:
-                body = self._page(limit, token)
+                body, fetch_seconds = self._page(limit, token)
+                waited += fetch_seconds
             except Exception as err:
                 if token and getattr(err, "status", None) == 410:
                     log.info("list snapshot expired between pages, listing again in one "
@@ -194,6 +201,8 @@ class Reflector:
                 break
         self.status.lists += 1
         self.status.connected = True
+        self.status.last_list_seconds = round(time.monotonic() - started, 3)
+        self.status.last_list_server_seconds = round(waited, 3)
         # Reconcile: whatever we knew and the list no longer has was deleted meanwhile.
         for key in self._known - seen:
             self.handler(key, None)
@@ -204,20 +213,24 @@ class Reflector:
             self.on_synced()
         return version
 
-    def _page(self, limit: int, token: str) -> dict[str, Any]:
+    def _page(self, limit: int, token: str) -> tuple[dict[str, Any], float]:
+        """One page, and the seconds spent waiting for it (request and transfer)."""
         kwargs: dict[str, Any] = {"_request_timeout": (10, 120)}
         if limit:
             kwargs["limit"] = limit
         if token:
             kwargs["_continue"] = token
+        started = time.monotonic()
         response = self._call(**kwargs)
         try:
+            data = response.data
+            waited = time.monotonic() - started
             with gc_paused():
-                body: dict[str, Any] = json.loads(response.data)
+                body: dict[str, Any] = json.loads(data)
         finally:
             response.release_conn()
         self.status.connected = True
-        return body
+        return body, waited
 
     def _watch(self, version: str) -> str:
         response = self._call(
