@@ -120,25 +120,25 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
     accumulates the seconds spent selecting and rendering (not in the consumer)."""
-    clock = time.perf_counter
-    started = clock()
     cfg = config.render_config(family)
-    seconds = 0.0
-    pending: Iterator[PortSelection] = select_all(state, config.node_name, services)
-    owner: Hashable = SKELETON
-    fragment = skeleton(cfg)
+
+    def produce() -> Iterator[tuple[Hashable, Fragment]]:
+        yield SKELETON, skeleton(cfg)
+        for ps in select_all(state, config.node_name, services):
+            if ps.family is family:
+                selections[ps.port.name] = ps
+                yield ps.port.name, render_service(ps.port, ps.selection, cfg)
+
+    # Only the time inside `produce` counts: between two items the consumer runs.
+    clock, seconds = time.perf_counter, 0.0
+    pending = produce()
     while True:
-        seconds += clock() - started
-        yield owner, fragment
         started = clock()
-        ps = next(pending, None)
-        while ps is not None and ps.family is not family:
-            ps = next(pending, None)
-        if ps is None:
+        pair = next(pending, None)
+        seconds += clock() - started
+        if pair is None:
             break
-        owner, fragment = ps.port.name, render_service(ps.port, ps.selection, cfg)
-        selections[ps.port.name] = ps
-    seconds += clock() - started
+        yield pair
     if spent is not None:
         spent.append(seconds)
 
