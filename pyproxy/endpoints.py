@@ -17,8 +17,9 @@ def merge_slices(
     non-terminating one wins (a pod IP reused while the old pod terminates). The result is
     sorted by `IP:port` so that diffs and rule order are stable.
     """
+    service = port.service
     lists = [piece.endpoints_numbered(number) for piece in slices
-             if piece.family is family and piece.service == port.service
+             if piece.family is family and piece.service == service
              for number in piece.numbers_for(port)]
     if len(lists) == 1:
         return lists[0]  # one slice declares the port: already sorted and unique

@@ -60,8 +60,9 @@ def format_status(s: dict[str, Any]) -> str:
         state = "connected" if watch["connected"] else "DISCONNECTED"
         lines.append(f"watch {watch['kind']:<13}{state}, resourceVersion "
                      f"{watch['resource_version'] or '-'}, {watch['events']} events, "
-                     f"{watch['lists']} lists (last {watch['last_list_seconds']:.2f} s, "
-                     f"{watch['last_list_server_seconds']:.2f} s of it waiting for the server), "
+                     f"{watch['lists']} lists (last {watch['last_list_seconds']:.2f} s: "
+                     f"server {watch['last_list_server_seconds']:.2f}, decode "
+                     f"{watch['last_list_decode_seconds']:.2f}), "
                      f"{watch['errors']} errors"
                      + (f" (last: {watch['last_error']})" if watch["last_error"] else ""))
     return "\n".join(lines) + "\n"

@@ -300,20 +300,18 @@ def render_service(port: ServicePort, sel: Selection, cfg: RenderConfig) -> Frag
     return Fragment(tuple(r.items()))
 
 
-@dataclass
 class _ServiceRender:
-    port: ServicePort
-    sel: Selection
-    cfg: RenderConfig
-    cip: str
+    """One service port's render. The strings every element of it repeats are built once."""
 
-    @property
-    def proto(self) -> str:
-        return self.port.protocol.lower()
+    def __init__(self, port: ServicePort, sel: Selection, cfg: RenderConfig, cip: str) -> None:
+        self.port, self.sel, self.cfg, self.cip = port, sel, cfg, cip
+        self.proto = port.protocol.lower()
+        # Names are validated DNS labels, so the comment cannot break out of its quotes.
+        self._comment = f' comment "{port.name}"'
+        self._picker: _Picker | None = None
 
     def comment(self) -> str:
-        # Names are validated DNS labels, so the comment cannot break out of its quotes.
-        return f' comment "{self.port.name}"'
+        return self._comment
 
     def key3(self, addr: str) -> str:
         return f"{addr} . {self.proto} . {self.port.port}"
@@ -364,7 +362,9 @@ class _ServiceRender:
         return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
 
     def picker(self) -> _Picker:
-        return _Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
+        if self._picker is None:
+            self._picker = _Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
+        return self._picker
 
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
         """The endpoints map's slots for a list: weights and the algorithm decide how often

@@ -159,6 +159,12 @@ def _mode_from_hints(
     requested = port.traffic_distribution or port.topology_mode_annotation
     if not ready:
         return TOPOLOGY_NONE
+    if not any(ep.node_hints or ep.zone_hints for ep in ready):
+        # No hints at all (most services): one pass instead of the counts below.
+        if requested:
+            note(f"{_requested_field(port)}={requested} but the EndpointSlices carry no hints "
+                 "(the EndpointSlice controller writes them): all ready endpoints are used")
+        return TOPOLOGY_NONE
     missing_node = sum(1 for ep in ready if not ep.node_hints)
     missing_zone = sum(1 for ep in ready if not ep.zone_hints)
     if missing_node == 0:

@@ -115,10 +115,12 @@ class WatchStatus:
     events: int = 0
     errors: int = 0
     last_error: str = ""
-    # The last complete list: seconds in all, and of those waiting for the server's pages
-    # (request + transfer); the rest is decoding and handing the objects over.
+    # The last complete list: seconds in all, of those waiting for the server's pages
+    # (request + transfer) and decoding the JSON; the rest is handing the objects over
+    # (conversion and tracking).
     last_list_seconds: float = 0.0
     last_list_server_seconds: float = 0.0
+    last_list_decode_seconds: float = 0.0
 
 
 class Reflector:
@@ -172,11 +174,12 @@ class Reflector:
         seen: set[ObjectKey] = set()
         version = ""
         limit, token = self.page_size, ""
-        started, waited = time.monotonic(), 0.0
+        started, waited, decoding = time.monotonic(), 0.0, 0.0
         while True:
             try:
-                body, fetch_seconds = self._page(limit, token)
+                body, fetch_seconds, decode_seconds = self._page(limit, token)
                 waited += fetch_seconds
+                decoding += decode_seconds
             except Exception as err:
                 if token and getattr(err, "status", None) == 410:
                     log.info("list snapshot expired between pages, listing again in one "
@@ -203,6 +206,7 @@ class Reflector:
         self.status.connected = True
         self.status.last_list_seconds = round(time.monotonic() - started, 3)
         self.status.last_list_server_seconds = round(waited, 3)
+        self.status.last_list_decode_seconds = round(decoding, 3)
         # Reconcile: whatever we knew and the list no longer has was deleted meanwhile.
         for key in self._known - seen:
             self.handler(key, None)
@@ -213,8 +217,9 @@ class Reflector:
             self.on_synced()
         return version
 
-    def _page(self, limit: int, token: str) -> tuple[dict[str, Any], float]:
-        """One page, and the seconds spent waiting for it (request and transfer)."""
+    def _page(self, limit: int, token: str) -> tuple[dict[str, Any], float, float]:
+        """One page, the seconds spent waiting for it (request and transfer) and those
+        spent decoding it."""
         kwargs: dict[str, Any] = {"_request_timeout": (10, 120)}
         if limit:
             kwargs["limit"] = limit
@@ -227,10 +232,11 @@ class Reflector:
             waited = time.monotonic() - started
             with gc_paused():
                 body: dict[str, Any] = json.loads(data)
+            decoded = time.monotonic() - started - waited
         finally:
             response.release_conn()
         self.status.connected = True
-        return body, waited
+        return body, waited, decoded
 
     def _watch(self, version: str) -> str:
         response = self._call(
