@@ -201,6 +201,22 @@ def test_shared_slots_are_reference_counted() -> None:
     assert cmds.stale_chains == ["cluster-tcp-2"]
 
 
+def test_an_item_twice_in_a_fragment_is_one_slot_of_one_owner() -> None:
+    # e.g. the hairpin element of an endpoint IP serving two target ports
+    hairpin = Item(Kind.ELEMENT, "hairpin", "10.244.1.1 . 10.244.1.1", "")
+    other = Item(Kind.ELEMENT, "hairpin", "10.244.1.2 . 10.244.1.2", "")
+    assert _frag(hairpin, other, hairpin).items == (hairpin, other)
+    state = DesiredState()
+    state.set("a", _frag(hairpin, other, hairpin), Change())
+    state.set("a", _frag(other, hairpin), Change())
+    change = Change()
+    state.set("a", Fragment(), change)
+    # counted twice, it would outlive its only owner
+    assert state.value(hairpin[:3]) is None and len(state) == 0
+    assert incremental_commands("ip", change).delete_elements == [
+        "delete element ip pyproxy hairpin { 10.244.1.1 . 10.244.1.1, 10.244.1.2 . 10.244.1.2 }"]
+
+
 def test_changed_element_value_is_deleted_and_added() -> None:
     state = DesiredState()
     state.set("a", _frag(Item(Kind.ELEMENT, "m", "k", " : goto x")), Change())
