@@ -153,6 +153,7 @@ class SyncResult:
     kernel_seconds: float
     script_bytes: int
     render_seconds: float = 0.0  # selection + rendering, filled in by the caller
+    select_seconds: float = 0.0  # the part of render_seconds spent selecting endpoints
 
 
 @dataclass

@@ -119,28 +119,31 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
     """The skeleton's and each service port's fragment, one at a time, recording the
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
-    accumulates the seconds spent selecting and rendering (not in the consumer)."""
+    receives the seconds spent selecting and those spent rendering (not in the consumer)."""
     cfg = config.render_config(family)
-
-    def produce() -> Iterator[tuple[Hashable, Fragment]]:
-        yield SKELETON, skeleton(cfg)
-        for ps in select_all(state, config.node_name, services):
-            if ps.family is family:
-                selections[ps.port.name] = ps
-                yield ps.port.name, render_service(ps.port, ps.selection, cfg)
-
-    # Only the time inside `produce` counts: between two items the consumer runs.
-    clock, seconds = time.perf_counter, 0.0
-    pending = produce()
+    clock = time.perf_counter
+    selecting, rendering = 0.0, 0.0
+    started = clock()
+    fragment = skeleton(cfg)
+    rendering += clock() - started
+    yield SKELETON, fragment
+    pending = select_all(state, config.node_name, services)
     while True:
+        # Only the time in here counts: between two items the consumer runs.
         started = clock()
-        pair = next(pending, None)
-        seconds += clock() - started
-        if pair is None:
+        ps = next(pending, None)
+        selected = clock()
+        selecting += selected - started
+        if ps is None:
             break
-        yield pair
+        if ps.family is not family:
+            continue
+        selections[ps.port.name] = ps
+        fragment = render_service(ps.port, ps.selection, cfg)
+        rendering += clock() - selected
+        yield ps.port.name, fragment
     if spent is not None:
-        spent.append(seconds)
+        spent += (selecting, rendering)
 
 
 def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> DesiredState:
@@ -211,6 +214,7 @@ class FamilyProxier:
             removed)
         result = self.applier.sync(updates, full=full)
         self.selections.update(selections)
-        render_seconds = sum(spent)
-        return replace(result, render_seconds=render_seconds,
+        select_seconds, rendering = spent
+        render_seconds = select_seconds + rendering
+        return replace(result, render_seconds=render_seconds, select_seconds=select_seconds,
                        diff_seconds=max(0.0, result.diff_seconds - render_seconds))
