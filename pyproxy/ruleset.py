@@ -76,9 +76,12 @@ class DesiredState:
         added: Iterable[Item]
         if flat_old:
             old = _unflattened(flat_old)
-            old_set, new_set = set(old), set(new)
+            kept, new_set = {item: item for item in old}, set(new)
             removed = [item for item in old if item not in new_set]
-            added = [item for item in new if item not in old_set]
+            added = [item for item in new if item not in kept]
+            # The items that stay keep the strings already stored (the store's keys and
+            # values are those objects): an owner changed again and again holds one copy.
+            flat_new = tuple(chain.from_iterable(kept.get(item, item) for item in new))
         else:
             removed, added = (), new  # a new owner (every owner of a cold start)
         if change is not None:

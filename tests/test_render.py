@@ -3,6 +3,7 @@ how shared pick chains are reference-counted, and what an incremental change emi
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -215,6 +216,27 @@ def test_an_item_twice_in_a_fragment_is_one_slot_of_one_owner() -> None:
     assert state.value(hairpin[:3]) is None and len(state) == 0
     assert incremental_commands("ip", change).delete_elements == [
         "delete element ip pyproxy hairpin { 10.244.1.1 . 10.244.1.1, 10.244.1.2 . 10.244.1.2 }"]
+
+
+def test_an_owner_changed_again_and_again_keeps_one_copy_of_its_strings() -> None:
+    def fragment(generation: int) -> Fragment:
+        # fresh string objects every time, as every render makes them
+        stable = [Item(Kind.ELEMENT, "endpoints-tcp", f"10.96.0.1 . 80 . {i}",
+                       f" : 10.244.{i // 250}.{i % 250} . 8080") for i in range(2000)]
+        return _frag(*stable, Item(Kind.ELEMENT, "m", "k", f" : {generation}"))
+
+    state = DesiredState()
+    tracemalloc.start()
+    try:
+        state.set("a", fragment(0), Change())
+        before, _ = tracemalloc.get_traced_memory()
+        for generation in range(1, 5):
+            state.set("a", fragment(generation), Change())
+        after, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # A second copy of the 2,000 unchanged elements' strings would be ~250 kB.
+    assert after - before < 50_000, after - before
 
 
 def test_changed_element_value_is_deleted_and_added() -> None:
