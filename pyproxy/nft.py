@@ -186,8 +186,14 @@ class Applier:
         # A full sync rewrites everything from the store: no need to track what changed.
         change = None if full else Change()
         pairs = updates.items() if isinstance(updates, Mapping) else updates
-        for owner, fragment in pairs:
-            self.state.set(owner, fragment, change)
+        try:
+            for owner, fragment in pairs:
+                self.state.set(owner, fragment, change)
+        except Exception:
+            # The fragments are produced while the store takes them: a failure half-way
+            # leaves the store ahead of the kernel. Only a full sync makes them agree again.
+            self.need_full = True
+            raise
         cmds = self._commands(change, full)
         if cmds.needs_full_sync:
             full = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -11,8 +12,9 @@ from fakes import FakeNft
 from pyproxy.cache import ClusterCache
 from pyproxy.daemon import Proxier
 from pyproxy.model import IPFamily, ServiceKey
-from pyproxy.nft import NftError
+from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.render import Fragment, Item, Kind
 
 WEB = ServiceKey("ns", "web")
 
@@ -142,6 +144,30 @@ def test_partial_sync_writes_only_the_change_and_failure_forces_full() -> None:
     assert proxier.history[-1].error
     proxier.sync()
     assert proxier.history[-1].full and "10.244.1.3 . 8080" in nft.last
+
+
+def test_updates_failing_half_way_force_a_full_sync() -> None:
+    # What a bug in selection or rendering looks like to the applier: some fragments are
+    # already in its store when the stream raises, and the kernel was not written.
+    nft = FakeNft()
+    applier = Applier("ip", nft)
+    applier.sync({"a": _elements("10.96.0.1")})
+    assert not applier.need_full
+
+    def broken() -> Iterator[tuple[Hashable, Fragment]]:
+        yield "a", _elements("10.96.0.2")
+        raise RuntimeError("render bug")
+
+    scripts = len(nft.scripts)
+    with pytest.raises(RuntimeError):
+        applier.sync(broken())
+    assert len(nft.scripts) == scripts and applier.need_full
+    result = applier.sync({"b": _elements("10.96.0.3")})
+    assert result.full and "10.96.0.2" in nft.last and "10.96.0.3" in nft.last
+
+
+def _elements(*ips: str) -> Fragment:
+    return Fragment(tuple(Item(Kind.ELEMENT, "cluster-ips", ip, "") for ip in ips))
 
 
 def test_periodic_sync_without_changes_writes_nothing() -> None:
