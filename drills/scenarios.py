@@ -743,9 +743,10 @@ def kill_restart(env: Env, kills: int = 2, gap: float = 1.0, changes: bool = Fal
         probes = [Probe(env, WEB), Probe(env, STICKY)]
         time.sleep(0.5)
         restarts = []
+        moments: list[str] = []  # reported only when a probe failed: to place the failures
         for i in range(kills):
             daemon.kill()
-            r.notes.append(f"kill {i} at {_stamp(time.time())}")
+            moments.append(f"kill {i} at {_stamp(time.time())}")
             want = env.pods("pod-a", "pod-b", "pod-c")
             if changes:
                 pods = ["pod-a", "pod-b", "pod-c"][: 2 + i % 2]
@@ -753,7 +754,7 @@ def kill_restart(env: Env, kills: int = 2, gap: float = 1.0, changes: bool = Fal
                 want = env.pods(*pods)
             time.sleep(0.3)
             daemon.restart()
-            r.notes.append(f"restart {i} at {_stamp(time.time())}")
+            moments.append(f"restart {i} at {_stamp(time.time())}")
             restarts.append(daemon.wait_ready())
             until(lambda w=want: daemon.endpoints("web") == w, 20, "state after restart")
             first = daemon.history()[0]
@@ -763,6 +764,8 @@ def kill_restart(env: Env, kills: int = 2, gap: float = 1.0, changes: bool = Fal
         for probe in probes:
             probe.finish()
             r.add_probe(probe)
+        if any(probe.failed for probe in probes):
+            r.notes.extend(moments)
         web_probe, sticky_probe = probes
         r.check(web_probe.failed == 0, f"web: {web_probe.failed} failed {web_probe.tally()}")
         r.check(sticky_probe.failed == 0,
