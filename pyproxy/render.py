@@ -154,8 +154,8 @@ class Item(NamedTuple):
 @dataclass(frozen=True)
 class Fragment:
     """Everything one service port (or the static skeleton) wants in the table, each item
-    once. A tuple, not a set: the daemon keeps every owner's fragment, and a tuple costs 8
-    bytes per item where a set costs about 40."""
+    once, in render order (the same input renders the same tuple, so an unchanged service
+    compares equal without building sets)."""
 
     items: tuple[Item, ...] = ()
 
