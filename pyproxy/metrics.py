@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -29,6 +29,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None,
                  started: float | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        # process_resident_memory_bytes, process_cpu_seconds_total, …: kube-proxy exports
+        # them too, and memory and CPU alerts on the proxy are written against them.
+        ProcessCollector(registry=r)
         # Trigger times from before this (wall clock) are not ours to measure (see below).
         self.started = time.time() if started is None else started
         self.sync_duration = Histogram(

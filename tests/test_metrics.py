@@ -119,8 +119,12 @@ def test_kube_proxy_names_and_types() -> None:
     exported = types(metrics)
     for name, kind in KUBE_PROXY_METRICS.items():
         assert exported.get(name) == kind, name
+    # The process's, under the standard names kube-proxy exports as well.
+    assert exported["process_resident_memory_bytes"] == "gauge"
+    assert exported["process_cpu_seconds_total"] == "counter"
+    assert re.search(r"^process_resident_memory_bytes [1-9]", exposition(metrics), re.MULTILINE)
     # pyproxy's own are prefixed, never in kube-proxy's namespace.
-    own = {name for name in exported if not name.startswith("kubeproxy_")}
+    own = {name for name in exported if not name.startswith(("kubeproxy_", "process_"))}
     assert own and all(name.startswith("pyproxy_") for name in own)
     assert exported["pyproxy_service_topology_mode"] == "gauge"
     # iptables-only metrics would tell users something about rules we do not write.
