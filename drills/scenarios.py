@@ -31,7 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 if str(TESTS) not in sys.path:
@@ -475,31 +475,31 @@ class SnapshotBench:
         self.env.cleanup()
 
 
+_Bench = TypeVar("_Bench", "ApiBench", "SnapshotBench")
+
+
 @contextlib.contextmanager
-def api_bench(env: Env, bench: ApiBench | None, name: str,
-              **daemon_kw: Any) -> Iterator[ApiBench]:
+def _given_or_own(kind: type[_Bench], env: Env, bench: _Bench | None, name: str,
+                  **daemon_kw: Any) -> Iterator[_Bench]:
     """The given bench, or a new one for this drill alone (closed afterwards)."""
     if bench is not None:
         yield bench
         return
-    own = ApiBench(env, name, **daemon_kw)
+    own = kind(env, name, **daemon_kw)
     try:
         yield own
     finally:
         own.close()
 
 
-@contextlib.contextmanager
+def api_bench(env: Env, bench: ApiBench | None, name: str,
+              **daemon_kw: Any) -> contextlib.AbstractContextManager[ApiBench]:
+    return _given_or_own(ApiBench, env, bench, name, **daemon_kw)
+
+
 def snapshot_bench(env: Env, bench: SnapshotBench | None, name: str,
-                   **daemon_kw: Any) -> Iterator[SnapshotBench]:
-    if bench is not None:
-        yield bench
-        return
-    own = SnapshotBench(env, name, **daemon_kw)
-    try:
-        yield own
-    finally:
-        own.close()
+                   **daemon_kw: Any) -> contextlib.AbstractContextManager[SnapshotBench]:
+    return _given_or_own(SnapshotBench, env, bench, name, **daemon_kw)
 
 
 def _api_errors(daemon: Daemon) -> int:
