@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from drills.scenarios import Expectation
+from pyproxy.convert import parse_cidr_sloppy, parse_ip_sloppy
 
 Obj = dict[str, Any]
 
@@ -76,6 +77,9 @@ def junk_ip(cidr: bool = False) -> st.SearchStrategy[Any]:
         if not isinstance(value, str):
             return True
         text = value.strip() if cidr else value
+        # Leading zeros are no junk: kube-proxy reads them (decimal), and so does pyproxy.
+        if (parse_cidr_sloppy(text) if cidr else parse_ip_sloppy(text)) is not None:
+            return False
         try:
             if cidr:
                 ipaddress.ip_network(text, strict=False)

@@ -13,8 +13,11 @@ import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
+from contextvars import ContextVar
 from datetime import date, datetime
 from typing import Any, TypeVar
+
+import structlog
 
 from pyproxy.model import (
     ANNOTATION_BALANCING,
@@ -68,6 +71,8 @@ _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 
 
 T = TypeVar("T")
+
+log = structlog.get_logger("pyproxy.convert")
 
 
 class Invalid(ValueError):
@@ -160,23 +165,179 @@ def _bool(value: Any, field: str, default: bool) -> bool:
 def _ip(value: Any, field: str) -> str:
     """A valid address in its canonical form (the same address always renders the same nft
     text). inet_pton/inet_ntop: 100k endpoint addresses per initial list, and the C parser
-    is ~5x faster than ipaddress while just as strict (no leading zeros, no zone)."""
+    is ~5x faster than ipaddress. It refuses leading zeros; kube-proxy does not (see
+    `parse_ip_sloppy`), so what it refuses gets a second, lenient reading."""
     text = _str(value, field)
     family = socket.AF_INET6 if ":" in text else socket.AF_INET
     try:
         return socket.inet_ntop(family, socket.inet_pton(family, text))
     except (OSError, ValueError):
-        raise Invalid(f"{field}: {text!r} is not an IP address") from None
+        pass
+    canonical = parse_ip_sloppy(text)
+    if canonical is None:
+        raise Invalid(f"{field}: {text!r} is not an IP address")
+    _read_leniently(field, text, canonical)
+    return canonical
 
 
 def _cidr(value: Any, field: str) -> str:
     text = _str(value, field).strip()
+    if "%" in text:  # Python accepts IPv6 zone indexes; the API and nft do not
+        raise Invalid(f"{field}: {text!r} is not a CIDR")
     try:
-        if "%" in text:  # Python accepts IPv6 zone indexes; the API and nft do not
-            raise ValueError(text)
         return str(ipaddress.ip_network(text, strict=False))
     except ValueError:
-        raise Invalid(f"{field}: {text!r} is not a CIDR") from None
+        pass
+    canonical = parse_cidr_sloppy(text)
+    if canonical is None:
+        raise Invalid(f"{field}: {text!r} is not a CIDR")
+    _read_leniently(field, text, canonical)
+    return canonical
+
+
+# ---------------------------------------------------------------------------------------------
+# kube-proxy's lenient address parsing
+#
+# Go 1.17 began refusing IPv4 octets with leading zeros (other tools read `010` as octal 8).
+# Objects stored before the API server refused them still exist, so Kubernetes kept Go 1.16's
+# parser as netutils.ParseIPSloppy/ParseCIDRSloppy, and kube-proxy reads every Service and
+# EndpointSlice address with it. The functions below are that parser, step for step: every
+# octet decimal, any number of leading zeros, value <= 255; IPv6 groups likewise hex.
+
+_GO_BIG = 0xFFFFFF  # Go's dtoi/xtoi give up at this value, however many digits are left
+_DECIMAL = frozenset("0123456789")
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def parse_ip_sloppy(text: str) -> str | None:
+    """The canonical form of what kube-proxy's ParseIPSloppy reads in `text` (`10.96.0.010` is
+    10.96.0.10, not octal), or None when it reads nothing. As Go's parser, the first '.' or
+    ':' decides the family."""
+    for char in text:
+        if char == ".":
+            v4 = _go_ipv4(text)
+            return None if v4 is None else socket.inet_ntop(socket.AF_INET, v4)
+        if char == ":":
+            v6 = _go_ipv6(text)
+            return None if v6 is None else socket.inet_ntop(socket.AF_INET6, v6)
+    return None
+
+
+def parse_cidr_sloppy(text: str) -> str | None:
+    """The canonical network of what kube-proxy's ParseCIDRSloppy reads in `text` (address
+    as `parse_ip_sloppy`, prefix length in decimal digits), or None."""
+    address, slash, prefix = text.partition("/")
+    if not slash:
+        return None
+    packed = _go_ipv4(address)
+    if packed is None:
+        packed = _go_ipv6(address)
+    bits = _go_number(prefix, 0, 10, _DECIMAL)
+    if packed is None or bits is None or bits[1] != len(prefix) or bits[0] > 8 * len(packed):
+        return None
+    return str(ipaddress.ip_network((packed, bits[0]), strict=False))
+
+
+def _go_number(text: str, pos: int, base: int, digits: frozenset[str]) -> tuple[int, int] | None:
+    """Go's dtoi/xtoi from `pos`: (value, end) of the run of digits there, or None when there
+    is none or it reaches 0xFFFFFF."""
+    value, end = 0, pos
+    while end < len(text) and text[end] in digits:
+        value = value * base + int(text[end], base)
+        if value >= _GO_BIG:
+            return None
+        end += 1
+    return (value, end) if end > pos else None
+
+
+def _go_ipv4(text: str) -> bytes | None:
+    octets = bytearray()
+    pos = 0
+    for i in range(4):
+        if i:
+            if text[pos:pos + 1] != ".":
+                return None
+            pos += 1
+        number = _go_number(text, pos, 10, _DECIMAL)
+        if number is None or number[0] > 0xFF:
+            return None
+        octets.append(number[0])
+        pos = number[1]
+    return bytes(octets) if pos == len(text) else None
+
+
+def _go_ipv6(text: str) -> bytes | None:
+    address = bytearray(16)
+    ellipsis = -1  # where "::" stands, in bytes
+    pos = 0
+    if text.startswith("::"):
+        ellipsis, pos = 0, 2
+        if pos == len(text):
+            return bytes(address)
+    i = 0
+    while i < 16:
+        number = _go_number(text, pos, 16, _HEX)
+        if number is None or number[0] > 0xFFFF:
+            return None
+        group, end = number
+        if text[end:end + 1] == ".":  # an IPv4 address in the last 32 bits
+            if (ellipsis < 0 and i != 12) or i + 4 > 16:
+                return None
+            v4 = _go_ipv4(text[pos:])
+            if v4 is None:
+                return None
+            address[i:i + 4] = v4
+            pos, i = len(text), i + 4
+            break
+        address[i:i + 2] = group.to_bytes(2, "big")
+        i, pos = i + 2, end
+        if pos == len(text):
+            break
+        if text[pos] != ":" or pos + 1 == len(text):
+            return None
+        pos += 1
+        if text[pos] == ":":
+            if ellipsis >= 0:
+                return None
+            ellipsis, pos = i, pos + 1
+            if pos == len(text):
+                break
+    if pos != len(text):
+        return None
+    if i < 16:
+        if ellipsis < 0:
+            return None
+        address[ellipsis:] = bytes(16 - i) + address[ellipsis:i]
+    elif ellipsis >= 0:
+        return None  # "::" must stand for at least one group
+    return bytes(address)
+
+
+# (field, as written, as read) of each address the object being converted needed the lenient
+# reading for; `_guarded` logs them once the object is known to be good.
+_lenient: ContextVar[list[tuple[str, str, str]] | None] = ContextVar("lenient", default=None)
+# What was already logged: the same object comes again on every update and relist.
+_LOGGED: dict[tuple[str, ...], None] = {}
+
+
+def _read_leniently(field: str, text: str, canonical: str) -> None:
+    notes = _lenient.get()
+    if notes is not None:
+        notes.append((field, text, canonical))
+
+
+def _log_lenient(kind: str, namespace: str, name: str,
+                 notes: list[tuple[str, str, str]]) -> None:
+    for field, text, canonical in notes:
+        key = (kind, namespace, name, field, text)
+        if key in _LOGGED:
+            continue
+        if len(_LOGGED) > 10_000:  # bounded: objects come and go
+            _LOGGED.clear()
+        _LOGGED[key] = None
+        log.warning("address read leniently, as kube-proxy does (leading zeros are decimal)",
+                    object=f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}",
+                    field=field, written=text, address=canonical)
 
 
 def _dns_label(value: Any, field: str, max_len: int = 63) -> str:
@@ -253,14 +414,21 @@ def _guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
     meta = data.get("metadata") if isinstance(data, Mapping) else None
     namespace = _safe_name(meta, "namespace") or "default"
     name = _safe_name(meta, "name")
+    lenient: list[tuple[str, str, str]] = []
+    token = _lenient.set(lenient)
     try:
-        return convert(data)
+        result = convert(data)
     except _NotProxied as why:
         return Skipped(kind, namespace, name, str(why), invalid=False)
     except Invalid as why:
         return Skipped(kind, namespace, name, str(why))
     except Exception as why:  # a last safety net: bad input must never crash the proxy
         return Skipped(kind, namespace, name, f"unreadable object: {why!r}")
+    finally:
+        _lenient.reset(token)
+    if lenient:
+        _log_lenient(kind, namespace, name, lenient)
+    return result
 
 
 class _NotProxied(Exception):

@@ -8,8 +8,15 @@ from typing import Any
 
 import pytest
 from builders import ep, make_node, make_service, make_slice, terminating
+from structlog.testing import capture_logs
 
-from pyproxy.convert import convert_endpoint_slice, convert_node, convert_service
+from pyproxy.convert import (
+    convert_endpoint_slice,
+    convert_node,
+    convert_service,
+    parse_cidr_sloppy,
+    parse_ip_sloppy,
+)
 from pyproxy.model import (
     IPFamily,
     Protocol,
@@ -317,3 +324,87 @@ def test_nodes() -> None:
 ], ids=["newline in name", "newline in port name", "zone index in a CIDR"])
 def test_what_the_api_server_refuses_is_refused(tweak: Callable[[Obj], None]) -> None:
     assert isinstance(convert_service(make_service("ns", "svc", tweak)), Skipped)
+
+
+# --- Addresses written with leading zeros (kube-proxy's ParseIPSloppy) ----------------------
+
+SLOPPY_ACCEPTED = [
+    ("172.30.0.041", "172.30.0.41"),
+    ("10.180.00.001", "10.180.0.1"),
+    ("010.096.000.010", "10.96.0.10"),  # decimal: 010 is ten, never octal eight
+    ("127.007.008.009", "127.7.8.9"),  # 8 and 9 are not octal digits: decimal throughout
+    ("0000000000001.2.3.4", "1.2.3.4"),  # any number of zeros, as Go's dtoi
+    ("::ffff:127.001.002.003", "::ffff:127.1.2.3"),
+    ("0:0:0:0:000000:ffff:127.1.2.3", "::ffff:127.1.2.3"),
+    ("fd00:96:0000:0000:0000:0000:0000:000a", "fd00:96::a"),
+]
+SLOPPY_REFUSED = ["10.96.0.999", "10.96.0.256", "1.2.3", "1.2.3.4.5", "10..0.1", "10.96.0.",
+                  ".10.96.0.1", "10.96.0.1a", "0x0a.0.0.1", "-0.0.0.0", " 10.96.0.1",
+                  "10.96.0.1 ", "1.2.3.4:80", "\u0661.2.3.4", "", "fe80::1%lo0",
+                  "1:2:3:4:5:6:7:8:9", "1::2::3", "1:2:3:4:5:6:7:8::", "12345::", "::1.2.3"]
+
+
+@pytest.mark.parametrize(("written", "address"), SLOPPY_ACCEPTED)
+def test_the_lenient_reading_is_go_1_16s(written: str, address: str) -> None:
+    assert parse_ip_sloppy(written) == address
+
+
+@pytest.mark.parametrize("written", SLOPPY_REFUSED)
+def test_the_lenient_reading_refuses_what_go_1_16_refused(written: str) -> None:
+    assert parse_ip_sloppy(written) is None
+
+
+@pytest.mark.parametrize(("written", "network"), [
+    ("10.244.01.0/024", "10.244.1.0/24"), ("010.0.0.0/8", "10.0.0.0/8"),
+    ("fd00:0203::/0064", "fd00:203::/64")])
+def test_the_lenient_cidr_reading(written: str, network: str) -> None:
+    assert parse_cidr_sloppy(written) == network
+    for bad in ("10.0.0.1", "10.0.0.0/33", "10.0.0.0/", "10.0.0.0/+8", "10.0.0.999/8"):
+        assert parse_cidr_sloppy(bad) is None
+
+
+def test_service_addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() -> None:
+    def legacy(svc: Obj) -> None:
+        svc["spec"].update(type="LoadBalancer", clusterIP="10.96.0.010",
+                           clusterIPs=["10.96.0.010", "fd00:96::0000a"],
+                           ipFamilies=["IPv4", "IPv6"], externalIPs=["192.0.2.001"],
+                           loadBalancerSourceRanges=["203.0.113.000/24"])
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": "198.51.100.007"}]}}
+
+    with capture_logs() as logs:
+        (port,) = ports_of(make_service("ns", "legacy", legacy))
+        ports_of(make_service("ns", "legacy", legacy))  # the same object again: logged once
+    assert port.cluster_ips == ("10.96.0.10", "fd00:96::a")
+    assert port.external_ips == ("192.0.2.1",)
+    assert port.load_balancer_vips(IPFamily.IPv4) == ("198.51.100.7",)
+    assert port.source_ranges == ("203.0.113.0/24",)
+    warned = {(e["field"], e["written"], e["address"]) for e in logs
+              if e["log_level"] == "warning"}
+    assert warned == {
+        ("spec.clusterIPs[0]", "10.96.0.010", "10.96.0.10"),
+        ("spec.clusterIP", "10.96.0.010", "10.96.0.10"),
+        ("spec.clusterIPs[1]", "fd00:96::0000a", "fd00:96::a"),
+        ("spec.externalIPs[0]", "192.0.2.001", "192.0.2.1"),
+        ("spec.loadBalancerSourceRanges[0]", "203.0.113.000/24", "203.0.113.0/24"),
+        ("status.loadBalancer.ingress[0].ip", "198.51.100.007", "198.51.100.7"),
+    }
+    assert len([e for e in logs if e["log_level"] == "warning"]) == len(warned)
+    assert {e["object"] for e in logs} == {"Service ns/legacy"}
+
+
+def test_endpoint_addresses_with_leading_zeros_are_read_as_kube_proxy_reads_them() -> None:
+    with capture_logs() as logs:
+        piece = convert_endpoint_slice(make_slice("ns", "legacy", [
+            ep("10.244.001.002", "node-a"), ep("10.244.1.3", "node-a")]))
+    assert isinstance(piece, SliceEndpoints)
+    assert [e.ip for e in piece.endpoints] == ["10.244.1.2", "10.244.1.3"]
+    assert [(e["object"], e["field"]) for e in logs] == [
+        ("EndpointSlice ns/legacy-ipv4", "endpoints[0].addresses[0]")]
+
+
+@pytest.mark.parametrize("written", ["10.96.0.999", "1.2.3", "10.96..1", "10.96.0.01x"])
+def test_malformed_addresses_are_still_refused(written: str) -> None:
+    svc = convert_service(make_service("ns", "svc", _set("spec.clusterIPs", [written])))
+    assert isinstance(svc, Skipped) and "spec.clusterIPs[0]" in svc.reason
+    piece = convert_endpoint_slice(make_slice("ns", "svc", [ep(written)]))
+    assert isinstance(piece, Skipped) and "endpoints[0].addresses[0]" in piece.reason
