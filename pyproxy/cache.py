@@ -42,6 +42,9 @@ class ClusterCache:
     _nodes: dict[str, Node] = field(default_factory=dict)
     _skipped: dict[tuple[str, str, str], Skipped] = field(default_factory=dict)
     _uses_node_labels: set[ServiceKey] = field(default_factory=set)
+    # Services to select again because another node's labels changed: their ports and slices
+    # are unchanged, so the before/after comparison in checkout cannot see it.
+    _relabelled: set[ServiceKey] = field(default_factory=set)
     # First "previous" per service since the last checkout.
     _service_before: dict[ServiceKey, tuple[ServicePort, ...] | None] = field(default_factory=dict)
     _endpoints_before: dict[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
@@ -117,10 +120,8 @@ class ClusterCache:
             if name == self.node_name:
                 self._topology_changed = True
             else:
-                # Other nodes' labels matter only to services with topology keys.
-                for service in self._uses_node_labels:
-                    self._remember_service(service)
-                    self._remember_endpoints(service)
+                # Other nodes' labels matter only to services with topology keys or spillover.
+                self._relabelled.update(self._uses_node_labels)
         return None
 
     # -- the state and the pending changes ---------------------------------------------------
@@ -141,15 +142,17 @@ class ClusterCache:
         return len(self._service_before), len(self._endpoints_before)
 
     def has_pending(self) -> bool:
-        return bool(self._service_before or self._endpoints_before or self._topology_changed)
+        return bool(self._service_before or self._endpoints_before or self._topology_changed
+                    or self._relabelled)
 
     def checkout(self) -> Checkout:
         services = {key for key, before in self._service_before.items()
                     if before != self._ports.get(key)}
         endpoints = {key for key, before in self._endpoints_before.items()
                      if before != self._slice_view.get(key, ())}
+        relabelled = self._relabelled & self._ports.keys()
         result = Checkout(
-            services=frozenset(services | endpoints),
+            services=frozenset(services | endpoints | relabelled),
             topology_changed=self._topology_changed,
             service_changes=len(services),
             endpoint_changes=len(endpoints),
@@ -158,6 +161,7 @@ class ClusterCache:
         self._service_before.clear()
         self._endpoints_before.clear()
         self._trigger_times.clear()
+        self._relabelled.clear()
         self._topology_changed = False
         return result
 
@@ -183,8 +187,10 @@ class ClusterCache:
             self._uses_node_labels.discard(service)
             return
         self._ports[service] = ports
+        # Spillover's region level reads other nodes' region labels (slices carry no region).
         if any(key not in ("*", "kubernetes.io/hostname")
-               for port in ports for key in port.topology_keys):
+               for port in ports for key in port.topology_keys) or any(
+                port.topology_min_endpoints for port in ports):
             self._uses_node_labels.add(service)
         else:
             self._uses_node_labels.discard(service)
@@ -208,5 +214,6 @@ class ClusterCache:
             self._slice_view.pop(service, None)
 
     def uses_node_labels(self) -> bool:
-        """Whether any service needs other nodes' labels (topology keys beyond hostname)."""
+        """Whether any service needs other nodes' labels (topology keys beyond hostname, or
+        topology-min-endpoints)."""
         return bool(self._uses_node_labels)

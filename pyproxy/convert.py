@@ -25,6 +25,7 @@ from pyproxy.model import (
     ANNOTATION_HASH_SEED,
     ANNOTATION_TOPOLOGY_AWARE_HINTS,
     ANNOTATION_TOPOLOGY_KEYS,
+    ANNOTATION_TOPOLOGY_MIN_ENDPOINTS,
     ANNOTATION_TOPOLOGY_MODE,
     ANNOTATION_TRIGGER_TIME,
     ANNOTATION_WEIGHT,
@@ -49,6 +50,7 @@ from pyproxy.model import (
     TrafficPolicy,
     ip_family,
 )
+from pyproxy.topology import parse_min_endpoints
 
 # Bounds on list sizes. The API server enforces most of these (an EndpointSlice holds at most
 # 1000 endpoints and 100 ports); a snapshot file or a broken server might not, and one huge
@@ -489,6 +491,8 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
         ANNOTATION_TOPOLOGY_AWARE_HINTS
     )
     topology_keys = _topology_keys(spec, annotations)
+    min_endpoints, topology_note = parse_min_endpoints(
+        annotations.get(ANNOTATION_TOPOLOGY_MIN_ENDPOINTS))
     balancing, seed, weights, balancing_note = _balancing(annotations)
 
     raw_ports = _list(spec.get("ports"), "spec.ports", MAX_SERVICE_PORTS)
@@ -530,6 +534,8 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
                 traffic_distribution=distribution,
                 topology_mode_annotation=topology_mode,
                 topology_keys=topology_keys,
+                topology_min_endpoints=min_endpoints,
+                topology_note=topology_note,
                 balancing=balancing,
                 hash_seed=seed,
                 endpoint_weights=weights,

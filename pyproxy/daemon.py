@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import structlog
 
 from pyproxy.cache import Checkout, ClusterCache, ObjectKey
-from pyproxy.model import Skipped
+from pyproxy.model import ServiceKey, ServicePort, Skipped
 from pyproxy.nft import NftError, SyncResult
 from pyproxy.proxier import FamilyProxier
 
@@ -55,6 +55,20 @@ class SyncObserver(Protocol):
     def synced(self, record: SyncRecord, checkout: Checkout) -> None: ...
 
     def failed(self, record: SyncRecord) -> None: ...
+
+
+def _annotation_notes(ports: tuple[ServicePort, ...]) -> set[str]:
+    return {note for port in ports[:1] for note in (port.topology_note, port.balancing_note)
+            if note}
+
+
+def _warn_ignored_annotations(before: tuple[ServicePort, ...],
+                              after: tuple[ServicePort, ...]) -> None:
+    """An unusable pyproxy annotation is ignored, not fatal (the service works without it).
+    Warned once when it appears, not again on every relist or unrelated update."""
+    for note in sorted(_annotation_notes(after) - _annotation_notes(before)):
+        log.warning("service annotation ignored", service=str(after[0].name.service),
+                    reason=note)
 
 
 @dataclass
@@ -102,7 +116,9 @@ class Proxier:
 
     def on_service(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
         with self.lock:
+            before = self.cache.services().get(ServiceKey(*key), ())
             self._record(self.cache.set_service(key, obj))
+            _warn_ignored_annotations(before, self.cache.services().get(ServiceKey(*key), ()))
 
     def on_slice(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
         with self.lock:

@@ -3,10 +3,14 @@
 The JSON form is a contract that later tools build on:
   {"node": {"name", "labels"},
    "services": [{"service", "port", "protocol", "ipFamily", "clusterIPs", "internalTrafficPolicy",
-                 "externalTrafficPolicy", "topology", "clusterEndpoints", "localEndpoints",
+                 "externalTrafficPolicy", "topology", "topologyLevels",
+                 "topologyMinEndpoints", "clusterEndpoints", "localEndpoints",
                  "hasEndpoints", "reasons"}],
    "skipped": [{"object", "reason", "invalid"}]}
 A null endpoint list means the service does not use that list; [] means used and empty.
+`topologyLevels` lists the topology levels the cluster list draws on, preferred first (more
+than one when it spilled over: ["zone", "region", "all"]); [] without a topology preference.
+`topologyMinEndpoints` is the service's valid topology-min-endpoints, or null.
 A dual-stack service port has one entry per family.
 """
 
@@ -92,6 +96,8 @@ def port_entry(ps: PortSelection) -> dict[str, Any]:
         "externalTrafficPolicy": str(port.external_policy),
         "sessionAffinity": "ClientIP" if port.session_affinity else "None",
         "topology": sel.topology,
+        "topologyLevels": list(sel.levels),
+        "topologyMinEndpoints": port.topology_min_endpoints or None,
         "clusterEndpoints": _endpoint_list(sel.cluster),
         "localEndpoints": _endpoint_list(sel.local),
         "hasEndpoints": sel.has_any_endpoints,
@@ -153,7 +159,7 @@ def format_table(report: dict[str, Any]) -> str:
                 entry["service"],
                 f"{entry['port'] or '-'}/{entry['protocol']}",
                 entry["ipFamily"],
-                entry["topology"],
+                _topology_cell(entry),
                 _cell(entry["clusterEndpoints"]),
                 _cell(entry["localEndpoints"]),
             )
@@ -173,6 +179,12 @@ def format_table(report: dict[str, Any]) -> str:
             tag = "invalid" if s["invalid"] else "not proxied"
             lines.append(f"  {s['object']} ({tag}): {s['reason']}")
     return "\n".join(lines) + "\n"
+
+
+def _topology_cell(entry: dict[str, Any]) -> str:
+    """The mode, and the levels it spilled over to: "PreferSameZone+region+all"."""
+    wider = (entry.get("topologyLevels") or [])[1:]
+    return "+".join([str(entry["topology"]), *wider])
 
 
 def _cell(endpoints: list[str] | None) -> str:

@@ -44,6 +44,7 @@ LABEL_HEADLESS = "service.kubernetes.io/headless"
 ANNOTATION_TOPOLOGY_MODE = "service.kubernetes.io/topology-mode"
 ANNOTATION_TOPOLOGY_AWARE_HINTS = "service.kubernetes.io/topology-aware-hints"
 ANNOTATION_TOPOLOGY_KEYS = "service.pyproxy.io/topology-keys"
+ANNOTATION_TOPOLOGY_MIN_ENDPOINTS = "service.pyproxy.io/topology-min-endpoints"
 ANNOTATION_TRIGGER_TIME = "endpoints.kubernetes.io/last-change-trigger-time"
 ANNOTATION_BALANCING = "service.pyproxy.io/balancing"
 ANNOTATION_HASH_SEED = "service.pyproxy.io/hash-seed"
@@ -56,6 +57,9 @@ DEFAULT_AFFINITY_TIMEOUT = 10800  # API default for sessionAffinityConfig.client
 # The hash seed every node uses unless a service sets its own: hashing agrees across nodes.
 DEFAULT_HASH_SEED = 0x70797078  # "pypx"
 MAX_WEIGHT = 1000
+# topology-min-endpoints above this is taken for a typo, not a wish (an EndpointSlice holds at
+# most 1000 endpoints; "use them all" is what an empty topology preference already says).
+MAX_TOPOLOGY_MIN_ENDPOINTS = 1000
 
 
 def ip_family(address: str) -> IPFamily:
@@ -125,6 +129,11 @@ class ServicePort:
     traffic_distribution: str | None = None
     topology_mode_annotation: str | None = None
     topology_keys: tuple[str, ...] = ()
+    # service.pyproxy.io/topology-min-endpoints (0: not set): widen the preferred topology
+    # level until this many ready endpoints are used (topology.py). An unusable value is
+    # reported in `topology_note` and ignored.
+    topology_min_endpoints: int = 0
+    topology_note: str | None = None
     # pyproxy's balancing annotations (see balancing.py). An unusable value is reported in
     # `balancing_note` and the service falls back to random.
     balancing: str = "random"

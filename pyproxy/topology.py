@@ -1,6 +1,18 @@
 """Endpoint selection for this node: traffic policies, terminating fallback, topology hints and
-topology keys. One pure function, `select_endpoints`, like upstream's CategorizeEndpoints, plus a
-human-readable trace of every decision.
+topology keys, with spillover to wider topology levels. One pure function, `select_endpoints`,
+like upstream's CategorizeEndpoints, plus a human-readable trace of every decision.
+
+Spillover (`service.pyproxy.io/topology-min-endpoints: N`): when the preferred level holds
+fewer than N ready endpoints, the next level's endpoints are added, level by level, until N
+are used or the levels run out. The levels, each including the ones before it:
+  hints PreferSameNode: node (hinted for this node) → zone (hinted for this node's zone, or
+      located in it) → region → all
+  hints PreferSameZone: zone (hinted for this node's zone) → region → all
+  topology keys: each key that has endpoints, in order ("*" = all)
+"Located" reads the endpoint's Node object when known (all nodes are watched for such a
+service), else the EndpointSlice (zone field, deprecatedTopology). The region level needs this
+node's region label and endpoints whose region is known; EndpointSlices carry no region, so an
+endpoint on an unknown Node is reached only at "all". Node-local lists never widen.
 """
 
 from __future__ import annotations
@@ -9,8 +21,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pyproxy.model import (
+    ANNOTATION_TOPOLOGY_MIN_ENDPOINTS,
     LABEL_HOSTNAME,
+    LABEL_REGION,
     LABEL_ZONE,
+    MAX_TOPOLOGY_MIN_ENDPOINTS,
     TOPOLOGY_KEY_ANY,
     Endpoint,
     IPFamily,
@@ -45,6 +60,10 @@ class Selection:
     has_any_endpoints: bool
     topology: str
     reasons: tuple[str, ...]
+    # The topology levels whose endpoints the cluster list holds, preferred first ("node",
+    # "zone", "region", "all", or topology keys); more than one when it spilled over. Empty
+    # without a topology preference.
+    levels: tuple[str, ...] = ()
 
 
 def select_endpoints(
@@ -70,29 +89,38 @@ def select_endpoints(
         )
 
     topology = TOPOLOGY_NONE
+    levels: tuple[str, ...] = ()
     cluster: tuple[Endpoint, ...] | None = None
     has_any = False
     if port.uses_cluster_endpoints(family):
-        cluster, topology = _cluster_endpoints(port, endpoints, node, node_labels or {}, note)
+        cluster, topology, levels = _cluster_endpoints(
+            port, endpoints, node, node_labels or {}, note)
         has_any = bool(cluster)
 
     if not port.uses_local_endpoints(family):
         assert cluster is not None
-        return Selection(family, cluster, None, cluster, has_any, topology, tuple(reasons))
+        return Selection(family, cluster, None, cluster, has_any, topology, tuple(reasons),
+                         levels)
 
+    if port.topology_min_endpoints:
+        note("topology-min-endpoints does not apply to the node-local list: a Local traffic "
+             "policy never leaves this node")
     local, local_is_fallback, anywhere = _local_endpoints(endpoints, node.name, note)
     has_any = has_any or anywhere
     if cluster is None:
-        return Selection(family, None, local, local, has_any, topology, tuple(reasons))
+        return Selection(family, None, local, local, has_any, topology, tuple(reasons), levels)
     if topology == TOPOLOGY_NONE and not local_is_fallback:
         # The cluster list then holds every ready endpoint, a superset of the local one.
         reachable = cluster
     else:
         reachable = _union(cluster, local)
-    return Selection(family, cluster, local, reachable, has_any, topology, tuple(reasons))
+    return Selection(family, cluster, local, reachable, has_any, topology, tuple(reasons),
+                     levels)
 
 
 def _note_policies(port: ServicePort, family: IPFamily, note: Callable[[str], None]) -> None:
+    if port.topology_note:
+        note(port.topology_note)
     if port.internal_policy is TrafficPolicy.LOCAL:
         note("internalTrafficPolicy: Local: cluster-IP traffic uses endpoints on this node only")
     if port.external_policy is TrafficPolicy.LOCAL and port.externally_accessible(family):
@@ -113,27 +141,32 @@ def _cluster_endpoints(
     node: Node,
     node_labels: NodeLabels,
     note: Callable[[str], None],
-) -> tuple[tuple[Endpoint, ...], str]:
+) -> tuple[tuple[Endpoint, ...], str, tuple[str, ...]]:
+    """(cluster list, topology mode, topology levels used)."""
     keys = port.topology_keys
     if keys and port.external_policy is TrafficPolicy.LOCAL:
         note(
             "topology keys ignored: they cannot be combined with externalTrafficPolicy: Local"
         )
         keys = ()
+    minimum = port.topology_min_endpoints
     if keys:
-        return _by_topology_keys(keys, endpoints, node, node_labels, note)
+        return _by_topology_keys(keys, endpoints, node, node_labels, minimum, note)
 
     ready = [ep for ep in endpoints if ep.ready]
     mode = _mode_from_hints(port, ready, node, note)
-    if mode == PREFER_SAME_NODE:
-        chosen = [ep for ep in ready if node.name in ep.node_hints]
-    elif mode == PREFER_SAME_ZONE:
-        chosen = [ep for ep in ready if node.zone in ep.zone_hints]
+    levels: tuple[str, ...] = ()
+    if mode == TOPOLOGY_NONE:
+        chosen: Sequence[Endpoint] = ready
+        if minimum and ready:
+            note(f"topology-min-endpoints {minimum}: no topology preference in force, every "
+                 "ready endpoint is used already")
     else:
-        chosen = ready
+        hint_levels = _hint_levels(mode, node, node_labels, ready, minimum)
+        chosen, levels = _widen(hint_levels, ready, minimum, "ready", note)
     if chosen:
         note(f"cluster traffic: {len(chosen)} ready endpoint(s)" + _of_total(chosen, endpoints))
-        return tuple(chosen), mode
+        return tuple(chosen), mode, levels
     # Ready endpoints anywhere would have been chosen above (the hint safeguards fall back to
     # all of them), so none is ready: use the ones still serving while terminating.
     fallback = tuple(ep for ep in endpoints if ep.serving and ep.terminating)
@@ -144,7 +177,7 @@ def _cluster_endpoints(
         )
     else:
         note("cluster traffic: no ready or serving-terminating endpoint: connections are rejected")
-    return fallback, mode
+    return fallback, mode, levels
 
 
 def _of_total(chosen: Sequence[Endpoint], endpoints: Sequence[Endpoint]) -> str:
@@ -211,32 +244,170 @@ def _by_topology_keys(
     endpoints: Sequence[Endpoint],
     node: Node,
     node_labels: NodeLabels,
+    minimum: int,
     note: Callable[[str], None],
-) -> tuple[tuple[Endpoint, ...], str]:
+) -> tuple[tuple[Endpoint, ...], str, tuple[str, ...]]:
     """The first key (in order) for which endpoints share this node's label value wins; "*"
-    takes any endpoint; no match and no "*" leaves the service without endpoints here."""
+    takes any endpoint; no match and no "*" leaves the service without endpoints here. With a
+    minimum, the endpoints of the following keys are added until it is met."""
     usable = [ep for ep in endpoints if ep.ready]
+    what = "ready"
     if not usable:
         usable = [ep for ep in endpoints if ep.serving and ep.terminating]
+        what = "serving terminating"
         if usable:
             note(f"no ready endpoint; topology keys apply to {len(usable)} serving terminating")
-    for key in keys:
-        if key == TOPOLOGY_KEY_ANY:
-            note(f'topology key "*": any of {len(usable)} usable endpoint(s)')
-            return tuple(usable), TOPOLOGY_KEYS_PREFIX + key
-        mine = node.labels.get(key)
-        if mine is None and key == LABEL_HOSTNAME:
-            mine = node.name
-        if mine is None:
+    for i, key in enumerate(keys):
+        level = _key_level(key, node, node_labels)
+        if level is None:
             note(f"topology key {key}: node {node.name} has no such label, next key")
             continue
-        matched = [ep for ep in usable if endpoint_label(ep, key, node_labels) == mine]
-        if matched:
-            note(f"topology key {key}={mine}: {len(matched)} endpoint(s) match")
-            return tuple(matched), TOPOLOGY_KEYS_PREFIX + key
-        note(f"topology key {key}={mine}: no endpoint matches, next key")
+        matched = [ep for ep in usable if level.contains(ep)]
+        if not matched:
+            note(f"topology key {level.text}: no endpoint matches, next key")
+            continue
+        if key == TOPOLOGY_KEY_ANY:
+            note(f'topology key "*": any of {len(usable)} usable endpoint(s)')
+        else:
+            note(f"topology key {level.text}: {len(matched)} endpoint(s) match")
+        # Keys this node has no label for match nothing, wider or not.
+        wider = [lv for lv in (_key_level(k, node, node_labels) for k in keys[i + 1:])
+                 if lv] if minimum else []
+        chosen, used = _widen([level, *wider], usable, minimum, what, note)
+        return tuple(chosen), TOPOLOGY_KEYS_PREFIX + key, used
     note('no topology key matched and no "*": no endpoints for this node (connections rejected)')
-    return (), TOPOLOGY_KEYS_PREFIX
+    return (), TOPOLOGY_KEYS_PREFIX, ()
+
+
+def _key_level(key: str, node: Node, node_labels: NodeLabels) -> Level | None:
+    """The level of one key for this node; None when the node lacks that label."""
+    if key == TOPOLOGY_KEY_ANY:
+        return Level(key, '"*"', _anything)
+    mine = node.labels.get(key)
+    if mine is None and key == LABEL_HOSTNAME:
+        mine = node.name
+    if mine is None:
+        return None
+    return Level(key, f"{key}={mine}", _located(key, mine, node_labels))
+
+
+# ---------------------------------------------------------------------------------------------
+# Spillover: wider topology levels
+
+
+def parse_min_endpoints(text: str | None) -> tuple[int, str | None]:
+    """The `topology-min-endpoints` annotation: (N, None); (0, None) when absent; (0, why) when
+    unusable. A bad value is ignored rather than skipping the service (as for the balancing
+    annotations): the service keeps working, without spillover, and explain says why."""
+    if text is None:
+        return 0, None
+    value = text.strip()
+    # isascii: str.isdigit also accepts other scripts' digits; the length check spares int()
+    # a huge string.
+    if value.isascii() and value.isdigit() and len(value) <= 9:
+        number = int(value)
+        if 1 <= number <= MAX_TOPOLOGY_MIN_ENDPOINTS:
+            return number, None
+    return 0, (f"{ANNOTATION_TOPOLOGY_MIN_ENDPOINTS}={text[:40]!r} is not a whole number from 1 "
+               f"to {MAX_TOPOLOGY_MIN_ENDPOINTS}: ignored (no spillover)")
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """One topology level: its name ("zone", a topology key), how explain names it for this
+    node ("zone zone-1"), and which endpoints belong to it."""
+
+    name: str
+    text: str
+    contains: Callable[[Endpoint], bool]
+    # Noted when widening reaches this level (what it cannot see).
+    caveat: str = ""
+
+
+def _anything(ep: Endpoint) -> bool:
+    return True
+
+
+def _located(key: str, value: str, node_labels: NodeLabels) -> Callable[[Endpoint], bool]:
+    return lambda ep: endpoint_label(ep, key, node_labels) == value
+
+
+def _hint_levels(
+    mode: str, node: Node, node_labels: NodeLabels, ready: Sequence[Endpoint], minimum: int
+) -> list[Level]:
+    """The levels of a hint mode, preferred first. The preferred level is exactly upstream's
+    choice (the hints); wider levels also take endpoints by where they are, since hints name
+    only a node or a zone and regions have none."""
+    zone = node.zone
+    if mode == PREFER_SAME_NODE:
+        levels = [Level("node", f"node {node.name}", lambda ep: node.name in ep.node_hints)]
+    else:
+        levels = [Level("zone", f"zone {zone}", lambda ep: zone in ep.zone_hints)]
+    if not minimum:
+        return levels  # no spillover: skip the work below
+    # A level this node cannot have (no such label) is left out; the next one says so.
+    missing: list[str] = []
+    if mode == PREFER_SAME_NODE:
+        if zone:
+            in_zone = _located(LABEL_ZONE, zone, node_labels)
+            levels.append(Level("zone", f"zone {zone}",
+                                lambda ep: zone in ep.zone_hints or in_zone(ep)))
+        else:
+            missing.append(f"no zone level: node {node.name} has no {LABEL_ZONE} label")
+    region = node.labels.get(LABEL_REGION)
+    if region:
+        unknown = sum(1 for ep in ready
+                      if endpoint_label(ep, LABEL_REGION, node_labels) is None
+                      and not any(level.contains(ep) for level in levels))
+        if unknown:
+            missing.append(f"{unknown} more ready endpoint(s) of unknown region (neither a "
+                           "known Node nor deprecatedTopology gives it): only in all")
+        levels.append(Level("region", f"region {region}",
+                            _located(LABEL_REGION, region, node_labels), "; ".join(missing)))
+        missing = []
+    else:
+        missing.append(f"no region level: node {node.name} has no {LABEL_REGION} label")
+    levels.append(Level("all", "all", _anything, "; ".join(missing)))
+    return levels
+
+
+def _widen(
+    levels: Sequence[Level],
+    candidates: Sequence[Endpoint],
+    minimum: int,
+    what: str,
+    note: Callable[[str], None],
+) -> tuple[list[Endpoint], tuple[str, ...]]:
+    """The candidates of the first level, then, while fewer than `minimum`, those of each next
+    level as well (widening adds: the narrower levels' endpoints stay). In candidate order."""
+    first = levels[0]
+    chosen = [ep for ep in candidates if first.contains(ep)]
+    if not minimum:
+        return chosen, (first.name,)
+    if len(chosen) >= minimum:
+        note(f"topology-min-endpoints {minimum}: {first.text} has {len(chosen)} {what} "
+             "endpoint(s), enough")
+        return chosen, (first.name,)
+    summary = (f"{first.text} has {len(chosen)} {what} endpoint(s), fewer than "
+               f"topology-min-endpoints {minimum}: ")
+    used = [first]
+    steps: list[str] = []
+    for level in levels[1:]:
+        if len(chosen) >= minimum:
+            break
+        before = len(chosen)
+        used.append(level)
+        chosen = [ep for ep in candidates if any(u.contains(ep) for u in used)]
+        steps.append(f"{level.text} (+{len(chosen) - before})")
+        if level.caveat:
+            steps[-1] += f" [{level.caveat}]"
+    if steps:
+        summary += f"widened to {', '.join(steps)}: {len(chosen)} endpoint(s)"
+    if len(chosen) < minimum:
+        summary += (", still fewer with every level used" if steps
+                    else "no wider level: using these")
+    note(summary)
+    return chosen, tuple(u.name for u in used)
 
 
 def endpoint_label(ep: Endpoint, key: str, node_labels: NodeLabels) -> str | None:

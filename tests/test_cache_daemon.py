@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from builders import ep, make_node, make_service, make_slice
 from fakes import FakeNft
+from structlog.testing import capture_logs
 
 from pyproxy.cache import ClusterCache
 from pyproxy.daemon import Proxier
@@ -92,8 +93,46 @@ def test_node_labels() -> None:
     assert not cache.checkout().topology_changed
     cache.set_node("node-b", make_node("node-b", "zone-2"))
     out = cache.checkout()
-    assert not out.topology_changed and out.services == frozenset()  # nothing really changed
+    # Another node's labels decide which endpoints the keys service uses: select it again
+    # (its ports and slices did not change, so only this can tell); the plain one is left.
+    assert not out.topology_changed and out.services == {ServiceKey("ns", "keys")}
     assert cache.uses_node_labels()
+    assert cache.checkout().services == frozenset()
+
+
+def test_spillover_needs_other_nodes_labels() -> None:
+    # Its region level reads other nodes' region labels: all Nodes are watched, and a
+    # region label change there selects the service again.
+    cache = ClusterCache("node-a")
+    cache.set_service(("ns", "plain"), svc("plain"))
+    assert not cache.uses_node_labels()
+    spill = make_service("ns", "web", lambda s: s["metadata"].update(
+        annotations={"service.pyproxy.io/topology-min-endpoints": "2"}))
+    cache.set_service(("ns", "web"), spill)
+    assert cache.uses_node_labels()
+    cache.checkout()
+    cache.set_node("node-b", make_node("node-b", "zone-2", **{
+        "topology.kubernetes.io/region": "region-1"}))
+    assert cache.has_pending() and cache.checkout().services == {WEB}
+
+
+def test_an_unusable_annotation_is_warned_once_not_on_every_update() -> None:
+    proxier, _, _ = make_proxier()
+
+    def bad(**spec: Any) -> dict[str, Any]:
+        return make_service("ns", "web", lambda s: (s["metadata"].update(
+            annotations={"service.pyproxy.io/topology-min-endpoints": "lots"}),
+            s["spec"].update(spec)))
+
+    with capture_logs() as logs:
+        proxier.on_service(("ns", "web"), bad())
+        proxier.on_service(("ns", "web"), bad())  # a relist
+        proxier.on_service(("ns", "web"), bad(sessionAffinity="ClientIP"))  # another change
+    warnings = [e for e in logs if e["event"] == "service annotation ignored"]
+    assert len(warnings) == 1, logs
+    assert warnings[0]["service"] == "ns/web" and "'lots'" in warnings[0]["reason"]
+    assert warnings[0]["log_level"] == "warning"
+    assert proxier.cache.services()[WEB][0].topology_min_endpoints == 0  # ignored, not fatal
 
 
 # --- the sync core ---------------------------------------------------------------------------

@@ -3,22 +3,27 @@ seed documents' examples for topology keys and trafficDistribution)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from builders import ep, make_node, make_service, make_slice, terminating
 
+from pyproxy.cli import main
 from pyproxy.explain import select_all
 from pyproxy.snapshot import build_state
-from pyproxy.topology import Selection
+from pyproxy.topology import Selection, parse_min_endpoints
 
 NODES = [
     make_node("node-a", "zone-1", **{"topology.kubernetes.io/region": "region-1", "rack": "r1"}),
     make_node("node-b", "zone-1", **{"topology.kubernetes.io/region": "region-1", "rack": "r2"}),
     make_node("node-c", "zone-2", **{"topology.kubernetes.io/region": "region-1", "rack": "r1"}),
     make_node("node-d", "zone-3", **{"topology.kubernetes.io/region": "region-2"}),
+    make_node("node-e", "zone-4"),  # no region label
     make_node("node-nozone"),
 ]
 
@@ -27,10 +32,14 @@ A2 = "10.244.1.2"
 B1 = "10.244.2.1"  # node-b, zone-1
 C1 = "10.244.3.1"  # node-c, zone-2
 D1 = "10.244.4.1"  # node-d, zone-3, region-2
+E1 = "10.244.5.1"  # node-e, zone-4, no region
+N1 = "10.244.6.1"  # node-nozone
+X1 = "10.244.7.1"  # node-x: no Node object
 
 
 def on(ip: str, node: str, **kw: Any) -> dict[str, Any]:
-    zone = {"node-a": "zone-1", "node-b": "zone-1", "node-c": "zone-2", "node-d": "zone-3"}
+    zone = {"node-a": "zone-1", "node-b": "zone-1", "node-c": "zone-2", "node-d": "zone-3",
+            "node-e": "zone-4"}
     return ep(ip, node, zone.get(node), **kw)
 
 
@@ -59,6 +68,7 @@ class Case:
     topology: str = "None"
     reachable: set[str] | None = None
     reason: str | None = None  # a substring expected in the decision trace
+    levels: tuple[str, ...] | None = None  # Selection.levels, when given
 
 
 def k(*ips: str) -> set[str]:
@@ -250,6 +260,170 @@ CASES = [
 ]
 
 
+# --- spillover: service.pyproxy.io/topology-min-endpoints -----------------------------------
+
+MIN = "service.pyproxy.io/topology-min-endpoints"
+HOST, ZONE, REGION = ("kubernetes.io/hostname", "topology.kubernetes.io/zone",
+                      "topology.kubernetes.io/region")
+
+
+def spill(n: int | str, **spec: Any) -> dict[str, Any]:
+    annotations = {MIN: str(n), **spec.pop("annotations", {})}
+    return {"annotations": annotations, **spec}
+
+
+def zoned(ip: str, node: str, **kw: Any) -> dict[str, Any]:
+    """An endpoint hinted for its own zone (trafficDistribution PreferSameZone/PreferClose)."""
+    return on(ip, node, zones=[on(ip, node)["zone"]], **kw)
+
+
+def noded(ip: str, node: str, **kw: Any) -> dict[str, Any]:
+    """An endpoint hinted for its own node and zone (trafficDistribution PreferSameNode)."""
+    return on(ip, node, zones=[on(ip, node)["zone"]], nodes=[node], **kw)
+
+
+ZONAL = [zoned(A1, "node-a"), zoned(C1, "node-c"), zoned(D1, "node-d")]
+SAME_NODE = [noded(A1, "node-a"), noded(B1, "node-b"), noded(C1, "node-c"), noded(D1, "node-d")]
+
+SPILL_CASES = [
+    # --- PreferSameZone hints: zone → region → all ------------------------------------------
+    Case("zone: enough in the zone, nothing added",
+         [zoned(A1, "node-a"), zoned(B1, "node-b"), zoned(C1, "node-c")], k(A1, B1), None,
+         spec=spill(2), topology="PreferSameZone", levels=("zone",),
+         reason="topology-min-endpoints 2: zone zone-1 has 2 ready endpoint(s), enough"),
+    Case("zone: without the annotation the zone's one endpoint is all",
+         ZONAL, k(A1), None, topology="PreferSameZone", levels=("zone",)),
+    Case("zone: one short, widened to the region",
+         ZONAL, k(A1, C1), None, spec=spill(2), topology="PreferSameZone",
+         levels=("zone", "region"),
+         reason="zone zone-1 has 1 ready endpoint(s), fewer than topology-min-endpoints 2: "
+                "widened to region region-1 (+1): 2 endpoint(s)"),
+    Case("zone: region not enough either, widened to all",
+         ZONAL, k(A1, C1, D1), None, spec=spill(3), topology="PreferSameZone",
+         levels=("zone", "region", "all"), reason="widened to region region-1 (+1), all (+1)"),
+    Case("zone: fewer ready endpoints than asked anywhere: all of them, said so",
+         ZONAL, k(A1, C1, D1), None, spec=spill(5), topology="PreferSameZone",
+         levels=("zone", "region", "all"),
+         reason="3 endpoint(s), still fewer with every level used"),
+    Case("zone: a node without a region label widens from zone to all",
+         [zoned(E1, "node-e"), zoned(C1, "node-c"), zoned(D1, "node-d")], k(C1, D1, E1), None,
+         node="node-e", spec=spill(2), topology="PreferSameZone", levels=("zone", "all"),
+         reason="no region level: node node-e has no topology.kubernetes.io/region label"),
+    Case("zone: an endpoint on an unknown Node has no region: only reached at all",
+         [zoned(A1, "node-a"), ep(X1, "node-x", "zone-2", zones=["zone-2"]),
+          zoned(C1, "node-c")], k(A1, C1), None, spec=spill(2), topology="PreferSameZone",
+         levels=("zone", "region"), reason="1 more ready endpoint(s) of unknown region"),
+    Case("zone: only ready endpoints count; terminating ones are not added to reach N",
+         [zoned(A1, "node-a"), terminating(C1, "node-c", "zone-2", zones=["zone-2"]),
+          zoned(D1, "node-d")], k(A1, D1), None, spec=spill(2), topology="PreferSameZone",
+         levels=("zone", "region", "all"), reason="region region-1 (+0), all (+1)"),
+    Case("zone: no ready endpoint: the terminating fallback ignores topology as before",
+         [terminating(A1, "node-a", "zone-1", zones=["zone-1"]),
+          terminating(C1, "node-c", "zone-2", zones=["zone-2"])], k(A1, C1), None,
+         spec=spill(2), reason="serving terminating"),
+    Case("trafficDistribution PreferClose with hints: widened the same way",
+         ZONAL, k(A1, C1), None, spec=spill(2, trafficDistribution="PreferClose"),
+         topology="PreferSameZone", levels=("zone", "region")),
+    Case("topology-mode Auto with proportional hints: the hinted zone set is the start",
+         [on(A1, "node-a", zones=["zone-1"]), on(B1, "node-b", zones=["zone-2"]),
+          on(C1, "node-c", zones=["zone-2"]), on(D1, "node-d", zones=["zone-1"])],
+         k(A1, B1, C1), None, node="node-c",
+         spec=spill(3, annotations={"service.kubernetes.io/topology-mode": "Auto"}),
+         topology="PreferSameZone", levels=("zone", "region")),
+    # --- PreferSameNode hints: node → zone → region → all -----------------------------------
+    Case("node: enough on the node", [noded(A1, "node-a"), noded(A2, "node-a"),
+                                      noded(B1, "node-b")],
+         k(A1, A2), None, spec=spill(2), topology="PreferSameNode", levels=("node",),
+         reason="topology-min-endpoints 2: node node-a has 2 ready endpoint(s), enough"),
+    Case("node: one short, widened to the zone",
+         SAME_NODE, k(A1, B1), None, spec=spill(2), topology="PreferSameNode",
+         levels=("node", "zone"),
+         reason="node node-a has 1 ready endpoint(s), fewer than topology-min-endpoints 2: "
+                "widened to zone zone-1 (+1)"),
+    Case("node: zone and region",
+         SAME_NODE, k(A1, B1, C1), None, spec=spill(3), topology="PreferSameNode",
+         levels=("node", "zone", "region")),
+    Case("node: zone, region and all",
+         SAME_NODE, k(A1, B1, C1, D1), None, spec=spill(4), topology="PreferSameNode",
+         levels=("node", "zone", "region", "all")),
+    Case("node: the zone level goes by location when an endpoint has no zone hint",
+         [on(A1, "node-a", nodes=["node-a"]), on(B1, "node-b", nodes=["node-b"]),
+          on(C1, "node-c", nodes=["node-c"])], k(A1, B1), None, spec=spill(2),
+         topology="PreferSameNode", levels=("node", "zone")),
+    Case("node: a node without zone or region labels widens from node to all",
+         [on(N1, "node-nozone", nodes=["node-nozone"]), noded(A1, "node-a")], k(A1, N1), None,
+         node="node-nozone", spec=spill(2), topology="PreferSameNode", levels=("node", "all"),
+         reason="no zone level: node node-nozone has no topology.kubernetes.io/zone label"),
+    # --- no topology preference: nothing to widen ------------------------------------------
+    Case("no hints: every ready endpoint is used already",
+         [on(A1, "node-a"), on(C1, "node-c")], k(A1, C1), None, spec=spill(3),
+         levels=(), reason="no topology preference in force"),
+    # --- topology keys: accumulate successive keys -----------------------------------------
+    Case("keys: the first key has enough",
+         [on(A1, "node-a"), on(A2, "node-a"), on(B1, "node-b")], k(A1, A2), None,
+         spec=spill(2, topologyKeys=[HOST, ZONE, "*"]),
+         topology=f"TopologyKeys:{HOST}", levels=(HOST,),
+         reason=f"topology-min-endpoints 2: {HOST}=node-a has 2 ready endpoint(s), enough"),
+    Case("keys: hostname then zone",
+         [on(A1, "node-a"), on(B1, "node-b"), on(C1, "node-c")], k(A1, B1), None,
+         spec=spill(2, topologyKeys=[HOST, ZONE, "*"]),
+         topology=f"TopologyKeys:{HOST}", levels=(HOST, ZONE),
+         reason=f"{HOST}=node-a has 1 ready endpoint(s), fewer than topology-min-endpoints 2: "
+                f"widened to {ZONE}=zone-1 (+1)"),
+    Case("keys: hostname, zone, region; never beyond the last key",
+         [on(A1, "node-a"), on(B1, "node-b"), on(C1, "node-c"), on(D1, "node-d")],
+         k(A1, B1, C1), None, spec=spill(4, topologyKeys=[HOST, ZONE, REGION]),
+         topology=f"TopologyKeys:{HOST}", levels=(HOST, ZONE, REGION),
+         reason="3 endpoint(s), still fewer with every level used"),
+    Case("keys: a single key short of the minimum has nothing to widen to",
+         [on(A1, "node-a"), on(B1, "node-b")], k(A1), None, spec=spill(2, topologyKeys=[HOST]),
+         topology=f"TopologyKeys:{HOST}", levels=(HOST,),
+         reason="fewer than topology-min-endpoints 2: no wider level: using these"),
+    Case("keys: a first key without endpoints is passed, then keys accumulate up to *",
+         [on(B1, "node-b"), on(C1, "node-c"), on(D1, "node-d")], k(B1, C1, D1), None,
+         spec=spill(2, topologyKeys=[HOST, ZONE, "*"]),
+         topology=f"TopologyKeys:{ZONE}", levels=(ZONE, "*")),
+    Case("keys from the annotation, with the minimum",
+         [on(A1, "node-a"), on(C1, "node-c")], k(A1, C1), None, node="node-c",
+         spec=spill(2, annotations={"service.pyproxy.io/topology-keys": f"{HOST},*"}),
+         topology=f"TopologyKeys:{HOST}", levels=(HOST, "*")),
+    Case("keys: with no ready endpoint the serving terminating ones are accumulated",
+         [terminating(A1, "node-a"), terminating(C1, "node-c")], k(A1, C1), None,
+         spec=spill(2, topologyKeys=[HOST, "*"]), topology=f"TopologyKeys:{HOST}",
+         levels=(HOST, "*"), reason="1 serving terminating endpoint(s), fewer than"),
+    # --- traffic policies: the node-local list never widens ---------------------------------
+    Case("iTP Local: local list only, not widened",
+         [on(B1, "node-b"), on(C1, "node-c")], None, set(),
+         spec=spill(2, internalTrafficPolicy="Local"),
+         reason="does not apply to the node-local list"),
+    Case("eTP Local: the cluster list widens, the local list does not",
+         [zoned(A1, "node-a"), zoned(C1, "node-c"), zoned(D1, "node-d")], k(A1, C1), k(A1),
+         spec=spill(2, externalTrafficPolicy="Local", **NODEPORT), topology="PreferSameZone",
+         levels=("zone", "region")),
+]
+INVALID = ["abc", "0", "-1", "1001", "99999999999999999999", "2.5", "0x2", "", " ", "١٢"]
+
+
+@pytest.mark.parametrize("case", SPILL_CASES, ids=lambda c: c.name)
+def test_spillover(case: Case) -> None:
+    test_select_endpoints(case)
+
+
+@pytest.mark.parametrize("value", INVALID)
+def test_invalid_min_endpoints_is_reported_and_ignored(value: str) -> None:
+    sel = select(Case("", ZONAL, None, None, spec=spill(value)))
+    assert keys(sel.cluster) == k(A1) and sel.levels == ("zone",)  # as without the annotation
+    assert any("topology-min-endpoints=" in r and "ignored" in r for r in sel.reasons)
+
+
+def test_min_endpoints_value_is_trimmed_and_bounded() -> None:
+    assert parse_min_endpoints(" 2 ") == (2, None)
+    assert parse_min_endpoints("1000") == (1000, None)
+    assert parse_min_endpoints(None) == (0, None)
+    number, note = parse_min_endpoints("1001")
+    assert number == 0 and note and "from 1 to 1000" in note
+
+
 def select(case: Case) -> Selection:
     spec = dict(case.spec)
     state = build_state(
@@ -277,6 +451,8 @@ def test_select_endpoints(case: Case) -> None:
         assert keys(sel.all_reachable) == (case.cluster or set()) | (case.local or set())
     if case.reason:
         assert any(case.reason in r for r in sel.reasons), sel.reasons
+    if case.levels is not None:
+        assert sel.levels == case.levels
 
 
 def test_dual_stack_selects_per_family() -> None:
@@ -302,3 +478,36 @@ def test_ipv6_only_service_ignores_ipv4_slices() -> None:
     assert str(ps.family) == "IPv6"
     assert ps.selection.cluster == ()
     assert not ps.selection.has_any_endpoints
+
+
+# --- explain says which levels were used and why ---------------------------------------------
+
+
+def test_explain_reports_spillover(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot = tmp_path / "cluster.yaml"
+    snapshot.write_text(yaml.safe_dump_all([
+        *NODES,
+        make_service("ns", "spill", tweak(**spill(2)), ip="10.96.0.10"),
+        make_slice("ns", "spill", ZONAL),
+        make_service("ns", "typo", tweak(**spill("two")), ip="10.96.0.11"),
+        make_slice("ns", "typo", ZONAL),
+    ]))
+    assert main(["explain", "-f", str(snapshot), "--node", "node-a", "-o", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    spilled, typo = report["services"]
+    assert spilled["topology"] == "PreferSameZone"
+    assert spilled["topologyLevels"] == ["zone", "region"]
+    assert spilled["topologyMinEndpoints"] == 2
+    assert spilled["clusterEndpoints"] == sorted(k(A1, C1))
+    assert ("zone zone-1 has 1 ready endpoint(s), fewer than topology-min-endpoints 2: widened "
+            "to region region-1 (+1): 2 endpoint(s)") in spilled["reasons"]
+    assert typo["topologyLevels"] == ["zone"] and typo["topologyMinEndpoints"] is None
+    assert typo["clusterEndpoints"] == sorted(k(A1))
+    assert any("topology-min-endpoints='two'" in r for r in typo["reasons"])
+
+    assert main(["explain", "-f", str(snapshot), "--node", "node-a"]) == 0
+    text = capsys.readouterr().out
+    row = next(line for line in text.splitlines() if line.startswith("ns/spill"))
+    assert row.split()[3] == "PreferSameZone+region"
+    assert "  - zone zone-1 has 1 ready endpoint(s), fewer than topology-min-endpoints 2" in text
+    assert "is not a whole number from 1 to 1000: ignored (no spillover)" in text
