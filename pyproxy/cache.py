@@ -114,6 +114,10 @@ class ClusterCache:
             self._nodes.pop(name, None)
         else:
             self._nodes[name] = node
+        if name == self.node_name and _own_addresses(old) != _own_addresses(node):
+            # This node's IPs or pod CIDRs: its configuration is derived again, and every
+            # service rendered with it.
+            self._topology_changed = True
         old_labels = dict(old.labels) if old else None
         new_labels = dict(node.labels) if node else None
         if old_labels != new_labels:
@@ -217,3 +221,7 @@ class ClusterCache:
         """Whether any service needs other nodes' labels (topology keys beyond hostname, or
         topology-min-endpoints)."""
         return bool(self._uses_node_labels)
+
+
+def _own_addresses(node: Node | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return (node.host_ips, node.pod_cidrs) if node is not None else ((), ())

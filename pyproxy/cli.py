@@ -14,7 +14,7 @@ from pyproxy.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.explain import explain_report, format_table
 from pyproxy.formats import format_history, format_services, format_status, format_trace
 from pyproxy.live import service_key
-from pyproxy.model import IPFamily, ServiceKey
+from pyproxy.model import IPFamily, Node, ServiceKey, override_ips
 from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import (
     FamilyProxier,
@@ -115,7 +115,9 @@ def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
         cmd.add_argument("--node", "--hostname-override", dest="node", required=True,
                          help="the node's name (as in its Node object)")
     cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
-                     help="this node's address (repeat for dual-stack); NodePorts listen on it")
+                     help="this node's address (repeat for dual-stack); NodePorts listen on it. "
+                          "Default: the Node object's (status.addresses, InternalIP first); "
+                          "a given address replaces the Node's of its family")
     cmd.add_argument("--cluster-cidr", default="",
                      help="pod CIDR(s), comma-separated: traffic from elsewhere to a ClusterIP "
                           "is masqueraded")
@@ -131,7 +133,11 @@ def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
                      help="masquerade all traffic to ClusterIPs")
 
 
-def _node_config(args: argparse.Namespace) -> NodeConfig:
+def _node_config(args: argparse.Namespace, node: Node | None = None) -> NodeConfig:
+    """The node flags over what the snapshot's Node object says: its IPs (status.addresses,
+    as kube-proxy picks them), each --node-ip replacing the one of its family, and its
+    podCIDRs (detect-local mode NodeCIDR)."""
+
     def split(text: str) -> tuple[str, ...]:
         return tuple(part.strip() for part in text.split(",") if part.strip())
 
@@ -145,8 +151,9 @@ def _node_config(args: argparse.Namespace) -> NodeConfig:
     except ValueError as err:
         raise UsageError(str(err)) from None
     return NodeConfig(
-        node_name=args.node, node_ips=ips, cluster_cidrs=cidrs,
-        local_mode=LocalMode(args.detect_local_mode), local_interface=args.pod_interface,
+        node_name=args.node, node_ips=override_ips(ips, node.host_ips if node else ()),
+        cluster_cidrs=cidrs, local_mode=LocalMode(args.detect_local_mode),
+        local_interface=args.pod_interface, node_cidrs=node.pod_cidrs if node else (),
         nodeport_addresses=nodeport, masquerade_all=args.masquerade_all,
     )
 
@@ -156,13 +163,14 @@ class UsageError(ValueError):
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
-    sys.stdout.write(render_script(load_snapshot(args.file), _node_config(args)))
+    state = load_snapshot(args.file)
+    sys.stdout.write(render_script(state, _node_config(args, state.nodes.get(args.node))))
     return EXIT_OK
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     state = load_snapshot(args.file)
-    config = _node_config(args)
+    config = _node_config(args, state.nodes.get(args.node))
     for family in node_families(state, config):
         result = FamilyProxier(family, config).sync(state, full=True)
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
@@ -321,7 +329,7 @@ def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.trace import trace
 
     state = load_snapshot(args.file)
-    config = _node_config(args)
+    config = _node_config(args, state.nodes.get(args.node))
     try:
         dst, port, proto = parse_destination(args.dst)
         family = ip_family(dst)

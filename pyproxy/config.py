@@ -41,6 +41,7 @@ from typing import Any
 
 import yaml
 
+from pyproxy.model import override_ips
 from pyproxy.proxier import NodeConfig
 from pyproxy.render import LocalMode
 
@@ -234,8 +235,9 @@ class ProxyConfig:
 
     def node_config(self, node_name: str, node_ips: Sequence[str],
                     node_cidrs: Sequence[str] = ()) -> NodeConfig:
-        """What the renderer needs for this node. node_ips: the Node's addresses, primary
-        first; node_cidrs: its spec.podCIDRs (used by detect-local mode NodeCIDR)."""
+        """What the renderer needs for this node. node_ips: the node's IPs, at most one per
+        family, primary first (bindAddress overrides the one of its family); node_cidrs: its
+        spec.podCIDRs (used by detect-local mode NodeCIDR)."""
         interface = {
             LocalMode.BRIDGE_INTERFACE: self.bridge_interface,
             LocalMode.INTERFACE_NAME_PREFIX: self.interface_name_prefix,
@@ -254,12 +256,13 @@ class ProxyConfig:
         )
 
     def _primary_first(self, node_ips: Sequence[str]) -> tuple[str, ...]:
-        # As kube-proxy's detectNodeIPs: a specific bindAddress becomes the primary IP (of the
-        # primary family), so `nodePortAddresses: [primary]` means that address.
+        # As kube-proxy's detectNodeIPs: a specific bindAddress replaces the node IP of its
+        # family and makes that family the primary, so `nodePortAddresses: [primary]` means
+        # that address; the other family keeps the Node's.
         bind = ip_address(self.bind_address)
         if bind.is_unspecified:
             return tuple(node_ips)
-        return (str(bind), *(ip for ip in node_ips if ip_address(ip) != bind))
+        return override_ips((str(bind),), node_ips)
 
 
 def _derived_notes(config: ProxyConfig) -> Iterator[str]:

@@ -835,11 +835,55 @@ def convert_node(obj: Any) -> Node | Skipped:
             labels=_labels(meta.get("labels"), "metadata.labels"),
             deleting=meta.get("deletionTimestamp") is not None,
             taints=taints,
+            host_ips=_host_ips(_mapping(data.get("status"), "status")),
+            pod_cidrs=_pod_cidrs(spec),
         )
     except Invalid as why:
         return Skipped("Node", "", name, str(why))
     except Exception as why:  # a last safety net: bad input must never crash the proxy
         return Skipped("Node", "", name, f"unreadable object: {why!r}")
+
+
+_HOST_IP_TYPES = ("InternalIP", "ExternalIP")
+
+
+def _host_ips(status: Mapping[str, Any]) -> tuple[str, ...]:
+    """kube-proxy's GetNodeHostIPs: the InternalIPs, then the ExternalIPs, read leniently
+    (ParseIPSloppy); one that does not parse is passed over, as upstream does, not a reason
+    to lose the whole Node. The first of them, then the first of the other family."""
+    addresses = [a for a in _list(status.get("addresses"), "status.addresses", 256)
+                 if isinstance(a, Mapping)]
+    ips: list[str] = []
+    for kind in _HOST_IP_TYPES:
+        for address in addresses:
+            if address.get("type") == kind:
+                ip = _ip_or_none(address.get("address"))
+                if ip is not None:
+                    ips.append(ip)
+    if not ips:
+        return ()
+    other = next((ip for ip in ips if ip_family(ip) is not ip_family(ips[0])), None)
+    return (ips[0],) if other is None else (ips[0], other)
+
+
+def _pod_cidrs(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    listed = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
+    cidrs = (_cidr_or_none(v) for v in _list(listed, "spec.podCIDRs", 2))
+    return tuple(c for c in cidrs if c is not None)
+
+
+def _ip_or_none(value: Any) -> str | None:
+    try:
+        return _ip(value, "")
+    except Invalid:
+        return None
+
+
+def _cidr_or_none(value: Any) -> str | None:
+    try:
+        return _cidr(value, "")
+    except Invalid:
+        return None
 
 
 def node_is_eligible(node: Node | None) -> bool:

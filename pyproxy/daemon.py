@@ -80,6 +80,10 @@ class Proxier:
     wall_clock: Callable[[], float] = time.time
     observers: list[SyncObserver] = field(default_factory=list)
     request_sync: Callable[[], None] = lambda: None
+    # Called first in every sync, under the lock: brings this node's own configuration (its
+    # IPs, from its Node object) up to date, and says why the sync must be a full one (None:
+    # nothing changed).
+    reconfigure: Callable[[], str | None] = lambda: None
     on_invalid: list[Callable[[Skipped], None]] = field(default_factory=list)
     lock: threading.RLock = field(default_factory=threading.RLock)
     history: deque[SyncRecord] = field(default_factory=lambda: deque(maxlen=100))
@@ -156,6 +160,9 @@ class Proxier:
                 return
             now = self.clock()
             full, reason = self._full_reason(now)
+            reconfigured = self.reconfigure()
+            if reconfigured is not None and not full:
+                full, reason = True, reconfigured
             checkout = self.cache.checkout()
             if not full and not checkout.services and not checkout.topology_changed \
                     and now - self._last_verify >= self.verify_period:

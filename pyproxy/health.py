@@ -62,6 +62,13 @@ class ProxyHealth:
         for family in self.families:
             self._state[family] = FamilyHealth(last_updated=now)
 
+    def add_family(self, family: IPFamily) -> None:
+        """A family programmed from now on (the Node object gained an address of it)."""
+        with self._lock:
+            if family not in self._state:
+                self._state[family] = FamilyHealth(last_updated=self.wall_clock())
+                self.families = (*self.families, family)
+
     def queued(self) -> None:
         now = self.clock()
         with self._lock:
@@ -348,6 +355,14 @@ class ServiceHealthServers:
         server = _Server((address, port), Handler, family, v6only=True)
         threading.Thread(target=server.serve_forever, name=f"hcnp-{port}", daemon=True).start()
         return server
+
+    def set_addresses(self, addresses: Iterable[str]) -> None:
+        """Listen on other addresses (the node's IPs changed): every listener is closed and
+        reopened there by the next `sync`."""
+        addresses = tuple(addresses)
+        if addresses != self.addresses:
+            self.stop()
+            self.addresses = addresses
 
     def stop(self) -> None:
         for servers in self.servers.values():

@@ -8,7 +8,7 @@ against missing fields or wrong types again.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import pairwise
@@ -65,6 +65,14 @@ MAX_TOPOLOGY_MIN_ENDPOINTS = 1000
 def ip_family(address: str) -> IPFamily:
     """The family of a (valid) IP address or CIDR."""
     return IPFamily.IPv6 if ":" in address else IPFamily.IPv4
+
+
+def override_ips(preferred: Sequence[str], ips: Sequence[str]) -> tuple[str, ...]:
+    """`ips` with every family `preferred` has addresses of taken from `preferred` instead, as
+    kube-proxy overrides the node's IP per family (bindAddress over the Node's). The preferred
+    addresses come first: the first one's family is the primary."""
+    families = {ip_family(ip) for ip in preferred}
+    return tuple(dict.fromkeys((*preferred, *(ip for ip in ips if ip_family(ip) not in families))))
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -228,9 +236,15 @@ class Node:
     labels: Mapping[str, str] = field(default_factory=dict)
     deleting: bool = False
     taints: tuple[str, ...] = ()
+    # The node's IPs as kube-proxy picks them from status.addresses (GetNodeHostIPs): the
+    # first InternalIP (else ExternalIP), then the first address of the other family.
+    host_ips: tuple[str, ...] = ()
+    # spec.podCIDRs (detect-local mode NodeCIDR).
+    pod_cidrs: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
-        return hash((self.name, tuple(sorted(self.labels.items())), self.deleting, self.taints))
+        return hash((self.name, tuple(sorted(self.labels.items())), self.deleting, self.taints,
+                     self.host_ips, self.pod_cidrs))
 
     @property
     def zone(self) -> str:

@@ -12,7 +12,7 @@ import queue
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,8 @@ from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHeal
 from pyproxy.live import handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, ServiceKey, ip_family
-from pyproxy.proxier import FamilyProxier
+from pyproxy.model import IPFamily, Node, ServiceKey, ip_family, override_ips
+from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.snapshot import ClusterState
 from pyproxy.sources import ApiSource, SnapshotSource
@@ -191,6 +191,66 @@ def _families(node_ips: tuple[str, ...]) -> tuple[IPFamily, ...]:
     return found or (IPFamily.IPv4,)
 
 
+def node_config_for(config: ProxyConfig, node_name: str, node: Node | None,
+                    interface_ips: Sequence[str]) -> NodeConfig:
+    """This node's configuration, as kube-proxy derives it: per family the IP its Node object
+    gives (status.addresses: InternalIP first, then ExternalIP), bindAddress replacing the one
+    of its family; its podCIDRs for detect-local mode NodeCIDR. A family the Node has no
+    address of takes the primary interface address (kube-proxy would assume loopback)."""
+    host_ips = node.host_ips if node is not None else ()
+    pod_cidrs = node.pod_cidrs if node is not None else ()
+    return config.node_config(node_name, override_ips(host_ips, interface_ips), pod_cidrs)
+
+
+@dataclass
+class NodeTracker:
+    """Keeps the node's configuration in step with its Node object. Called first in every
+    sync (under the sync lock): the first sync comes only after the Node's initial list, so
+    no rule is ever written with IPs the Node object contradicts. kube-proxy exits when its
+    node's IPs change and is restarted; here the change is handed to `on_change` and the sync
+    made a full one, which re-renders everything with the new IPs."""
+
+    config: ProxyConfig
+    node_name: str
+    interface_ips: tuple[str, ...]
+    current: NodeConfig
+    node: Callable[[], Node | None]
+    on_change: list[Callable[[NodeConfig], None]] = field(default_factory=list)
+
+    def __call__(self) -> str | None:
+        wanted = node_config_for(self.config, self.node_name, self.node(), self.interface_ips)
+        if wanted == self.current:
+            return None
+        log.info("node configuration from the Node object", node_ips=list(wanted.node_ips),
+                 was=list(self.current.node_ips), pod_cidrs=list(wanted.node_cidrs))
+        self.current = wanted
+        for hook in self.on_change:
+            hook(wanted)
+        return "node IPs changed"
+
+
+def _hcnp_addresses(node_config: NodeConfig) -> list[str]:
+    return list(node_config.node_ips) or ["0.0.0.0"]
+
+
+def reconfigure(new: NodeConfig, proxier: Proxier, observer: DaemonObserver,
+                health: ProxyHealth,
+                make: Callable[[IPFamily, NodeConfig], FamilyProxier] = FamilyProxier) -> None:
+    """Every family renders with `new` from now on; a family the node newly has an address
+    of gets its table (`make`). None is dropped while running: its table stays programmed."""
+    have = {p.family for p in proxier.proxiers}
+    for family_proxier in proxier.proxiers:
+        family_proxier.config = new
+    for family in _families(new.node_ips):
+        if family not in have:
+            proxier.proxiers.append(make(family, new))
+            health.add_family(family)
+    observer.families = tuple(p.family for p in proxier.proxiers)
+    observer.node_ips = new.node_ips
+    if observer.hcnp_servers is not None:
+        observer.hcnp_servers.set_addresses(_hcnp_addresses(new))
+
+
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits."""
@@ -201,6 +261,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         from pyproxy.netlink import primary_addresses
 
         node_ips = primary_addresses()
+    # Until the Node object is known (its initial list completes before the first sync), the
+    # interfaces' addresses stand in for its IPs.
     node_config = config.node_config(node_name, node_ips)
     families = _families(node_config.node_ips)
     for note in config.notes:
@@ -213,17 +275,18 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     health = ProxyHealth(families, timeout=2 * config.sync_period)
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
+    tracker = NodeTracker(config, node_name, tuple(node_ips), node_config, lambda: cache.node)
     proxier = Proxier(cache, [FamilyProxier(f, node_config) for f in families],
                       full_sync_period=config.full_sync_period,
-                      verify_period=config.sync_period)
+                      verify_period=config.sync_period, reconfigure=tracker)
     runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, config.min_sync_period,
                                     config.sync_period, config.sync_period)
     proxier.request_sync = runner.run
-    hcnp_addresses = [ip for ip in node_config.node_ips] or ["0.0.0.0"]
     observer = DaemonObserver(
         lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
-        ServiceHealthServers(service_health, health, hcnp_addresses), ConntrackWorker(metrics),
-        on_first_sync=lambda: sd_notify("READY=1"))
+        ServiceHealthServers(service_health, health, _hcnp_addresses(node_config)),
+        ConntrackWorker(metrics), on_first_sync=lambda: sd_notify("READY=1"))
+    tracker.on_change.append(lambda new: reconfigure(new, proxier, observer, health))
     metrics.watch_selections(lambda: current_selections(proxier))
     proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)

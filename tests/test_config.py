@@ -938,14 +938,17 @@ class TestNodeConfig:
     @pytest.mark.parametrize(("bind", "node_ips", "expected"), [
         pytest.param("0.0.0.0", ["10.0.0.5", "10.0.0.6"], ("10.0.0.5", "10.0.0.6"),
                      id="unspecified bind address changes nothing"),
-        pytest.param("10.0.0.6", ["10.0.0.5", "10.0.0.6"], ("10.0.0.6", "10.0.0.5"),
-                     id="bind address becomes primary"),
-        pytest.param("fd00::9", ["10.0.0.5", "fd00::1"], ("fd00::9", "10.0.0.5", "fd00::1"),
+        pytest.param("10.0.0.6", ["10.0.0.5", "fd00::1"], ("10.0.0.6", "fd00::1"),
+                     id="bind address replaces the node IP of its family"),
+        pytest.param("fd00::9", ["10.0.0.5", "fd00::1"], ("fd00::9", "10.0.0.5"),
                      id="bind address of the other family leads"),
+        pytest.param("fd00::9", ["10.0.0.5"], ("fd00::9", "10.0.0.5"),
+                     id="bind address adds its family"),
     ])
     def test_bind_address_is_the_primary_ip(self, bind: str, node_ips: list[str],
                                             expected: tuple[str, ...]) -> None:
-        """A specific bindAddress overrides the primary node IP, as kube-proxy."""
+        """A specific bindAddress overrides the node IP of its family and makes that family
+        the primary one; the other family keeps the Node's IP (kube-proxy's detectNodeIPs)."""
         assert expected == ProxyConfig(bind_address=bind).node_config("n", node_ips).node_ips
 
     def test_primary_nodeport_follows_bind_address(self) -> None:

@@ -3,9 +3,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
@@ -47,4 +53,74 @@ def test_addresses_written_with_leading_zeros_carry_traffic(cluster: Cluster) ->
         results = cluster.lab.connect(cluster.client, "10.96.0.10", 80, count=20, parallel=5)
         assert set(tally(results)) == {"pod-a", "pod-b"}, tally(results)
     finally:
+        cleanup_tables(cluster)
+
+
+# --- B: the node's IPs come from its Node object ---------------------------------------------
+
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
+NODEPORT = 30080
+SECOND_IP = "192.168.50.100"  # a secondary address of the node: never the interface's primary
+
+
+def eventually(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout}s: {what}")
+        time.sleep(0.1)
+
+
+def node_port_cluster(cluster: Cluster, internal_ip: str) -> list[dict[str, Any]]:
+    node = make_node("node-a", "zone-1")
+    node["status"] = {"addresses": [{"type": "Hostname", "address": "node-a"},
+                                    {"type": "InternalIP", "address": internal_ip}]}
+
+    def node_port(svc: dict[str, Any]) -> None:
+        svc["spec"]["type"] = "NodePort"
+        svc["spec"]["ports"][0]["nodePort"] = NODEPORT
+
+    return [node, make_service("ns", "web", node_port),
+            make_slice("ns", "web", [ep(pod.ip4, "node-b") for pod in cluster.pods.values()])]
+
+
+def write_snapshot(path: Path, objects: list[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump_all(objects))
+    os.replace(tmp, path)
+
+
+def node_port_answers(cluster: Cluster, address: str) -> set[str]:
+    return set(tally(cluster.lab.connect(cluster.client, address, NODEPORT, count=6, parallel=3,
+                                         timeout=1.0)))
+
+
+def test_nodeports_listen_on_the_ip_the_node_object_names(cluster: Cluster,
+                                                          tmp_path: Path) -> None:
+    """`pyproxy run` without --bind-address: the Node's InternalIP decides where NodePorts
+    are served (nodePortAddresses [primary]), not the interface's primary address; when the
+    Node reports another address the daemon follows it."""
+    cluster.lab.add_addr(cluster.node, "eth0", f"{SECOND_IP}/24")
+    snapshot = tmp_path / "cluster.yaml"
+    write_snapshot(snapshot, node_port_cluster(cluster, SECOND_IP))
+    daemon = cluster.lab.popen(cluster.node, [
+        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
+        "--cluster-cidr", cluster.cluster_cidr4, "--min-sync-period", "200ms",
+        "--sync-period", "5s", "--healthz-bind-address", "127.0.0.1:10256",
+        "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""],
+        log_name="pyproxy-node-ip.log")
+    backends = {"pod-a", "pod-b"}
+    try:
+        eventually(lambda: node_port_answers(cluster, SECOND_IP) <= backends,
+                   "NodePort on the Node's InternalIP")
+        # the interface's primary address is no NodePort address: nothing listens there
+        assert node_port_answers(cluster, cluster.node_ip4) == {"refused"}
+
+        write_snapshot(snapshot, node_port_cluster(cluster, cluster.node_ip4))
+        eventually(lambda: node_port_answers(cluster, cluster.node_ip4) <= backends,
+                   "NodePort on the Node's new InternalIP")
+        assert node_port_answers(cluster, SECOND_IP) == {"refused"}
+        assert daemon.poll() is None
+    finally:
+        cluster.lab.stop_process(daemon)
         cleanup_tables(cluster)

@@ -1,0 +1,220 @@
+"""The node's IPs come from its Node object (status.addresses, as kube-proxy picks them), flags
+override them per family, and the daemon follows a change: conversion, the offline CLI, and
+the daemon's sync core with a fake libnftables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from builders import make_node, make_service
+from fakes import FakeNft
+
+from pyproxy.cache import ClusterCache
+from pyproxy.cli import main
+from pyproxy.config import ProxyConfig
+from pyproxy.convert import convert_node
+from pyproxy.daemon import Proxier
+from pyproxy.health import ProxyHealth, ServiceHealth
+from pyproxy.metrics import Metrics
+from pyproxy.model import IPFamily, Node, Skipped
+from pyproxy.nft import Applier
+from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.render import LocalMode
+from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
+
+Obj = dict[str, Any]
+
+
+def node_with(*addresses: tuple[str, str], pod_cidrs: list[str] | None = None,
+              name: str = "node-a") -> Obj:
+    obj = make_node(name, "zone-1")
+    obj["status"] = {"addresses": [{"type": t, "address": a} for t, a in addresses]}
+    if pod_cidrs is not None:
+        obj["spec"] = {"podCIDRs": pod_cidrs}
+    return obj
+
+
+def converted(obj: Obj) -> Node:
+    node = convert_node(obj)
+    assert not isinstance(node, Skipped), node
+    return node
+
+
+# --- which addresses (kube-proxy's GetNodeHostIPs) -----------------------------------------
+
+
+@pytest.mark.parametrize(("addresses", "expected"), [
+    pytest.param([("InternalIP", "10.250.0.1"), ("InternalIP", "fd00:250::1")],
+                 ("10.250.0.1", "fd00:250::1"), id="dual-stack"),
+    pytest.param([("ExternalIP", "203.0.113.7"), ("InternalIP", "10.250.0.1")],
+                 ("10.250.0.1",), id="InternalIP before ExternalIP"),
+    pytest.param([("InternalIP", "fd00:250::1"), ("ExternalIP", "203.0.113.7")],
+                 ("fd00:250::1", "203.0.113.7"), id="other family from an ExternalIP"),
+    pytest.param([("InternalIP", "10.250.0.1"), ("InternalIP", "10.250.0.2"),
+                  ("InternalIP", "fd00:250::1"), ("InternalIP", "fd00:250::2")],
+                 ("10.250.0.1", "fd00:250::1"), id="the first of each family"),
+    pytest.param([("Hostname", "node-a"), ("InternalDNS", "node-a.example"),
+                  ("InternalIP", "not-an-ip"), ("InternalIP", "10.250.000.001")],
+                 ("10.250.0.1",), id="others passed over, leading zeros read as decimal"),
+    pytest.param([], (), id="none"),
+])
+def test_host_ips_as_kube_proxy_picks_them(addresses: list[tuple[str, str]],
+                                           expected: tuple[str, ...]) -> None:
+    assert converted(node_with(*addresses)).host_ips == expected
+
+
+def test_pod_cidrs_and_the_old_single_field() -> None:
+    assert converted(node_with(pod_cidrs=["10.244.3.0/24", "fd00:244:0:3::/64"])).pod_cidrs \
+        == ("10.244.3.0/24", "fd00:244:0:3::/64")
+    obj = make_node("node-a")
+    obj["spec"] = {"podCIDR": "10.244.4.0/24"}
+    assert converted(obj).pod_cidrs == ("10.244.4.0/24",)
+
+
+@pytest.mark.parametrize(("bind", "host_ips", "interfaces", "expected"), [
+    pytest.param("0.0.0.0", ("10.250.0.1",), ("192.168.50.1",), ("10.250.0.1",),
+                 id="the Node's, not the interface's"),
+    pytest.param("0.0.0.0", ("10.250.0.1",), ("192.168.50.1", "fd00:50::1"),
+                 ("10.250.0.1", "fd00:50::1"), id="a family the Node lacks: the interface's"),
+    pytest.param("0.0.0.0", (), ("192.168.50.1",), ("192.168.50.1",),
+                 id="no Node addresses: the interface's"),
+    pytest.param("10.0.0.9", ("10.250.0.1", "fd00:250::1"), (), ("10.0.0.9", "fd00:250::1"),
+                 id="bindAddress overrides its own family only"),
+])
+def test_node_config_per_family(bind: str, host_ips: tuple[str, ...],
+                                interfaces: tuple[str, ...], expected: tuple[str, ...]) -> None:
+    node = Node("node-a", host_ips=host_ips)
+    config = node_config_for(ProxyConfig(bind_address=bind), "node-a", node, interfaces)
+    assert config.node_ips == expected
+
+
+def test_node_cidr_mode_takes_the_nodes_pod_cidrs() -> None:
+    node = Node("node-a", pod_cidrs=("10.244.3.0/24",))
+    config = node_config_for(ProxyConfig(detect_local_mode=LocalMode.NODE_CIDR), "node-a", node,
+                             ("192.168.50.1",))
+    assert config.render_config(IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
+
+
+# --- offline: pyproxy render ---------------------------------------------------------------
+
+
+def dual_stack_snapshot(tmp_path: Path) -> Path:
+    def dual(svc: Obj) -> None:
+        svc["spec"].update(type="NodePort", clusterIPs=["10.96.0.10", "fd00:96::a"],
+                           ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack")
+        svc["spec"]["ports"][0]["nodePort"] = 30080
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump_all([
+        node_with(("InternalIP", "10.250.0.2"), ("InternalIP", "fd00:250::2")),
+        make_service("ns", "web", dual)]))
+    return path
+
+
+def nodeport_ips(script: str, family: str) -> list[str]:
+    prefix = f"add element {family} pyproxy nodeport-ips {{"
+    return [line.removeprefix(prefix).rstrip("} ").strip() for line in script.splitlines()
+            if line.startswith(prefix)]
+
+
+def test_render_takes_both_families_from_the_node(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    snapshot = str(dual_stack_snapshot(tmp_path))
+    assert main(["render", "-f", snapshot, "--node", "node-a", "--node-ip", "10.250.0.1"]) == 0
+    script = capsys.readouterr().out
+    assert "add table ip6 pyproxy" in script
+    # --node-ip replaced the Node's IPv4 address only; IPv6 is the Node's
+    assert nodeport_ips(script, "ip") == ["10.250.0.1"]
+    assert nodeport_ips(script, "ip6") == ["fd00:250::2"]
+    assert main(["render", "-f", snapshot, "--node", "node-a"]) == 0
+    script = capsys.readouterr().out
+    assert nodeport_ips(script, "ip") == ["10.250.0.2"]
+    assert nodeport_ips(script, "ip6") == ["fd00:250::2"]
+
+
+# --- the daemon follows its Node -----------------------------------------------------------
+
+
+class Daemon:
+    """The sync core as run_daemon wires it (tracker, reconfiguration, observer), with fake
+    libnftables instances that record each family's transactions."""
+
+    def __init__(self, interface_ips: tuple[str, ...]) -> None:
+        self.nfts: dict[IPFamily, FakeNft] = {}
+        config = ProxyConfig()
+        start = config.node_config("node-a", interface_ips)
+        self.cache = ClusterCache("node-a")
+        self.tracker = NodeTracker(config, "node-a", interface_ips, start,
+                                   lambda: self.cache.node)
+        self.proxier = Proxier(self.cache, [self.family(IPFamily.IPv4, start)],
+                               reconfigure=self.tracker)
+        self.health = ProxyHealth((IPFamily.IPv4,))
+        self.observer = DaemonObserver(lambda: self.proxier, (IPFamily.IPv4,), start.node_ips,
+                                       self.health, Metrics(), ServiceHealth())
+        self.proxier.observers.append(self.observer)
+        self.tracker.on_change.append(lambda new: reconfigure(
+            new, self.proxier, self.observer, self.health, self.family))
+        self.requests = 0
+
+        def request() -> None:
+            self.requests += 1
+
+        self.proxier.request_sync = request
+        for source in ("Service", "EndpointSlice", "Node"):
+            self.proxier.expect(source)
+
+    def family(self, family: IPFamily, config: NodeConfig) -> FamilyProxier:
+        self.nfts[family] = FakeNft()
+        proxier = FamilyProxier(family, config, self.nfts[family])
+        proxier.applier = Applier(family.nft_family, self.nfts[family])
+        return proxier
+
+
+def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() -> None:
+    daemon = Daemon(interface_ips=("192.168.50.1",))
+    daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.100")))
+    daemon.proxier.on_service(("ns", "web"), make_service("ns", "web", lambda s: s["spec"].update(
+        type="NodePort", ports=[{"name": "http", "port": 80, "nodePort": 30080}])))
+    for source in ("Service", "EndpointSlice", "Node"):
+        daemon.proxier.source_synced(source)
+    daemon.proxier.sync()
+    first = daemon.nfts[IPFamily.IPv4].last
+    assert "nodeport-ips { 192.168.50.100 }" in first and "192.168.50.1 " not in first
+    assert daemon.proxier.history[-1].reason == "start"
+
+    # kubelet reports another address: the next sync is a full one with it
+    requested = daemon.requests
+    daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1")))
+    assert daemon.requests > requested
+    daemon.proxier.sync()
+    record = daemon.proxier.history[-1]
+    assert record.full and record.reason == "node IPs changed"
+    assert "nodeport-ips { 192.168.50.1 }" in daemon.nfts[IPFamily.IPv4].last
+    assert daemon.observer.node_ips == ("192.168.50.1",)
+
+    # an unrelated Node update (a label) does not touch the configuration
+    relabelled = node_with(("InternalIP", "192.168.50.1"))
+    relabelled["metadata"]["labels"]["team"] = "a"
+    daemon.proxier.on_node(("", "node-a"), relabelled)
+    daemon.proxier.sync()
+    assert daemon.proxier.history[-1].reason != "node IPs changed"
+
+
+def test_a_family_the_node_gains_gets_its_table() -> None:
+    daemon = Daemon(interface_ips=("192.168.50.1",))
+    daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1")))
+    for source in ("Service", "EndpointSlice", "Node"):
+        daemon.proxier.source_synced(source)
+    daemon.proxier.sync()
+    assert IPFamily.IPv6 not in daemon.nfts
+    daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1"),
+                                                     ("InternalIP", "fd00:50::1")))
+    daemon.proxier.sync()
+    assert [p.family for p in daemon.proxier.proxiers] == [IPFamily.IPv4, IPFamily.IPv6]
+    assert "add table ip6 pyproxy" in daemon.nfts[IPFamily.IPv6].last
+    assert "nodeport-ips { fd00:50::1 }" in daemon.nfts[IPFamily.IPv6].last
+    assert daemon.health.families == (IPFamily.IPv4, IPFamily.IPv6)
+    assert daemon.observer.families == (IPFamily.IPv4, IPFamily.IPv6)
