@@ -12,9 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.convert import convert_endpoint_slice, convert_node, convert_service
+from pyproxy.convert import (
+    convert_endpoint_slice,
+    convert_node,
+    convert_service,
+    convert_service_cidr,
+)
 from pyproxy.model import Node, ServiceKey, ServicePort, Skipped, SliceEndpoints
-from pyproxy.snapshot import ClusterState
+from pyproxy.snapshot import ClusterState, all_cidrs
 
 ObjectKey = tuple[str, str]  # (namespace, name)
 
@@ -30,6 +35,8 @@ class Checkout:
     endpoint_changes: int
     # `endpoints.kubernetes.io/last-change-trigger-time` of the slices that changed.
     trigger_times: tuple[str, ...] = ()
+    # The ServiceCIDRs' CIDRs changed: only the skeleton is rendered again.
+    service_cidrs_changed: bool = False
 
 
 @dataclass
@@ -50,6 +57,10 @@ class ClusterCache:
     _endpoints_before: dict[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
     _trigger_times: list[str] = field(default_factory=list)
     _topology_changed: bool = False
+    # ServiceCIDR name → its CIDRs, and all of them as the state hands them out.
+    _service_cidrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    _all_service_cidrs: tuple[str, ...] = ()
+    _service_cidrs_changed: bool = False
 
     # -- events ------------------------------------------------------------------------------
 
@@ -128,13 +139,32 @@ class ClusterCache:
                 self._relabelled.update(self._uses_node_labels)
         return None
 
+    def set_service_cidr(self, name: str, obj: Any | None) -> Skipped | None:
+        """A ServiceCIDR was added/updated (obj) or deleted (None). An invalid update keeps
+        the last valid CIDRs in force, as for Services."""
+        if obj is None:
+            self._skipped.pop(("ServiceCIDR", "", name), None)
+            self._service_cidrs.pop(name, None)
+        else:
+            cidrs = convert_service_cidr(obj)
+            if isinstance(cidrs, Skipped):
+                self._skipped[("ServiceCIDR", "", name)] = cidrs
+                return cidrs
+            self._skipped.pop(("ServiceCIDR", "", name), None)
+            self._service_cidrs[name] = cidrs
+        merged = all_cidrs(c for cidrs in self._service_cidrs.values() for c in cidrs)
+        if merged != self._all_service_cidrs:
+            self._all_service_cidrs = merged
+            self._service_cidrs_changed = True
+        return None
+
     # -- the state and the pending changes ---------------------------------------------------
 
     def state(self) -> ClusterState:
         """A view over the live cache (valid until the next event)."""
         return ClusterState(
             nodes=self._nodes, ports_by_service=self._ports, slices=self._slice_view,
-            skipped=tuple(self._skipped.values()),
+            skipped=tuple(self._skipped.values()), service_cidrs=self._all_service_cidrs,
         )
 
     @property
@@ -147,7 +177,7 @@ class ClusterCache:
 
     def has_pending(self) -> bool:
         return bool(self._service_before or self._endpoints_before or self._topology_changed
-                    or self._relabelled)
+                    or self._service_cidrs_changed or self._relabelled)
 
     def checkout(self) -> Checkout:
         services = {key for key, before in self._service_before.items()
@@ -161,12 +191,14 @@ class ClusterCache:
             service_changes=len(services),
             endpoint_changes=len(endpoints),
             trigger_times=tuple(self._trigger_times),
+            service_cidrs_changed=self._service_cidrs_changed,
         )
         self._service_before.clear()
         self._endpoints_before.clear()
         self._trigger_times.clear()
         self._relabelled.clear()
         self._topology_changed = False
+        self._service_cidrs_changed = False
         return result
 
     def services(self) -> Mapping[ServiceKey, tuple[ServicePort, ...]]:

@@ -209,7 +209,8 @@ class ProxyConfig:
     """The process's oom_score_adj, -1000..1000."""
     feature_gates: Mapping[str, bool] = field(
         default_factory=lambda: MappingProxyType({}), hash=False)
-    """Recorded as given; pyproxy has no gated behaviour."""
+    """Recorded as given; only MultiCIDRServiceAllocator=false changes anything (no
+    ServiceCIDR watch, as kube-proxy)."""
 
     debug_socket: str | None = "/run/pyproxy/pyproxy.sock"
     """Unix socket for `pyproxy debug`; None: not served."""
@@ -646,7 +647,8 @@ _CLIENT = "the Python client always speaks JSON"
 
 _FIELDS: tuple[_Field, ...] = (
     _Field("featureGates", _Type.GATES, "feature_gates",
-           "feature gates; recorded (pyproxy has no gated behaviour)"),
+           "feature gates; recorded (only MultiCIDRServiceAllocator=false is used: no "
+           "ServiceCIDR watch)"),
     _Field("clientConnection.kubeconfig", _Type.STRING, "kubeconfig",
            "kubeconfig file; empty: the in-cluster service account"),
     _Field("clientConnection.acceptContentTypes", _Type.STRING, None, _CLIENT),

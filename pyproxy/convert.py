@@ -889,3 +889,34 @@ def _cidr_or_none(value: Any) -> str | None:
 def node_is_eligible(node: Node | None) -> bool:
     """Whether load balancers should send this node traffic (kube-proxy's /healthz rule)."""
     return node is not None and not node.deleting and TAINT_TO_BE_DELETED not in node.taints
+
+
+# ---------------------------------------------------------------------------------------------
+# ServiceCIDRs
+
+
+def convert_service_cidr(obj: Any) -> tuple[str, ...] | Skipped:
+    """A ServiceCIDR (networking.k8s.io/v1, cluster-scoped) → its CIDRs in canonical form, or
+    why it is skipped. One being deleted (deletionTimestamp) still counts until it is gone:
+    its ClusterIPs may still be in use, as kube-proxy, which reads every object, does."""
+    data = api_dict(obj)
+    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    name = _safe_name(meta, "name")
+    try:
+        data = _mapping(data, "ServiceCIDR")
+        meta = _mapping(data.get("metadata"), "metadata")
+        name = _dns_subdomain(meta.get("name"), "metadata.name")
+        spec = _mapping(data.get("spec"), "spec")
+        # The API allows one CIDR per family.
+        raw = _list(spec.get("cidrs"), "spec.cidrs", 2)
+        cidrs = tuple(_cidr(value, f"spec.cidrs[{i}]") for i, value in enumerate(raw))
+        for i, cidr in enumerate(cidrs):
+            if cidr.endswith("/0"):
+                # Every address of the family: the node would drop all forwarded traffic
+                # that no service DNATs. No working cluster has it; refuse it as a typo.
+                raise Invalid(f"spec.cidrs[{i}]: {cidr!r} covers every address")
+        return cidrs
+    except Invalid as why:
+        return Skipped("ServiceCIDR", "", name, str(why))
+    except Exception as why:  # a last safety net: bad input must never crash the proxy
+        return Skipped("ServiceCIDR", "", name, f"unreadable object: {why!r}")

@@ -132,6 +132,10 @@ class Proxier:
         with self.lock:
             self._record(self.cache.set_node(key[1], obj))
 
+    def on_service_cidr(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_service_cidr(key[1], obj))
+
     def _record(self, skipped: Skipped | None) -> None:
         if skipped is not None and skipped.invalid:
             self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1

@@ -6,12 +6,14 @@ The JSON form is a contract that later tools build on:
                  "externalTrafficPolicy", "topology", "topologyLevels",
                  "topologyMinEndpoints", "clusterEndpoints", "localEndpoints",
                  "hasEndpoints", "reasons"}],
-   "skipped": [{"object", "reason", "invalid"}]}
+   "skipped": [{"object", "reason", "invalid"}],
+   "serviceCIDRs": ["10.96.0.0/16", ...]}
 A null endpoint list means the service does not use that list; [] means used and empty.
 `topologyLevels` lists the topology levels the cluster list draws on, preferred first (more
 than one when it spilled over: ["zone", "region", "all"]); [] without a topology preference.
 `topologyMinEndpoints` is the service's valid topology-min-endpoints, or null.
-A dual-stack service port has one entry per family.
+A dual-stack service port has one entry per family. `serviceCIDRs`: the ServiceCIDR objects'
+ranges; traffic to an address in them that is no ClusterIP is dropped ([]: none known).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def explain_report(
         "node": {"name": node.name, "labels": dict(node.labels)},
         "services": entries,
         "skipped": skipped,
+        "serviceCIDRs": list(state.service_cidrs),
     }
     if node_name not in state.nodes:
         report["warnings"] = [
@@ -178,6 +181,10 @@ def format_table(report: dict[str, Any]) -> str:
         for s in report["skipped"]:
             tag = "invalid" if s["invalid"] else "not proxied"
             lines.append(f"  {s['object']} ({tag}): {s['reason']}")
+    if report.get("serviceCIDRs"):
+        lines.append("")
+        lines.append(f"service CIDRs: {', '.join(report['serviceCIDRs'])} (addresses in them "
+                     "that are no ClusterIP: dropped)")
     return "\n".join(lines) + "\n"
 
 

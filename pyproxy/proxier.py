@@ -124,7 +124,7 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
     clock = time.perf_counter
     selecting, rendering = 0.0, 0.0
     started = clock()
-    fragment = skeleton(cfg)
+    fragment = skeleton(cfg, state.service_cidrs)
     rendering += clock() - started
     yield SKELETON, fragment
     pending = select_all(state, config.node_name, services)

@@ -19,7 +19,9 @@ How a new connection to a service is handled (table `ip pyproxy` / `ip6 pyproxy`
 - Services with ClientIP session affinity (rare) get per-service chains in upstream's shape
   (`service-`/`local-`/`external-` + hash + ns/name/proto/port) and per-endpoint affinity sets.
 - The filter side (reject/drop for missing endpoints, LoadBalancer source ranges, invalid
-  ClusterIP ports) follows upstream kube-proxy's hooks and priorities.
+  ClusterIP ports, unallocated addresses of the ServiceCIDRs) follows upstream kube-proxy's
+  hooks and priorities; on the output hook the endpoints check runs after DNAT, as upstream's
+  does since kubernetes#132456.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pyproxy.balancing import (
     slots,
     weighted_slots,
 )
-from pyproxy.model import Endpoint, IPFamily, ServicePort, TrafficPolicy
+from pyproxy.model import Endpoint, IPFamily, ServicePort, TrafficPolicy, ip_family
 from pyproxy.topology import Selection
 
 TABLE = "pyproxy"
@@ -56,6 +58,7 @@ NODEPORT_ENDPOINTS_CHECK = "nodeport-endpoints-check"
 FIREWALL_CHECK = "firewall-check"
 CLUSTER_IPS_CHECK = "cluster-ips-check"
 CLUSTER_IPS_SET = "cluster-ips"
+SERVICE_CIDRS_SET = "service-cidrs"
 NODEPORT_IPS_SET = "nodeport-ips"
 HAIRPIN_SET = "hairpin"
 FIREWALL_IPS_SET = "firewall-ips"
@@ -207,11 +210,16 @@ BASE_CHAIN_RULES: dict[str, tuple[str, ...]] = {
         f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
         f"ct state new jump {CLUSTER_IPS_CHECK}",
     ),
-    "filter-output": (
+    # Source ranges are checked against the destination before DNAT; the endpoints check
+    # after it: the node's own connections to an externalTrafficPolicy: Local address are
+    # DNATed to the cluster endpoints, and the `drop` this node has for that address (no
+    # local endpoint) is meant for traffic from outside only (kubernetes#131765). What is
+    # still un-DNATed after nat-output found no endpoint, exactly as in input and forward.
+    "filter-output": (f"ct state new jump {FIREWALL_CHECK}",),
+    "filter-output-post-dnat": (
         f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
-        f"ct state new jump {FIREWALL_CHECK}",
+        f"ct state new jump {CLUSTER_IPS_CHECK}",
     ),
-    "filter-output-post-dnat": (f"ct state new jump {CLUSTER_IPS_CHECK}",),
     "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
     "nat-output": (f"jump {SERVICES_CHAIN}",),
     "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
@@ -223,13 +231,15 @@ def base_chain_spec(name: str) -> str:
     return f"type {kind} hook {hook} priority {priority}; policy accept;"
 
 
-def skeleton(cfg: RenderConfig) -> Fragment:
-    """The static part: sets and maps, and the chains every ruleset has."""
+def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
+    """The static part: sets and maps, and the chains every ruleset has. `service_cidrs`
+    (of any family; from the ServiceCIDR objects) fill `service-cidrs`."""
     ip, addr = cfg.ip, cfg.addr_type
     key3 = f"{addr} . inet_proto . inet_service"
     items = [
         _set(CLUSTER_IPS_SET, f"type {addr}; comment \"Active ClusterIPs\";"),
         _set(HAIRPIN_SET, f"type {addr} . {addr}; comment \"endpoint . itself, for hairpin\";"),
+        _set(SERVICE_CIDRS_SET, f"type {addr}; flags interval; comment \"ServiceCIDRs\";"),
         _set(FIREWALL_IPS_SET, f"type {key3}; comment \"destinations with source ranges\";"),
         _set(
             FIREWALL_ALLOW_SET,
@@ -251,6 +261,8 @@ def skeleton(cfg: RenderConfig) -> Fragment:
         items.append(_set(nodeport_endpoints_map(proto),
                           f"typeof {proto} dport . numgen random mod 1 : "
                           f"{ip} daddr . {proto} dport;", is_map=True))
+    items.extend(_elem(SERVICE_CIDRS_SET, cidr)
+                 for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
     if cfg.nodeport_ips is not None:
         items.append(_set(NODEPORT_IPS_SET, f"type {addr}; comment \"IPs that accept NodePort "
                           "traffic\";"))
@@ -270,8 +282,13 @@ def skeleton(cfg: RenderConfig) -> Fragment:
         _chain(FIREWALL_CHECK, (
             f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
             f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
+        # Only traffic that no service DNATed gets here (forward, and output after nat).
         _chain(CLUSTER_IPS_CHECK, (
-            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',)),
+            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',
+            # An address of a ServiceCIDR that is no ClusterIP would otherwise be routed on
+            # (often out of the default route). Empty set (no ServiceCIDR known): no match.
+            f'{ip} daddr @{SERVICE_CIDRS_SET} drop comment "unallocated ClusterIP"',
+        )),
         _chain(REJECT_CHAIN, ("reject",)),
         _chain(MASQUERADING_CHAIN, (
             # Hairpin: an endpoint reaching itself through its service must be masqueraded,

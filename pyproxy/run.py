@@ -297,7 +297,9 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         source = SnapshotSource(config.snapshot, proxier, stop)
         source.start()
     else:
-        source = ApiSource(api_client or _api_client(config), proxier, node_name, stop)
+        source = ApiSource(api_client or _api_client(config), proxier, node_name, stop,
+                           service_cidrs=config.feature_gates.get(
+                               "MultiCIDRServiceAllocator", True))
         source.start()
         api = source
         observer.after_sync.append(

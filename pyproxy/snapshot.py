@@ -1,5 +1,6 @@
-"""A cluster snapshot: Nodes, Services and EndpointSlices as `kubectl get -o yaml|json` prints
-them (a `kind: List`, several YAML documents, or single objects), turned into the model.
+"""A cluster snapshot: Nodes, Services, EndpointSlices and ServiceCIDRs as `kubectl get -o
+yaml|json` prints them (a `kind: List`, several YAML documents, or single objects), turned
+into the model.
 
 Parsing is pure (text in, model out); only `load_snapshot` touches the file system.
 """
@@ -14,7 +15,12 @@ from typing import Any
 
 import yaml
 
-from pyproxy.convert import convert_endpoint_slice, convert_node, convert_service
+from pyproxy.convert import (
+    convert_endpoint_slice,
+    convert_node,
+    convert_service,
+    convert_service_cidr,
+)
 from pyproxy.endpoints import merge_slices
 from pyproxy.gcutil import gc_paused
 from pyproxy.model import (
@@ -42,6 +48,10 @@ class ClusterState:
     ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
     slices: Mapping[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
     skipped: tuple[Skipped, ...] = ()
+    # Every CIDR of every ServiceCIDR object (both families, sorted, each once): addresses in
+    # them that are no ClusterIP are dropped. Empty: none known (or the API does not serve
+    # them), and nothing is dropped.
+    service_cidrs: tuple[str, ...] = ()
 
     @property
     def ports(self) -> tuple[ServicePort, ...]:
@@ -93,6 +103,7 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
     ports: list[ServicePort] = []
     slices: dict[ServiceKey, list[SliceEndpoints]] = {}
     skipped: list[Skipped] = []
+    service_cidrs: list[str] = []
     for obj in objects:
         kind = obj.get("kind") if isinstance(obj, Mapping) else type(obj).__name__[2:]
         if kind == "Service":
@@ -113,6 +124,12 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
                 skipped.append(node)
             else:
                 nodes[node.name] = node
+        elif kind == "ServiceCIDR":
+            cidrs = convert_service_cidr(obj)
+            if isinstance(cidrs, Skipped):
+                skipped.append(cidrs)
+            else:
+                service_cidrs.extend(cidrs)
         else:
             skipped.append(Skipped(str(kind), "", _name_of(obj), "kind not used by the proxy",
                                    invalid=kind is None))
@@ -125,7 +142,14 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
         nodes=nodes,
         slices={key: tuple(value) for key, value in slices.items()},
         skipped=tuple(skipped),
+        service_cidrs=all_cidrs(service_cidrs),
     )
+
+
+def all_cidrs(cidrs: Iterable[str]) -> tuple[str, ...]:
+    """The CIDRs of several ServiceCIDRs as ClusterState holds them: each once, in a stable
+    order (the same objects always render the same set)."""
+    return tuple(sorted(set(cidrs)))
 
 
 def _name_of(obj: Any) -> str:

@@ -21,6 +21,7 @@ from pyproxy.watch import (
     WatchStatus,
     endpoint_slices_resource,
     nodes_resource,
+    service_cidrs_resource,
     services_resource,
 )
 
@@ -108,6 +109,7 @@ class SnapshotSource:
             "Service": self.proxier.on_service,
             "EndpointSlice": self.proxier.on_slice,
             "Node": self.proxier.on_node,
+            "ServiceCIDR": self.proxier.on_service_cidr,
         }
         fingerprints = {key: repr(obj) for key, obj in current.items()}
         for key in self._seen.keys() - current.keys():
@@ -121,7 +123,9 @@ class SnapshotSource:
 
 @dataclass
 class ApiSource:
-    """Services, EndpointSlices and this Node from the API server, through reflectors."""
+    """Services, EndpointSlices and this Node from the API server, through reflectors; and
+    ServiceCIDRs unless `service_cidrs` is off (featureGates MultiCIDRServiceAllocator=false,
+    as kube-proxy starts that informer only with the gate on)."""
 
     api_client: Any
     proxier: Proxier
@@ -130,6 +134,7 @@ class ApiSource:
     watch_timeout: int = 300
     read_timeout: float = 60.0
     reflectors: list[Reflector] = field(default_factory=list)
+    service_cidrs: bool = True
     _all_nodes: Reflector | None = None
 
     def start(self) -> list[threading.Thread]:
@@ -148,7 +153,20 @@ class ApiSource:
                 read_timeout=self.read_timeout)
             self.reflectors.append(reflector)
             threads.append(self._spawn(reflector))
+        if self.service_cidrs:
+            threads.append(self._spawn(self._service_cidrs()))
         return threads
+
+    def _service_cidrs(self) -> Reflector:
+        """Not awaited before the first sync (kube-proxy does not wait for them either): a
+        server that refuses them (RBAC not updated) must not keep the node from being
+        programmed. Their drop rule follows in the sync after their list."""
+        reflector = Reflector(
+            self.api_client, service_cidrs_resource(), self.proxier.on_service_cidr,
+            on_synced=lambda: log.info("initial list complete", source="ServiceCIDR"),
+            stop=self.stop, watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
+        self.reflectors.append(reflector)
+        return reflector
 
     def watch_all_nodes(self) -> None:
         """Topology keys beyond the hostname need other nodes' labels: watch every Node (only

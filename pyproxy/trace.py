@@ -19,6 +19,7 @@ from pyproxy.render import (
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
     NODEPORT_IPS_SET,
+    SERVICE_CIDRS_SET,
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
     Kind,
@@ -309,8 +310,26 @@ class _Walker:
             self.out.verdict = "REJECT"
             self.note("cluster-ips-check: a ClusterIP on a port no service uses: REJECT")
             return
+        cidr = self.service_cidr()
+        if cidr is not None:
+            self.out.verdict = "DROP"
+            self.note(f"cluster-ips-check: in ServiceCIDR {cidr} but no ClusterIP: DROP")
+            return
         self.out.verdict = "NONE"
         self.note("not a service address: pyproxy leaves this connection alone")
+
+
+    def service_cidr(self) -> str | None:
+        """The element of @service-cidrs holding the destination (an interval set: no
+        exact-key lookup)."""
+        dst = ip_address(self.out.dst)
+        for kind, container, entries in self.state.containers():
+            if kind is Kind.ELEMENT and container == SERVICE_CIDRS_SET:
+                for key, value in entries:
+                    if dst in ip_network(key, strict=False):
+                        self.out.consulted.append((container, key + value))
+                        return key
+        return None
 
 
 def _endpoint(address: str, port: str) -> str:

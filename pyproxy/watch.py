@@ -82,6 +82,59 @@ def nodes_resource(name: str | None = None) -> Resource:
     )
 
 
+def service_cidrs_resource() -> Resource:
+    """ServiceCIDRs (networking.k8s.io/v1, cluster-scoped): the ranges ClusterIPs come from.
+    An API server that does not serve them (before 1.33, or MultiCIDRServiceAllocator off)
+    answers 404: that reads as "none known", an empty list and a watch that stays quiet,
+    instead of an error retried forever. Each watch asks again (every 5 to 10 minutes), so
+    an upgraded server's ServiceCIDRs arrive without a restart."""
+    from kubernetes import client
+
+    return Resource(
+        "ServiceCIDR",
+        lambda api: _NotServedIsEmpty("ServiceCIDR",
+                                      client.NetworkingV1Api(api).list_service_cidr))
+
+
+@dataclass(frozen=True)
+class _NotServedIsEmpty:
+    """A list function whose 404 (resource not served) answers as an empty list, or as a
+    silent watch lasting the watch's timeout. Only for resources whose absence means "none
+    exist": a 404 for Services would be an error."""
+
+    kind: str
+    function: Callable[..., Any]
+
+    def __call__(self, **kwargs: Any) -> Any:
+        try:
+            return self.function(**kwargs)
+        except Exception as err:
+            if getattr(err, "status", None) != 404:
+                raise
+        if not kwargs.get("watch"):
+            log.info("resource not served by the API server: taken as none", kind=self.kind)
+            return _Response(b'{"items": [], "metadata": {"resourceVersion": ""}}')
+        return _Response(b"", quiet_for=float(kwargs.get("timeout_seconds") or 300))
+
+
+@dataclass
+class _Response:
+    """What the reflector reads of a raw client response."""
+
+    data: bytes
+    quiet_for: float = 0.0
+
+    def stream(self, amt: int = 0, decode_content: bool = True) -> Iterator[bytes]:
+        # Empty chunks once a second: the reflector checks its stop event after each one.
+        deadline = time.monotonic() + self.quiet_for
+        while time.monotonic() < deadline:
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+            yield b""
+
+    def release_conn(self) -> None:
+        pass
+
+
 class Expired(Exception):
     """The watch position is older than the server's history (410 Gone)."""
 

@@ -99,3 +99,15 @@ def make_node(name: str, zone: str | None = None, **labels: str) -> Obj:
 def terminating(ip: str, node: str | None = None, zone: str | None = None, serving: bool = True,
                 **kw: Any) -> Obj:
     return ep(ip, node, zone, ready=False, serving=serving, terminating=True, **kw)
+
+
+def make_service_cidr(name: str, *cidrs: str, tweak: Callable[[Obj], None] | None = None) -> Obj:
+    obj: Obj = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "ServiceCIDR",
+        "metadata": {"name": name},
+        "spec": {"cidrs": list(cidrs)},
+    }
+    if tweak:
+        tweak(obj)
+    return obj

@@ -998,6 +998,24 @@ class Cluster:
             pod.backend.stop()
             pod.backend = None
 
+    @contextlib.contextmanager
+    def answering_at(self, name: str, address: str) -> Iterator[Pod]:
+        """Pod `name` answers at `address` too (added to its eth0, routed there from the node)
+        until the block ends. Within the service CIDR this makes "forwarded un-DNATed" visible
+        (the pod's backend answers) where the sink would swallow it like a drop."""
+        pod = self.pods[name]
+        six = ipaddress.ip_address(address).version == 6
+        host = f"{address}/{128 if six else 32}"
+        self.lab.add_addr(pod.ns, "eth0", host)
+        try:
+            self.lab.add_route(self.node, host, via=pod.ip6 if six else pod.ip4)
+            try:
+                yield pod
+            finally:
+                self.lab.ip(self.node, *(["-6"] if six else []), "route", "del", host)
+        finally:
+            self.lab.ip(pod.ns, "addr", "del", host, "dev", "eth0")
+
     def remove_pod(self, name: str) -> None:
         """Delete a pod namespace entirely (its address stops answering at all)."""
         pod = self.pods.pop(name)

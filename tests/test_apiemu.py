@@ -712,10 +712,22 @@ def test_kubeconfig_and_discovery(emu: ApiEmulator, tmp_path: Path) -> None:
         ] == ["n1"]
         assert client.VersionApi(api).get_code().git_version.startswith("v1.")
         groups = client.ApisApi(api).get_api_versions().groups
-        assert [g.name for g in groups] == ["discovery.k8s.io"]
+        assert [g.name for g in groups] == ["discovery.k8s.io", "networking.k8s.io"]
         dyn = dynamic.DynamicClient(api)
         slices = dyn.resources.get(api_version="discovery.k8s.io/v1", kind="EndpointSlice")
         assert slices.namespaced and slices.get().items == []
+        cidrs = dyn.resources.get(api_version="networking.k8s.io/v1", kind="ServiceCIDR")
+        assert not cidrs.namespaced and cidrs.get().items == []
+
+
+def test_a_resource_can_be_left_unserved() -> None:
+    # an API server older than the resource: 404 NotFound, as for any path it does not know
+    with ApiEmulator(unserved=("servicecidrs",)) as emu, emu.api_client() as api:
+        networking = client.NetworkingV1Api(api)
+        with pytest.raises(client.ApiException) as err:
+            networking.list_service_cidr()
+        assert err.value.status == 404
+        assert client.CoreV1Api(api).list_node().items == []  # the others are served
 
 
 def test_request_counters(emu: ApiEmulator, core: Any) -> None:

@@ -3,6 +3,7 @@ by the API emulator over a socket, with real backends and clients."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from apiemu import ApiEmulator
-from builders import ep, make_node, make_service, make_slice
+from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from netlab import Cluster, ConnResult, Lab, requires_netns, tally
 from nftns import call_in_netns
 
@@ -101,11 +102,20 @@ def test_snapshot_mode_follows_the_file(cluster: Cluster, tmp_path: Path) -> Non
 
 @pytest.fixture
 def emulator(cluster: Cluster) -> Iterator[ApiEmulator]:
+    with emulator_in_node(cluster) as emu:
+        yield emu
+
+
+@contextlib.contextmanager
+def emulator_in_node(cluster: Cluster, **kwargs: Any) -> Iterator[ApiEmulator]:
     # The emulator's listening socket lives in the node namespace (127.0.0.1 there), so the
     # daemon reaches it while the test changes the cluster in-process.
-    emu = call_in_netns(cluster.node.full, lambda: ApiEmulator(bookmark_interval=1.0).start())
-    yield emu
-    emu.stop()
+    emu = call_in_netns(cluster.node.full,
+                        lambda: ApiEmulator(bookmark_interval=1.0, **kwargs).start())
+    try:
+        yield emu
+    finally:
+        emu.stop()
 
 
 class Probe:
@@ -170,3 +180,60 @@ def test_api_mode_end_to_end(cluster: Cluster, emulator: ApiEmulator, tmp_path: 
     finally:
         stop_daemon(cluster, daemon)
         cleanup_tables(cluster)
+
+
+# --- ServiceCIDRs ----------------------------------------------------------------------------
+
+UNALLOCATED = "10.96.0.99"  # in the service CIDR, no Service's
+
+
+def api_daemon(cluster: Cluster, emulator: ApiEmulator, tmp_path: Path,
+               name: str) -> subprocess.Popen[str]:
+    kubeconfig = tmp_path / "kubeconfig"
+    emulator.write_kubeconfig(str(kubeconfig))
+    for obj in objects(cluster, ["pod-a"]):
+        emulator.create(obj["kind"], obj)
+    return start_daemon(cluster, "--kubeconfig", str(kubeconfig), name=name)
+
+
+def unallocated(cluster: Cluster) -> set[str]:
+    return set(tally(cluster.lab.connect(cluster.client, UNALLOCATED, 8080, count=2,
+                                         timeout=0.5)))
+
+
+def test_api_mode_drops_unallocated_addresses_of_service_cidrs(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    with contextlib.ExitStack() as stack:
+        emulator = stack.enter_context(emulator_in_node(cluster))
+        emulator.create("ServiceCIDR", make_service_cidr("kubernetes", cluster.service_cidr4))
+        # pod-c answers at the unallocated address: what is forwarded gets an answer
+        stack.enter_context(cluster.answering_at("pod-c", UNALLOCATED))
+        daemon = api_daemon(cluster, emulator, tmp_path, "pyproxy-cidrs")
+        try:
+            eventually(lambda: backends(cluster) == {"pod-a"}, what="first sync")
+            eventually(lambda: unallocated(cluster) == {"timeout"}, what="dropped")
+            emulator.delete("ServiceCIDR", "kubernetes")  # a watch event: forwarded again
+            eventually(lambda: unallocated(cluster) == {"pod-c"}, what="ServiceCIDR deleted")
+            emulator.create("ServiceCIDR", make_service_cidr("other", "10.96.0.0/24"))
+            eventually(lambda: unallocated(cluster) == {"timeout"}, what="ServiceCIDR added")
+        finally:
+            stop_daemon(cluster, daemon)
+            cleanup_tables(cluster)
+
+
+def test_api_mode_without_the_service_cidr_api(cluster: Cluster, tmp_path: Path) -> None:
+    # An API server before 1.33 answers 404: no ServiceCIDRs known, and the node is still
+    # programmed (the first sync does not wait for them), without the drop.
+    with contextlib.ExitStack() as stack:
+        emulator = stack.enter_context(emulator_in_node(cluster, unserved=("servicecidrs",)))
+        stack.enter_context(cluster.answering_at("pod-c", UNALLOCATED))
+        daemon = api_daemon(cluster, emulator, tmp_path, "pyproxy-no-cidrs")
+        try:
+            eventually(lambda: backends(cluster) == {"pod-a"}, what="first sync")
+            assert unallocated(cluster) == {"pod-c"}
+            assert emulator.count("list", "servicecidrs") == 1  # asked once, not retried
+        finally:
+            stop_daemon(cluster, daemon)
+            cleanup_tables(cluster)
+        log = (cluster.lab.workdir / "pyproxy-no-cidrs.log").read_text()
+        assert "API unavailable" not in log, log

@@ -11,7 +11,7 @@ from ipaddress import ip_address
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
+from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
 
@@ -212,6 +212,67 @@ def test_external_ip_and_load_balancer_source_ranges(cluster: Cluster,
     assert tally(cluster.lab.connect(cluster.client, LB_IP, 80, count=2, timeout=0.5)) == {
         "timeout": 2}
     assert all(r.ok for r in cluster.lab.connect(cluster.client, EXTERNAL_IP, 80, count=2))
+
+
+def test_the_node_reaches_a_local_policy_external_address_without_local_endpoints(
+        cluster: Cluster, proxy: NodeProxy) -> None:
+    # eTP=Local, endpoints only on other nodes: the node's own connections (and hostNetwork
+    # pods') to the LB IP or external IP go to a cluster endpoint, masqueraded, as upstream;
+    # the drop this node has for those addresses is for traffic from outside.
+    def lb(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local",
+                           externalIPs=[EXTERNAL_IP])
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}
+
+    proxy.apply([*NODES, service(lb), endpoints(cluster, ["pod-b", "pod-c"])])
+    # Both addresses routed to pod-a (no endpoint; it answers port 80 with a reset): connect()
+    # needs a route, and traffic from outside that were not dropped would be refused there.
+    with cluster.answering_at("pod-a", LB_IP), cluster.answering_at("pod-a", EXTERNAL_IP):
+        for address in (LB_IP, EXTERNAL_IP):
+            # from the node's address (the route via pod-a would pick one in the pod CIDR,
+            # which counts as a pod's and is short-circuited unmasqueraded, as upstream)
+            results = cluster.lab.connect(cluster.node, address, 80, count=20, parallel=5,
+                                          src=cluster.node_ip4)
+            assert set(tally(results)) == {"pod-b", "pod-c"}, (address, tally(results))
+            assert all(r.seen_ip == cluster.pods[str(r.name)].gw4 for r in results)
+            assert tally(cluster.lab.connect(cluster.client, address, 80, count=2,
+                                             timeout=0.5)) == {"timeout": 2}, address
+        # pods are short-circuited to the cluster list too (already so before)
+        assert set(tally(cluster.lab.connect(cluster.pod_client.ns, LB_IP, 80, count=10,
+                                             parallel=5))) <= {"pod-b", "pod-c"}
+
+
+# --- ServiceCIDRs ----------------------------------------------------------------------------
+
+# In the standard topology's service CIDRs, and no Service's.
+UNALLOCATED = "10.96.0.99"
+UNALLOCATED6 = "fd00:96::99"
+
+
+def test_unallocated_addresses_of_a_service_cidr_are_dropped(cluster: Cluster,
+                                                             proxy: NodeProxy) -> None:
+    objs = [*NODES, service(), endpoints(cluster, ["pod-a"])]
+    cidrs = make_service_cidr("kubernetes", cluster.service_cidr4, cluster.service_cidr6)
+    # pod-c answers at the unallocated addresses: forwarded traffic gets an answer
+    with cluster.answering_at("pod-c", UNALLOCATED), \
+            cluster.answering_at("pod-c", UNALLOCATED6):
+        proxy.apply(objs)  # no ServiceCIDR known (an API server without them): forwarded
+        assert tally(cluster.lab.connect(cluster.client, UNALLOCATED, 8080, count=2)) == {
+            "pod-c": 2}
+        proxy.apply([*objs, cidrs])
+        for client in (cluster.client, cluster.pod_client.ns):
+            for address in (UNALLOCATED, UNALLOCATED6):
+                assert tally(cluster.lab.connect(client, address, 8080, count=2,
+                                                 timeout=0.5)) == {"timeout": 2}, address
+        # the node's own: dropped in the output hook (TCP retries its SYN: a timeout)
+        assert tally(cluster.lab.connect(cluster.node, UNALLOCATED, 8080, count=2,
+                                         timeout=0.5)) == {"timeout": 2}
+        # allocated ClusterIPs work on, and their other ports are still rejected
+        assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=3)) == {"pod-a": 3}
+        assert tally(cluster.lab.connect(cluster.client, VIP, 81, count=2)) == {"refused": 2}
+        proxy.apply(objs)  # the ServiceCIDR is gone: forwarded again
+        assert tally(cluster.lab.connect(cluster.client, UNALLOCATED6, 8080, count=2)) == {
+            "pod-c": 2}
 
 
 # --- IPv6 ------------------------------------------------------------------------------------

@@ -14,13 +14,14 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_slice
+from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 VIP, LOCAL_VIP, EMPTY_VIP, STICKY_VIP = "10.96.0.10", "10.96.0.11", "10.96.0.12", "10.96.0.13"
+UNALLOCATED = "10.96.0.99"  # in the ServiceCIDR, no Service's
 NODEPORT = 30080
 
 
@@ -42,6 +43,7 @@ def cluster_objects(c: Cluster) -> list[dict[str, Any]]:
         make_service("ns", "empty", ip=EMPTY_VIP),
         make_service("ns", "sticky", sticky, ip=STICKY_VIP),
         make_slice("ns", "sticky", [ep(pods["pod-a"], "node-a"), ep(pods["pod-b"], "node-b")]),
+        make_service_cidr("kubernetes", c.service_cidr4),
     ]
 
 
@@ -127,7 +129,8 @@ def endpoint_names(c: Cluster, candidates: list[dict[str, Any]]) -> set[str]:
 
 
 @pytest.mark.parametrize("case", ["client-vip", "pod-vip", "client-nodeport-local",
-                                  "pod-nodeport-local", "empty", "bad-port", "sticky"])
+                                  "pod-nodeport-local", "empty", "bad-port", "sticky",
+                                  "unallocated"])
 def test_trace_matches_real_packets(env: tuple[Cluster, str, Path], case: str) -> None:
     c, sock, _ = env
     client, pod = (c.client, c.client_ip4), (c.pod_client.ns, c.pod_client.ip4)
@@ -136,7 +139,7 @@ def test_trace_matches_real_packets(env: tuple[Cluster, str, Path], case: str) -
         "client-nodeport-local": (client, c.node_ip4, NODEPORT),
         "pod-nodeport-local": (pod, c.node_ip4, NODEPORT),
         "empty": (client, EMPTY_VIP, 80), "bad-port": (client, VIP, 81),
-        "sticky": (client, STICKY_VIP, 80),
+        "sticky": (client, STICKY_VIP, 80), "unallocated": (client, UNALLOCATED, 80),
     }[case]
     answer = traced(sock, source[1], f"{dst}:{port}/tcp")
     if case == "sticky":

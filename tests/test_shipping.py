@@ -244,10 +244,11 @@ def rbac_of(method: str, url: str) -> tuple[str, str, str]:
     return group, resource, verb
 
 
-def daemon_api_calls() -> set[tuple[str, str, str]]:
+def daemon_api_calls(factories_too: bool = True,
+                     **source_options: Any) -> set[tuple[str, str, str]]:
     """Every (group, resource, verb) the daemon's API source uses: its reflectors run against
     the recording client until each has listed and watched; plus every Resource in watch.py
-    (also those the source does not start yet)."""
+    (also those the source does not start yet) unless `factories_too` is off."""
     from pyproxy import watch
     from pyproxy.sources import ApiSource
 
@@ -257,7 +258,8 @@ def daemon_api_calls() -> set[tuple[str, str, str]]:
 
     stop = threading.Event()
     api = RecordingApiClient(stop)
-    source = ApiSource(api, Proxier(), "node-a", stop)  # type: ignore[arg-type]
+    source = ApiSource(api, Proxier(), "node-a", stop,  # type: ignore[arg-type]
+                       **source_options)
     source.start()
     source.watch_all_nodes()
     factories = [f for name, f in vars(watch).items()
@@ -266,7 +268,7 @@ def daemon_api_calls() -> set[tuple[str, str, str]]:
                                                                           watch.Resource)]
     assert factories, "no Resource factories found in pyproxy/watch.py"
     extra = [watch.Reflector(api, factory(), lambda key, obj: None, lambda: None, stop)
-             for factory in factories]
+             for factory in factories if factories_too]
     for reflector in extra:
         threading.Thread(target=reflector.run, daemon=True).start()
     try:
@@ -335,6 +337,18 @@ def test_cluster_role_grants_exactly_what_the_daemon_uses(objects: dict[str, Any
     granted = role_rules(objects["ClusterRole"])
     assert granted == expected
     assert "*" not in str(objects["ClusterRole"]["rules"])
+
+
+def test_the_daemon_reads_service_cidrs_unless_the_gate_is_off(
+        objects: dict[str, Any]) -> None:
+    """ServiceCIDRs are read by the daemon itself, not only declared in watch.py; with
+    MultiCIDRServiceAllocator off (kube-proxy's gate) they are not asked for at all."""
+    cidrs = ("networking.k8s.io", "servicecidrs")
+    assert {(*cidrs, "list"), (*cidrs, "watch")} <= daemon_api_calls(factories_too=False)
+    assert {(g, r) for g, r, _ in daemon_api_calls(factories_too=False,
+                                                    service_cidrs=False)} == {
+        ("", "services"), ("discovery.k8s.io", "endpointslices"), ("", "nodes")}
+    assert role_rules(objects["ClusterRole"])[cidrs] == {"get", "list", "watch"}
 
 
 def test_a_new_watch_fails_the_rbac_test(monkeypatch: pytest.MonkeyPatch,

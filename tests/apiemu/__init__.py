@@ -1,4 +1,5 @@
-"""apiemu: an in-process kube-apiserver emulator for Services, Nodes and EndpointSlices.
+"""apiemu: an in-process kube-apiserver emulator for Services, Nodes, EndpointSlices and
+ServiceCIDRs (``unserved=("servicecidrs",)`` plays a server without that API: 404).
 
 It speaks the real list/watch HTTP protocol over a socket (resourceVersions, label/field
 selectors, chunked watch streams, bookmarks, 410 Expired), so pyproxy's watch layer can be tested
@@ -23,7 +24,7 @@ snapshot); a list's ``resourceVersion``/``resourceVersionMatch`` only matter whe
 in the future (504 "Too large resource version" after ``too_large_rv_wait``).
 """
 
-from .resources import ENDPOINTSLICES, NODES, RESOURCES, SERVICES, ResourceDef
+from .resources import ENDPOINTSLICES, NODES, RESOURCES, SERVICECIDRS, SERVICES, ResourceDef
 from .selection import SelectorError, parse_field_selector, parse_label_selector
 from .server import ApiEmulator, RequestRecord, UnavailableMode
 from .store import ApiError
@@ -32,6 +33,7 @@ __all__ = [
     "ENDPOINTSLICES",
     "NODES",
     "RESOURCES",
+    "SERVICECIDRS",
     "SERVICES",
     "ApiEmulator",
     "ApiError",

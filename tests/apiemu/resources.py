@@ -1,4 +1,4 @@
-"""The three emulated resources: identity, field labels, and the server-side "strategy".
+"""The emulated resources: identity, field labels, and the server-side "strategy".
 
 The strategy is the part of the real registry that pyproxy can observe: defaulting (Service
 ports get ``protocol: TCP``, a ClusterIP is allocated, EndpointSlice ports get ``name: ""``),
@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENDPOINTSLICES", "NODES", "RESOURCES", "SERVICES", "Allocator", "ResourceDef"]
+__all__ = ["ENDPOINTSLICES", "NODES", "RESOURCES", "SERVICECIDRS", "SERVICES", "Allocator",
+           "ResourceDef"]
 
 Obj = dict[str, Any]
 
@@ -95,7 +96,19 @@ ENDPOINTSLICES = ResourceDef(
     namespaced=True,
     tracks_generation=True,
 )
-RESOURCES: dict[str, ResourceDef] = {r.plural: r for r in (SERVICES, NODES, ENDPOINTSLICES)}
+# Cluster-scoped, networking.k8s.io/v1 since Kubernetes 1.33. No strategy beyond the generic
+# one: pyproxy reads spec.cidrs only (the real server validates them and keeps them immutable).
+SERVICECIDRS = ResourceDef(
+    plural="servicecidrs",
+    singular="servicecidr",
+    kind="ServiceCIDR",
+    group="networking.k8s.io",
+    version="v1",
+    namespaced=False,
+    has_status=True,
+)
+RESOURCES: dict[str, ResourceDef] = {
+    r.plural: r for r in (SERVICES, NODES, ENDPOINTSLICES, SERVICECIDRS)}
 
 
 def field_values(resource: ResourceDef, obj: Obj) -> dict[str, str]:

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -310,7 +310,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(
                 503, "ServiceUnavailable", "the server is currently unable to handle the request"
             )
-        if rt is None:
+        if rt is None or rt.resource.plural in self.emu.unserved:
             self._serve_non_resource(path)
             return
         if query.get("dryRun"):
@@ -680,7 +680,7 @@ class _Counters:
 
 
 class ApiEmulator:
-    """An in-process kube-apiserver for Services, Nodes and EndpointSlices.
+    """An in-process kube-apiserver for Services, Nodes, EndpointSlices and ServiceCIDRs.
 
     Use as a context manager (``with ApiEmulator() as api:``) or call `start`/`stop`.
     State can be changed over HTTP with any client, or in-process with `create`, `update`,
@@ -702,7 +702,11 @@ class ApiEmulator:
         poll_interval: float = 0.05,
         join_timeout: float = 5.0,
         request_log_size: int = 100_000,
+        unserved: Iterable[str] = (),
     ) -> None:
+        # Resources (plurals) answered 404 like an API the server does not have (an older
+        # server without ServiceCIDRs). Discovery still lists them.
+        self.unserved = frozenset(unserved)
         self.store = Store(
             history_size=history_size,
             watch_queue_size=watch_queue_size,
