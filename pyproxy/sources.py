@@ -17,6 +17,8 @@ import structlog
 from pyproxy.daemon import Proxier
 from pyproxy.snapshot import SnapshotError, parse_objects
 from pyproxy.watch import (
+    MIN_WATCH_TIMEOUT,
+    WATCH_READ_TIMEOUT,
     Reflector,
     WatchStatus,
     endpoint_slices_resource,
@@ -131,8 +133,8 @@ class ApiSource:
     proxier: Proxier
     node_name: str
     stop: threading.Event
-    watch_timeout: int = 300
-    read_timeout: float = 60.0
+    watch_timeout: int = MIN_WATCH_TIMEOUT
+    read_timeout: float = WATCH_READ_TIMEOUT
     reflectors: list[Reflector] = field(default_factory=list)
     service_cidrs: bool = True
     _all_nodes: Reflector | None = None

@@ -8,9 +8,12 @@ reads the watch stream's lines itself.
 Behaviour, as a Kubernetes informer's:
 - list, hand every object to the handler, report "synced" once;
 - watch from the list's resourceVersion with bookmarks; every event moves the position on;
-- a stream that ends (server timeout, dropped connection) is resumed from the last position;
-- 410 Gone (history compacted) → list again and reconcile: objects gone meanwhile are
-  reported deleted;
+- a stream that ends (server timeout, dropped connection, nothing read for read_timeout) is
+  resumed from the last position: only 410 Gone (history compacted) lists again, and
+  reconciles (objects gone meanwhile are reported deleted). A real API server sends a
+  bookmark on a quiet watch only "roughly every minute", so the client's read timeout
+  (150 s) sits well above that; the server ends each watch after timeoutSeconds, drawn
+  between 5 and 10 minutes as client-go does so that many nodes do not reconnect in step;
 - lists are read in pages (`limit`/`continue`, client-go's 500): a 10k-object list in one
   piece decodes into ~300 MB of dicts at once, and the converted objects scattered among
   them keep that memory from going back; page by page the peak is one page. A continue
@@ -38,6 +41,12 @@ log = structlog.get_logger("pyproxy.watch")
 ObjectKey = tuple[str, str]
 # Objects per list page (client-go's default chunk size).
 LIST_PAGE_SIZE = 500
+# client-go's reflector asks for timeoutSeconds = minWatchTimeout × (1 + rand), 5 to 10 min.
+MIN_WATCH_TIMEOUT = 300
+# The API server sends a bookmark on a quiet watch about once a minute (not exactly: the
+# timer is checked when the cacher dispatches); a stream silent for 2.5 such intervals is
+# stalled. client-go has HTTP/2 pings for this; urllib3 speaks HTTP/1.1 and has only this.
+WATCH_READ_TIMEOUT = 150.0
 # handler(key, object or None for a deletion)
 Handler = Callable[[ObjectKey, dict[str, Any] | None], None]
 
@@ -179,14 +188,16 @@ class WatchStatus:
 class Reflector:
     def __init__(self, api_client: Any, resource: Resource, handler: Handler,
                  on_synced: Callable[[], None], stop: threading.Event,
-                 watch_timeout: int = 300, read_timeout: float = 60.0,
+                 watch_timeout: int = MIN_WATCH_TIMEOUT,
+                 read_timeout: float = WATCH_READ_TIMEOUT,
                  page_size: int = LIST_PAGE_SIZE) -> None:
         self.api_client = api_client
         self.resource = resource
         self.handler = handler
         self.on_synced = on_synced
         self.stop = stop
-        # The server closes a watch after this; a fresh one resumes from the last position.
+        # The server closes a watch after this to twice this (jittered per watch); a fresh one
+        # resumes from the last position.
         self.watch_timeout = watch_timeout
         # A stream silent for longer (not even a bookmark) is considered stalled.
         self.read_timeout = read_timeout
@@ -196,23 +207,27 @@ class Reflector:
         self._backoff = Backoff()
 
     def run(self) -> None:
-        """The reflector's thread: until stop is set."""
+        """The reflector's thread: until stop is set. Lists once, then watches from the last
+        position it has seen; lists again only when that position has expired (410)."""
+        version: str | None = None  # None: there is no position to resume from yet
         while not self.stop.is_set():
             try:
-                version = self._list()
-                self._backoff.reset()
-                while not self.stop.is_set():
-                    version = self._watch(version)
-            except Expired:
-                log.info("watch expired, listing again", kind=self.resource.kind)
-                continue
+                if version is None:
+                    version = self._list()
+                    self._backoff.reset()
+                version = self._watch(version)
+            except Expired as err:
+                log.info("watch position expired, listing again", kind=self.resource.kind,
+                         version=version, reason=str(err)[:200])
+                version = None
             except Exception as err:  # connection refused, timeouts, HTTP errors…
                 self.status.connected = False
                 self.status.errors += 1
                 self.status.last_error = f"{type(err).__name__}: {err}"[:300]
                 delay = self._backoff.next()
                 log.warning("API unavailable, retrying", kind=self.resource.kind,
-                            error=self.status.last_error, retry_in=round(delay, 2))
+                            error=self.status.last_error, retry_in=round(delay, 2),
+                            resume="list" if version is None else "watch")
                 self.stop.wait(delay)
 
     def _call(self, **kwargs: Any) -> Any:
@@ -292,13 +307,21 @@ class Reflector:
         return body, waited, decoded
 
     def _watch(self, version: str) -> str:
-        response = self._call(
-            watch=True, resource_version=version, allow_watch_bookmarks=True,
-            timeout_seconds=self.watch_timeout,
-            _request_timeout=(10, self.read_timeout),
-        )
+        try:
+            response = self._call(
+                watch=True, resource_version=version, allow_watch_bookmarks=True,
+                timeout_seconds=int(self.watch_timeout * (1 + random.random())),
+                _request_timeout=(10, self.read_timeout),
+            )
+        except Exception as err:
+            # A server whose watch cache starts after our position (restarted, or history
+            # compacted) refuses the watch itself with 410 instead of sending an ERROR event.
+            if getattr(err, "status", None) == 410:
+                raise Expired(str(err)) from err
+            raise
         self.status.watches += 1
         self.status.connected = True
+        self._backoff.reset()
         try:
             for event in _events(response, self.stop):
                 version = self._handle(event, version)
