@@ -4,10 +4,10 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip
+APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip openssl
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon demo clean
+.PHONY: all deps venv test unit lint bench bench-daemon demo clean k8s k8s-path
 
 all: test
 
@@ -41,8 +41,18 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q -m 'not netns'
 
-test: venv lint
+test: venv lint k8s
 	$(BIN)/pytest -q
+
+# The real control plane the `k8s` tests start (tests/controlplane.py): kube-apiserver,
+# kube-controller-manager and kube-proxy of the release pinned in e2e/k8s/go.mod, built from
+# the Go module proxy with the machine's Go, and an embedded etcd. Built once per release into
+# ~/.cache/pyproxy/k8s-<release>/bin (PYPROXY_K8S_CACHE moves it); a no-op when it exists.
+k8s:
+	@e2e/k8s/build.sh
+
+k8s-path:
+	@e2e/k8s/build.sh --path
 
 demo: venv
 	scripts/demo.sh $(if $(KEEP),--keep)

@@ -23,6 +23,7 @@ from pyproxy.config import ProxyConfig
 from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
 from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
 from pyproxy.debug import DebugServer
+from pyproxy.events import record_start
 from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.live import handlers
@@ -301,6 +302,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                            service_cidrs=config.feature_gates.get(
                                "MultiCIDRServiceAllocator", True))
         source.start()
+        record_start(source.api_client, node_name, stop)
         api = source
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)

@@ -379,6 +379,7 @@ def tally(results: Iterable[ConnResult]) -> Counter[str]:
 # --------------------------------------------------------------------------------------------
 
 _LAB_IDS = itertools.count()
+_IFINDEXES = itertools.count(1000, 2)
 # Strong references on purpose: a lab that a test forgot (and dropped) must still be closed.
 _LIVE_LABS: set[Lab] = set()
 
@@ -407,8 +408,9 @@ class Lab:
         self.namespaces: dict[str, Netns] = {}
         self.backends: list[Backend] = []
         self.links: list[Link] = []
-        # Lab-wide so the two ends of a veth pair never share an ifindex (see link()).
-        self._ifindexes = itertools.count(1000, 2)
+        # Process-wide (labs may link to each other's namespaces, e.g. the control plane's)
+        # so the two ends of a veth pair never share an ifindex (see link()).
+        self._ifindexes = _IFINDEXES
         self._procs: list[subprocess.Popen[str]] = []
         self._logs: list[IO[str]] = []
         self.workdir = Path(tempfile.mkdtemp(prefix=self.prefix))

@@ -1,0 +1,79 @@
+"""Watches against the real API server: a quiet watch never lists again."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from controlplane import (
+    ControlPlane,
+    Daemon,
+    Kube,
+    apply_manifests,
+    service_account_token,
+    start_pyproxy,
+    wait_for,
+)
+from netlab import Lab, requires_netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
+
+
+# -- a quiet watch ---------------------------------------------------------------------------
+#
+# A real API server sends a bookmark on a quiet watch only about once a minute; with a client
+# read timeout of 60 s every quiet watch used to end in a read timeout and a full relist about
+# once a minute. The daemon below starts after the other tests here have made their changes and
+# sits through the rest of the suite (k8s_last puts the check at the very end of the session),
+# so its watches are quiet for minutes without the suite sleeping for it.
+
+QUIET_SECONDS = 180.0
+
+
+@dataclass
+class QuietWatcher:
+    daemon: Daemon
+    started: float
+
+
+@pytest.fixture(scope="session")
+def quiet_watcher(control_plane: ControlPlane) -> Iterator[QuietWatcher]:
+    kube = Kube(control_plane.admin_client())
+    apply_manifests(kube)
+    with Lab() as lab:
+        ns = lab.add_ns("quiet")
+        attachment = control_plane.attach(ns)
+        kube.node("node-quiet", (attachment.address,), zone="zone-9", region="region-9")
+        kubeconfig = control_plane.node_kubeconfig(lab.workdir / "quiet.kubeconfig",
+                                                   service_account_token(kube))
+        daemon = start_pyproxy(lab, ns, kubeconfig, "node-quiet", "--bind-address",
+                               attachment.address, name="pyproxy-quiet")
+        wait_for(lambda: len(daemon.watches()) >= 3
+                 and all(w["synced"] for w in daemon.watches().values()), 30,
+                 "the quiet daemon's initial lists")
+        try:
+            yield QuietWatcher(daemon, time.monotonic())
+        finally:
+            lab.stop_process(daemon.proc)
+            kube.core.delete_node("node-quiet")
+
+
+def test_quiet_watch_begins(quiet_watcher: QuietWatcher) -> None:
+    watches = quiet_watcher.daemon.watches()
+    assert {"Service", "EndpointSlice", "Node"} <= set(watches)
+    assert all(w["lists"] == 1 for w in watches.values()), watches
+
+
+@pytest.mark.k8s_last
+def test_quiet_watch_relists_zero_times(quiet_watcher: QuietWatcher) -> None:
+    remaining = quiet_watcher.started + QUIET_SECONDS - time.monotonic()
+    if remaining > 0:  # the rest of the suite usually takes longer than this
+        time.sleep(remaining)
+    watches = quiet_watcher.daemon.watches()
+    assert quiet_watcher.daemon.proc.poll() is None
+    for kind, status in watches.items():
+        assert status["lists"] == 1, f"{kind} listed again: {status}"
+        assert status["errors"] == 0, f"{kind}: {status['last_error']}"
+        assert status["connected"], status
