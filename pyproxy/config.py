@@ -180,7 +180,7 @@ class ProxyConfig:
     full_sync_period: float = 3600.0
     """pyproxy's own: a full resync at least this often (kube-proxy hard-codes one hour)."""
     config_sync_period: float = 900.0
-    """Informer resync period of the API watches."""
+    """Informer resync period: accepted, not applied (see `_NOT_APPLIED`)."""
 
     conntrack_max_per_core: int = 32768
     """nf_conntrack_max = max(this * CPUs, conntrack_min); 0 leaves the limit alone."""
@@ -201,7 +201,9 @@ class ProxyConfig:
     master: str | None = None
     """API server URL, overriding the kubeconfig's."""
     qps: float = 5.0
+    """Requests per second of the API client's token bucket (0: client-go's default, 5)."""
     burst: int = 10
+    """Requests the API client may make at once before qps applies (0: client-go's, 10)."""
 
     logging_format: LogFormat = LogFormat.TEXT
     verbosity: int = 0
@@ -209,8 +211,8 @@ class ProxyConfig:
     """The process's oom_score_adj, -1000..1000."""
     feature_gates: Mapping[str, bool] = field(
         default_factory=lambda: MappingProxyType({}), hash=False)
-    """Recorded as given; only MultiCIDRServiceAllocator=false changes anything (no
-    ServiceCIDR watch, as kube-proxy)."""
+    """Recorded as given; only those in APPLIED_FEATURE_GATES change anything
+    (MultiCIDRServiceAllocator=false: no ServiceCIDR watch, as kube-proxy)."""
 
     debug_socket: str | None = "/run/pyproxy/pyproxy.sock"
     """Unix socket for `pyproxy debug`; None: not served."""
@@ -225,6 +227,18 @@ class ProxyConfig:
         """Things the operator should know at start-up: `file_notes` plus what the settings
         imply together (recomputed, so flags that change a setting change its note)."""
         return self.file_notes + tuple(_derived_notes(self))
+
+    @property
+    def unapplied(self) -> tuple[str, ...]:
+        """Settings given a value other than the default that pyproxy accepts but does not
+        apply (warned about at start-up)."""
+        return tuple(_unapplied_notes(self))
+
+    @property
+    def watches_service_cidrs(self) -> bool:
+        """Whether ServiceCIDRs are watched: kube-proxy starts that informer only with the
+        MultiCIDRServiceAllocator gate on (the default)."""
+        return self.feature_gates.get("MultiCIDRServiceAllocator", True)
 
     def node_name(self, hostname: Callable[[], str] = socket.gethostname) -> str:
         """The Node this proxy serves: hostname_override or the OS hostname, trimmed and
@@ -264,6 +278,28 @@ class ProxyConfig:
         if bind.is_unspecified:
             return tuple(node_ips)
         return override_ips((str(bind),), node_ips)
+
+
+# Feature gates pyproxy reads; any other is accepted and changes nothing.
+APPLIED_FEATURE_GATES = frozenset({"MultiCIDRServiceAllocator"})
+# Settings accepted (type checked, kept) that change nothing, and why.
+_NOT_APPLIED = {
+    "config_sync_period": "pyproxy's watches do not re-deliver objects they already delivered; "
+                          "kube-proxy's informer resync re-sends its cache to handlers that "
+                          "ignore unchanged objects",
+}
+
+
+def _unapplied_notes(config: ProxyConfig) -> Iterator[str]:
+    default = ProxyConfig()
+    if config.config_sync_period != default.config_sync_period:
+        yield (f"configSyncPeriod ({format_duration(config.config_sync_period)}): accepted, not "
+               f"applied ({_NOT_APPLIED['config_sync_period']})")
+    ignored = sorted(set(config.feature_gates) - APPLIED_FEATURE_GATES)
+    if ignored:
+        yield (f"featureGates {', '.join(ignored)}: accepted, not applied (pyproxy has no "
+               f"behaviour behind them; it reads only "
+               f"{', '.join(sorted(APPLIED_FEATURE_GATES))})")
 
 
 def _derived_notes(config: ProxyConfig) -> Iterator[str]:
@@ -636,6 +672,8 @@ class _Field:
     """`iptables`/`nftables`: read only when `mode` selects this section (see _section)."""
     zero_is_unset: bool = False
     """kube-proxy's defaulting replaces the zero value ("", 0, 0s) with the default."""
+    partly: bool = False
+    """Only some values change anything (the doc says which)."""
 
 
 _IPT, _NFT = "iptables", "nftables"
@@ -647,16 +685,17 @@ _CLIENT = "the Python client always speaks JSON"
 
 _FIELDS: tuple[_Field, ...] = (
     _Field("featureGates", _Type.GATES, "feature_gates",
-           "feature gates; recorded (only MultiCIDRServiceAllocator=false is used: no "
-           "ServiceCIDR watch)"),
+           "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; any "
+           "other gate is accepted, not applied (a warning at start)", partly=True),
     _Field("clientConnection.kubeconfig", _Type.STRING, "kubeconfig",
            "kubeconfig file; empty: the in-cluster service account"),
     _Field("clientConnection.acceptContentTypes", _Type.STRING, None, _CLIENT),
     _Field("clientConnection.contentType", _Type.STRING, None, _CLIENT),
-    _Field("clientConnection.qps", _Type.NUMBER, "qps", "API client requests per second",
-           zero_is_unset=True),
-    _Field("clientConnection.burst", _Type.INT32, "burst", "API client burst",
-           zero_is_unset=True),
+    _Field("clientConnection.qps", _Type.NUMBER, "qps",
+           "API client requests per second (a token bucket every request waits on, as "
+           "client-go's)", zero_is_unset=True),
+    _Field("clientConnection.burst", _Type.INT32, "burst",
+           "API client requests at once before qps applies", zero_is_unset=True),
     _Field("logging.format", _Type.STRING, "logging_format", "`text` or `json`"),
     _Field("logging.verbosity", _Type.UINT32, "verbosity", "log verbosity (as klog's -v)"),
     _Field("logging.flushFrequency", _Type.FLUSH, None, "pyproxy does not buffer logs"),
@@ -725,20 +764,25 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("nodePortAddresses", _Type.STRINGS, "nodeport_addresses",
            "CIDRs, `primary` (the node's primary IPs) or `all`, of node addresses accepting "
            "NodePorts"),
-    _Field("oomScoreAdj", _Type.INT32, "oom_score_adj", "the process's oom_score_adj"),
+    _Field("oomScoreAdj", _Type.INT32, "oom_score_adj",
+           "written to /proc/self/oom_score_adj at start"),
     _Field("conntrack.maxPerCore", _Type.INT32, "conntrack_max_per_core",
-           "nf_conntrack_max per CPU; 0 leaves the limit alone"),
+           "at start nf_conntrack_max = max(maxPerCore × CPUs, min), and the conntrack hash "
+           "size raised to a quarter of it; 0 leaves both alone. Global: set only from the "
+           "initial network namespace (elsewhere reported and skipped)"),
     _Field("conntrack.min", _Type.INT32, "conntrack_min", "lower bound of nf_conntrack_max"),
     _Field("conntrack.tcpEstablishedTimeout", _Type.DURATION,
-           "conntrack_tcp_established_timeout", "0s leaves the sysctl alone"),
+           "conntrack_tcp_established_timeout",
+           "nf_conntrack_tcp_timeout_established at start; 0s leaves it alone"),
     _Field("conntrack.tcpCloseWaitTimeout", _Type.DURATION,
-           "conntrack_tcp_close_wait_timeout", "0s leaves the sysctl alone"),
+           "conntrack_tcp_close_wait_timeout",
+           "nf_conntrack_tcp_timeout_close_wait at start; 0s leaves it alone"),
     _Field("conntrack.tcpBeLiberal", _Type.BOOL, "conntrack_tcp_be_liberal",
-           "set nf_conntrack_tcp_be_liberal"),
+           "nf_conntrack_tcp_be_liberal = 1 at start (false leaves it alone)"),
     _Field("conntrack.udpTimeout", _Type.DURATION, "conntrack_udp_timeout",
-           "0s leaves the sysctl alone"),
+           "nf_conntrack_udp_timeout at start; 0s leaves it alone"),
     _Field("conntrack.udpStreamTimeout", _Type.DURATION, "conntrack_udp_stream_timeout",
-           "0s leaves the sysctl alone"),
+           "nf_conntrack_udp_timeout_stream at start; 0s leaves it alone"),
     _Field("configSyncPeriod", _Type.DURATION, "config_sync_period",
            "informer resync period", zero_is_unset=True),
     _Field("portRange", _Type.STRING, None, "configured the userspace proxy, removed in 1.26"),
@@ -967,7 +1011,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("masquerade-all", _Type.BOOL, "masquerade_all", "masquerade all ClusterIP traffic"),
     _Flag("sync-period", _Type.DURATION, "sync_period", "retry delay after a failed sync"),
     _Flag("min-sync-period", _Type.DURATION, "min_sync_period", "minimum gap between syncs"),
-    _Flag("config-sync-period", _Type.DURATION, "config_sync_period", "informer resync period"),
+    _Flag("config-sync-period", _Type.DURATION, "config_sync_period",
+          "informer resync period; accepted, not applied"),
     _Flag("conntrack-max-per-core", _Type.INT32, "conntrack_max_per_core",
           "nf_conntrack_max per CPU; 0 leaves the limit alone"),
     _Flag("conntrack-min", _Type.INT32, "conntrack_min", "lower bound of nf_conntrack_max"),
@@ -987,7 +1032,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("kube-api-burst", _Type.INT32, "burst", "API client burst"),
     _Flag("oom-score-adj", _Type.INT32, "oom_score_adj", "the process's oom_score_adj"),
     _Flag("feature-gates", _Type.GATES, "feature_gates",
-          "Name=true|false,...; merged over the file's featureGates"),
+          "Name=true|false,...; merged over the file's featureGates; only "
+          "MultiCIDRServiceAllocator is applied"),
     _Flag("v", _Type.UINT32, "verbosity", "log verbosity", short="-v"),
     _Flag("logging-format", _Type.STRING, "logging_format", "text or json"),
     _Flag("full-sync-period", _Type.DURATION, "full_sync_period",
@@ -1119,6 +1165,10 @@ def _applies(spec: _Field) -> str:
         return f"when mode is nftables: {spec.doc}"
     if spec.section == _IPT:
         return f"when mode is empty (kube-proxy's iptables default): {spec.doc}"
+    if spec.attr in _NOT_APPLIED:
+        return f"accepted, not applied: {spec.doc} ({_NOT_APPLIED[spec.attr]})"
+    if spec.partly:
+        return f"partly: {spec.doc}"
     return f"yes: {spec.doc}"
 
 

@@ -12,6 +12,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,14 +24,15 @@ from pyproxy.config import ProxyConfig
 from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
 from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
 from pyproxy.debug import DebugServer
-from pyproxy.events import record_start
 from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.host import Outcome, apply_host_settings
 from pyproxy.live import handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
 from pyproxy.model import IPFamily, Node, ServiceKey, ip_family, override_ips
 from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.ratelimit import TokenBucket, limit_requests
 from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.snapshot import ClusterState
 from pyproxy.sources import ApiSource, SnapshotSource
@@ -252,10 +254,43 @@ def reconfigure(new: NodeConfig, proxier: Proxier, observer: DaemonObserver,
         observer.hcnp_servers.set_addresses(_hcnp_addresses(new))
 
 
+@dataclass(frozen=True)
+class SyncTiming:
+    """The daemon's clocks, from syncPeriod, minSyncPeriod and pyproxy's fullSyncPeriod."""
+
+    min_interval: float  # shortest gap from the end of one sync to the next (batching)
+    retry_interval: float  # after a failed sync
+    max_interval: float  # a sync at least this often: it checks the table for tampering
+    health_timeout: float  # a queued change older than this makes /healthz fail
+    full_sync_period: float
+    verify_period: float  # how often a sync compares the table's structure with ours
+
+
+def sync_timing(config: ProxyConfig) -> SyncTiming:
+    return SyncTiming(
+        min_interval=config.min_sync_period, retry_interval=config.sync_period,
+        max_interval=config.sync_period, health_timeout=2 * config.sync_period,
+        full_sync_period=config.full_sync_period, verify_period=config.sync_period)
+
+
+def _log_host_setting(outcome: Outcome) -> None:
+    fields = {"setting": outcome.setting, "value": outcome.value, "detail": outcome.detail}
+    if outcome.action == "set":
+        log.info("host setting applied", **fields)
+    elif outcome.action == "unchanged":
+        log.debug("host setting already in place", **fields)
+    else:  # kube-proxy stops on most of these; the rules do not depend on them
+        log.warning(f"host setting {outcome.action}", **fields)
+
+
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits."""
     setup_logging(config.logging_format, config.verbosity)
+    for outcome in apply_host_settings(config):
+        _log_host_setting(outcome)
+    for warning in config.unapplied:
+        log.warning("configuration", note=warning)
     stop = stop or threading.Event()
     node_name = config.node_name()
     if node_ips is None:
@@ -272,16 +307,17 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
              families=[str(f) for f in families],
              source="snapshot" if config.snapshot else "api")
 
+    timing = sync_timing(config)
     metrics = Metrics()
-    health = ProxyHealth(families, timeout=2 * config.sync_period)
+    health = ProxyHealth(families, timeout=timing.health_timeout)
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     tracker = NodeTracker(config, node_name, tuple(node_ips), node_config, lambda: cache.node)
     proxier = Proxier(cache, [FamilyProxier(f, node_config) for f in families],
-                      full_sync_period=config.full_sync_period,
-                      verify_period=config.sync_period, reconfigure=tracker)
-    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, config.min_sync_period,
-                                    config.sync_period, config.sync_period)
+                      full_sync_period=timing.full_sync_period,
+                      verify_period=timing.verify_period, reconfigure=tracker)
+    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, timing.min_interval,
+                                    timing.retry_interval, timing.max_interval)
     proxier.request_sync = runner.run
     observer = DaemonObserver(
         lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
@@ -299,10 +335,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         source.start()
     else:
         source = ApiSource(api_client or _api_client(config), proxier, node_name, stop,
-                           service_cidrs=config.feature_gates.get(
-                               "MultiCIDRServiceAllocator", True))
+                           service_cidrs=config.watches_service_cidrs)
         source.start()
-        record_start(source.api_client, node_name, stop)
         api = source
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
@@ -405,7 +439,10 @@ def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
         return
 
 
-def _api_client(config: ProxyConfig) -> Any:
+def _api_client(config: ProxyConfig, clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> Any:
+    """The API client, every request of which waits on a token bucket of
+    clientConnection.qps/burst (client-go's rate limiting; the Python client has none)."""
     from kubernetes import client
     from kubernetes import config as kube_config
 
@@ -419,7 +456,8 @@ def _api_client(config: ProxyConfig) -> Any:
             client_configuration=configuration)
     if config.master:
         configuration.host = config.master
-    return client.ApiClient(configuration)
+    return limit_requests(client.ApiClient(configuration),
+                          TokenBucket(config.qps, config.burst, clock, sleep))
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

@@ -124,3 +124,54 @@ def test_nodeports_listen_on_the_ip_the_node_object_names(cluster: Cluster,
     finally:
         cluster.lab.stop_process(daemon)
         cleanup_tables(cluster)
+
+
+# --- C: conntrack sysctls and the OOM score, set by `pyproxy run` in its own namespace --------
+
+NETFILTER = Path("/proc/sys/net/netfilter")
+PER_NAMESPACE = {  # what the flags below ask for
+    "nf_conntrack_tcp_timeout_established": 7200, "nf_conntrack_tcp_timeout_close_wait": 90,
+    "nf_conntrack_tcp_be_liberal": 1, "nf_conntrack_udp_timeout": 45,
+    "nf_conntrack_udp_timeout_stream": 150,
+}
+
+
+def sysctls_in(cluster: Cluster, ns: Any, names: list[str]) -> dict[str, int]:
+    out = cluster.lab.run(ns, ["cat", *(str(NETFILTER / name) for name in names)]).stdout
+    return dict(zip(names, map(int, out.split()), strict=True))
+
+
+def test_conntrack_sysctls_are_written_in_the_daemons_namespace(cluster: Cluster,
+                                                               tmp_path: Path) -> None:
+    """The per-namespace conntrack sysctls take the configured values inside the daemon's
+    namespace only; nf_conntrack_max (and the hash size) are global, read-only there: left
+    alone and reported."""
+    lab = cluster.lab
+    ns = lab.add_ns("conntrack")
+    names = [*PER_NAMESPACE, "nf_conntrack_max"]
+    # Only read here: the root namespace's values must come out of this unchanged.
+    root_before = {name: int((NETFILTER / name).read_text()) for name in names}
+    assert sysctls_in(cluster, ns, list(PER_NAMESPACE)) != PER_NAMESPACE
+    snapshot = tmp_path / "cluster.yaml"
+    write_snapshot(snapshot, [make_node("node-a", "zone-1")])
+    # The OOM score is raised: lowering it needs CAP_SYS_RESOURCE, which a test runner may lack.
+    daemon = lab.popen(ns, [
+        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
+        "--conntrack-tcp-timeout-established", "2h", "--conntrack-tcp-timeout-close-wait", "90s",
+        "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout", "45s",
+        "--conntrack-udp-timeout-stream", "2m30s", "--conntrack-min", str(root_before[
+            "nf_conntrack_max"] + 4096), "--oom-score-adj", "500",
+        "--healthz-bind-address", "", "--metrics-bind-address", "", "--debug-socket", ""],
+        log_name="pyproxy-conntrack.log")
+    try:
+        eventually(lambda: sysctls_in(cluster, ns, list(PER_NAMESPACE)) == PER_NAMESPACE,
+                   "conntrack sysctls in the daemon's namespace")
+        log = (lab.workdir / "pyproxy-conntrack.log").read_text()
+        assert Path(f"/proc/{daemon.pid}/oom_score_adj").read_text().strip() == "500", log
+        assert any('"host setting skipped"' in line and '"nf_conntrack_max"' in line
+                   for line in log.splitlines()), log
+        assert daemon.poll() is None
+    finally:
+        lab.stop_process(daemon)
+        lab.del_ns(ns)
+    assert {name: int((NETFILTER / name).read_text()) for name in names} == root_before
