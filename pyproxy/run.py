@@ -24,6 +24,7 @@ from pyproxy.config import ProxyConfig
 from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
 from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
 from pyproxy.debug import DebugServer
+from pyproxy.events import record_start
 from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.host import Outcome, apply_host_settings
@@ -337,6 +338,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         source = ApiSource(api_client or _api_client(config), proxier, node_name, stop,
                            service_cidrs=config.watches_service_cidrs)
         source.start()
+        record_start(source.api_client, node_name, stop)
         api = source
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
