@@ -566,6 +566,10 @@ def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",
 # 2. Watches end with 410 Gone over and over (history compacted, connections dropped)
 
 
+# What the reflector logs when a watch position has expired (410 Gone) and it lists again.
+GONE_LOG = "watch position expired, listing again"
+
+
 def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
                      bench: ApiBench | None = None) -> Result:
     r = Result("410-storm", f"every {period:g} s for {duration:g} s: an endpoint change, "
@@ -580,7 +584,7 @@ def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
               "initial state programmed")
         lists_before = emu.count("list", "endpointslices")
         watches_before = emu.count("watch", "endpointslices")
-        gone_before = daemon.log_path.read_text().count("watch position expired, listing again")
+        gone_before = daemon.log_path.read_text().count(GONE_LOG)
         syncs_before = daemon.status()["syncs"]
         probe = Probe(env, WEB)
         end = time.monotonic() + duration
@@ -607,7 +611,7 @@ def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
         probe.finish()
         r.add_probe(probe)
         r.check(probe.failed == 0, f"{probe.failed} connections failed: {probe.tally()}")
-        gone = daemon.log_path.read_text().count("watch position expired, listing again") - gone_before
+        gone = daemon.log_path.read_text().count(GONE_LOG) - gone_before
         r.figures["changes during the storm"] = changes
         r.figures["watches ended by 410 Gone (all kinds)"] = gone
         r.check(gone >= changes // 4, f"only {gone} watches ended with 410 Gone")

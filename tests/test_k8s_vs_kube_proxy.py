@@ -1,0 +1,319 @@
+"""Side by side with the real kube-proxy: the same cluster must give the same packet outcomes.
+
+Two identical copies of node-a (tests/netlab.py's standard topology, one Lab each), fed by the
+same real API server: one programmed by upstream kube-proxy v1.37.2 in nftables mode (`make k8s`
+builds it from the same release as the control plane), one by pyproxy with the same settings.
+Every flow below runs through both; per flow the outcome is which backends answered, whether
+the backend saw the client's own address or a masqueraded one, and refused versus dropped.
+Where pyproxy deliberately does more, the flow is listed in DELIBERATE (and in
+docs/kube-proxy-differences.md) with the reason; every other difference fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from controlplane import (
+    ControlPlane,
+    Kube,
+    apply_manifests,
+    service_account_token,
+    start_pyproxy,
+    wait_for,
+)
+from netlab import Cluster, ConnResult, Lab, requires_netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
+
+NS = "diff"
+NODE = "node-a"
+LB_LOCAL, LB_ALLOWED, LB_DENIED, EXTERNAL = ("192.168.77.20", "192.168.77.21",
+                                             "192.168.77.22", "192.168.77.30")
+UNALLOCATED = "10.96.5.5"
+
+
+@dataclass(frozen=True)
+class Svc:
+    """A Service and the pods (by backend) that back it."""
+
+    name: str
+    ip: str
+    spec: dict[str, Any] = field(default_factory=dict)
+    pods: tuple[tuple[str, str], ...] = ()  # (backend pod, node it is bound to)
+    terminating: tuple[str, ...] = ()  # backends whose Pod is deleted gracefully
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+SERVICES = (
+    Svc("plain", "10.96.2.1", {"ipFamilyPolicy": "PreferDualStack",
+                               "clusterIPs": ["10.96.2.1", "fd00:96::2:1"]},
+        (("pod-a", "node-b"), ("pod-b", "node-b"))),
+    Svc("nodeport", "10.96.2.2", {"type": "NodePort"},
+        (("pod-a", "node-b"), ("pod-b", "node-b"))),
+    Svc("lb-local", "10.96.2.3", {"type": "LoadBalancer", "externalTrafficPolicy": "Local"},
+        (("pod-c", NODE), ("pod-a", "node-b"))),
+    Svc("lb-allowed", "10.96.2.4", {"type": "LoadBalancer",
+                                    "loadBalancerSourceRanges": ["192.168.50.2/32"]},
+        (("pod-b", "node-b"),)),
+    Svc("lb-denied", "10.96.2.5", {"type": "LoadBalancer",
+                                   "loadBalancerSourceRanges": ["10.0.0.0/8"]},
+        (("pod-b", "node-b"),)),
+    Svc("external", "10.96.2.6", {"externalIPs": [EXTERNAL]}, (("pod-c", "node-b"),)),
+    Svc("itp-local", "10.96.2.7", {"internalTrafficPolicy": "Local"},
+        (("pod-c", NODE), ("pod-a", "node-b"))),
+    Svc("empty", "10.96.2.8", {"type": "NodePort"}),
+    Svc("affinity", "10.96.2.9", {"sessionAffinity": "ClientIP"},
+        (("pod-a", "node-b"), ("pod-b", "node-b"), ("pod-c", "node-b"))),
+    Svc("zonal", "10.96.2.10", {"trafficDistribution": "PreferSameZone"},
+        (("pod-a", "node-b"), ("pod-b", "node-z"))),
+    Svc("terminating", "10.96.2.11", {}, (("pod-a", "node-b"),), terminating=("pod-a",)),
+    Svc("local-only-remote", "10.96.2.12", {"type": "LoadBalancer",
+                                            "externalTrafficPolicy": "Local"},
+        (("pod-b", "node-b"),)),
+)
+LB_IPS = {"lb-local": LB_LOCAL, "lb-allowed": LB_ALLOWED, "lb-denied": LB_DENIED,
+          "local-only-remote": "192.168.77.23"}
+
+
+@dataclass(frozen=True)
+class Flow:
+    name: str
+    source: str  # "client", "pod-client", "node" or a backend pod's name (hairpin)
+    service: str | None  # its ClusterIP, or with `to` another address of it
+    to: str = "cluster-ip"  # cluster-ip | cluster-ip6 | node-port | lb | external | raw
+    port: int = 80
+    proto: str = "tcp"
+    count: int = 30
+    address: str = ""  # for to == "raw"
+
+
+FLOWS = (
+    Flow("ClusterIP from outside", "client", "plain"),
+    Flow("ClusterIP from a pod", "pod-client", "plain"),
+    Flow("ClusterIP from the node", "node", "plain"),
+    Flow("ClusterIP over IPv6", "client", "plain", to="cluster-ip6"),
+    Flow("ClusterIP, UDP", "client", "plain", port=53, proto="udp", count=20),
+    # pod-c is on this node for lb-local: kube-proxy masquerades hairpin traffic only for
+    # local endpoints (a remote pod's packets never come through this node).
+    Flow("hairpin: a local backend to its own service", "pod-c", "lb-local"),
+    Flow("ClusterIP, unknown port", "client", "plain", port=81, count=5),
+    Flow("unallocated address of the service CIDR", "client", None, to="raw",
+         address=UNALLOCATED, count=5),
+    Flow("NodePort from outside", "client", "nodeport", to="node-port"),
+    Flow("NodePort over IPv6", "client", "nodeport", to="node-port6"),
+    Flow("LB eTP=Local from outside", "client", "lb-local", to="lb"),
+    Flow("LB eTP=Local NodePort from outside", "client", "lb-local", to="node-port"),
+    Flow("LB eTP=Local from a pod", "pod-client", "lb-local", to="lb"),
+    Flow("LB eTP=Local from the node", "node", "lb-local", to="lb"),
+    Flow("LB eTP=Local, no local endpoint, from outside", "client", "local-only-remote",
+         to="lb", count=5),
+    Flow("LB eTP=Local, no local endpoint, from the node", "node", "local-only-remote",
+         to="lb"),
+    Flow("LB source range allows the client", "client", "lb-allowed", to="lb"),
+    Flow("LB source range denies the client", "client", "lb-denied", to="lb", count=5),
+    Flow("external IP from outside", "client", "external", to="external"),
+    Flow("iTP=Local ClusterIP", "pod-client", "itp-local"),
+    Flow("no endpoints: ClusterIP", "client", "empty", count=5),
+    Flow("no endpoints: NodePort", "client", "empty", to="node-port", count=5),
+    Flow("ClientIP affinity", "client", "affinity", count=20),
+    Flow("PreferSameZone hints", "client", "zonal"),
+    Flow("terminating, serving fallback", "client", "terminating"),
+)
+# Flows whose outcomes differ on purpose: name → why (docs/kube-proxy-differences.md).
+DELIBERATE: dict[str, str] = {}
+
+
+@dataclass
+class Island:
+    """One copy of node-a and its proxy."""
+
+    lab: Lab
+    cluster: Cluster
+
+    def source_ns(self, source: str) -> Any:
+        if source == "client":
+            return self.cluster.client
+        if source == "pod-client":
+            return self.cluster.pod_client.ns
+        if source == "node":
+            return self.cluster.node
+        return self.cluster.pods[source].ns
+
+
+def outcome(results: list[ConnResult], sticky: bool) -> tuple[str, ...]:
+    """What a flow did: each backend reached, with /masq when it saw another address than the
+    client's own, and the failures by kind. For affinity only whether it stuck to one."""
+    labels = set()
+    for r in results:
+        if r.ok:
+            labels.add(f"{r.name}{'/masq' if r.seen_ip != r.local_ip else ''}")
+        else:
+            labels.add(str(r.error))
+    if sticky:
+        backends = {label for label in labels if label.startswith("pod-")}
+        return ("one backend",) if len(backends) == 1 and len(labels) == 1 else tuple(
+            sorted(labels))
+    return tuple(sorted(labels))
+
+
+def service_object(svc: Svc, node_ports: dict[str, int]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"selector": {"diff": svc.name}, "clusterIP": svc.ip,
+                            "ports": [{"name": "http", "port": 80, "targetPort": 8080,
+                                       "protocol": "TCP"},
+                                      {"name": "dns", "port": 53, "targetPort": 5353,
+                                       "protocol": "UDP"}]}
+    spec.update(svc.spec)
+    if svc.name in node_ports:
+        spec["ports"][0]["nodePort"] = node_ports[svc.name]
+    return {"metadata": {"name": svc.name, **svc.meta}, "spec": spec}
+
+
+def kube_proxy_config(path: Path, kubeconfig: Path) -> Path:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "mode": "nftables", "hostnameOverride": NODE,
+        "clusterCIDR": "10.244.0.0/16,fd00:244::/48",
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "metricsBindAddress": "127.0.0.1:10249", "healthzBindAddress": "127.0.0.1:10256",
+        # Global sysctls kube-proxy cannot set from inside a namespace: leave them alone.
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                      "tcpCloseWaitTimeout": "0s", "udpTimeout": "0s",
+                      "udpStreamTimeout": "0s"},
+        "nftables": {"minSyncPeriod": "200ms", "syncPeriod": "5s"},
+    }))
+    return path
+
+
+def kube_proxy_token(kube: Kube) -> str:
+    """kube-system/kube-proxy bound to system:node-proxier, as kubeadm sets it up."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        kube.core.create_namespaced_service_account(
+            "kube-system", {"metadata": {"name": "kube-proxy"}})
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    try:
+        client.RbacAuthorizationV1Api(kube.api).create_cluster_role_binding({
+            "metadata": {"name": "kube-proxy-test"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:node-proxier"},
+            "subjects": [{"kind": "ServiceAccount", "name": "kube-proxy",
+                          "namespace": "kube-system"}]})
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    request = kube.core.create_namespaced_service_account_token(
+        "kube-proxy", "kube-system", {"spec": {"audiences": [], "expirationSeconds": 7200}})
+    return str(request.status.token)
+
+
+@dataclass
+class SideBySide:
+    kube: Kube
+    kube_proxy: Island
+    pyproxy: Island
+    node_ports: dict[str, int]
+
+    def address(self, flow: Flow, island: Island) -> tuple[str, int]:
+        svc = next((s for s in SERVICES if s.name == flow.service), None)
+        if flow.to == "raw":
+            return flow.address, flow.port
+        assert svc is not None
+        if flow.to == "cluster-ip":
+            return svc.ip, flow.port
+        if flow.to == "cluster-ip6":
+            return svc.spec["clusterIPs"][1], flow.port
+        if flow.to == "node-port":
+            return island.cluster.node_ip4, self.node_ports[svc.name]
+        if flow.to == "node-port6":
+            return island.cluster.node_ip6, self.node_ports[svc.name]
+        if flow.to == "lb":
+            return LB_IPS[svc.name], flow.port
+        return EXTERNAL, flow.port
+
+    def run(self, flow: Flow, island: Island) -> tuple[str, ...]:
+        ip, port = self.address(flow, island)
+        ns = island.source_ns(flow.source)
+        sticky = flow.service == "affinity"
+        results = island.lab.connect(ns, ip, port, flow.proto, count=flow.count,
+                                     parallel=1 if sticky else 10, timeout=0.5)
+        island.lab.flush_conntrack(island.cluster.node)
+        return outcome(results, sticky)
+
+
+def island(lab: Lab, plane: ControlPlane) -> Island:
+    cluster = lab.standard_topology(backends=3, udp_ports=(5353,))
+    plane.attach(cluster.node)
+    return Island(lab, cluster)
+
+
+@pytest.fixture(scope="module")
+def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
+    kube = Kube(control_plane.admin_client())
+    apply_manifests(kube)
+    kube.namespace(NS)
+    with Lab() as kp_lab, Lab() as py_lab:
+        kp, py = island(kp_lab, control_plane), island(py_lab, control_plane)
+        cluster = kp.cluster
+        kube.node(NODE, (cluster.node_ip4, cluster.node_ip6), zone="zone-1")
+        kube.node("node-b", ("192.168.50.3",), zone="zone-1")
+        kube.node("node-z", ("192.168.50.4",), zone="zone-2")
+        node_ports = {s.name: 30100 + i for i, s in enumerate(SERVICES)
+                      if s.spec.get("type") in ("NodePort", "LoadBalancer")}
+        for svc in SERVICES:
+            kube.core.create_namespaced_service(NS, service_object(svc, node_ports))
+            if svc.name in LB_IPS:
+                kube.core.patch_namespaced_service_status(svc.name, NS, {"status": {
+                    "loadBalancer": {"ingress": [{"ip": LB_IPS[svc.name], "ipMode": "VIP"}]}}})
+            for backend, node in svc.pods:
+                pod = cluster.pods[backend]
+                name = f"{svc.name}-{backend}"
+                kube.pod(NS, name, node, (pod.ip4, pod.ip6), {"diff": svc.name})
+                if backend in svc.terminating:
+                    kube.delete_pod(NS, name, grace=300)
+        kp_kubeconfig = control_plane.node_kubeconfig(kp_lab.workdir / "kube-proxy.kubeconfig",
+                                                      kube_proxy_token(kube))
+        kp_proc = kp_lab.popen(kp.cluster.node, [
+            control_plane.bin / "kube-proxy",
+            f"--config={kube_proxy_config(kp_lab.workdir / 'kube-proxy.yaml', kp_kubeconfig)}",
+            "-v=1"], log_name="kube-proxy.log")
+        py_kubeconfig = control_plane.node_kubeconfig(py_lab.workdir / "pyproxy.kubeconfig",
+                                                      service_account_token(kube))
+        daemon = start_pyproxy(py_lab, py.cluster.node, py_kubeconfig, NODE)
+        both = SideBySide(kube, kp, py, node_ports)
+        try:
+            wait_for(lambda: kube.endpoint_conditions(NS, "terminating").get(
+                cluster.pods["pod-a"].ip4) == (False, True, True), 30, "pod-a terminating")
+            for each in (kp, py):
+                wait_for(lambda i=each: both.run(FLOWS[0], i) == ("pod-a/masq", "pod-b/masq"),
+                         60, "the proxy programmed the cluster", interval=0.5)
+            yield both
+        finally:
+            if os.environ.get("NETLAB_KEEP_LOGS"):  # both rulesets beside the logs
+                for each in (kp, py):
+                    Path(f"/tmp/pyproxy-rulesets-{each.lab.prefix}nft").write_text(
+                        each.lab.nft_list(each.cluster.node))
+            kp_lab.stop_process(kp_proc)
+            py_lab.stop_process(daemon.proc)
+            kube.core.delete_namespace(NS)
+            for name in (NODE, "node-b", "node-z"):
+                kube.core.delete_node(name)
+
+
+@pytest.mark.parametrize("flow", FLOWS, ids=[f.name for f in FLOWS])
+def test_same_outcome_as_kube_proxy(side_by_side: SideBySide, flow: Flow) -> None:
+    theirs = side_by_side.run(flow, side_by_side.kube_proxy)
+    ours = side_by_side.run(flow, side_by_side.pyproxy)
+    if flow.name in DELIBERATE:
+        assert ours != theirs, f"{flow.name} is listed as a deliberate difference but is not"
+        return
+    assert ours == theirs, f"kube-proxy: {theirs}\npyproxy:    {ours}"
