@@ -316,3 +316,35 @@ def apply_change(state: ClusterState, change: Change) -> ClusterState:
 
 
 _STATE_FIELDS = {f.name for f in dataclasses.fields(ClusterState)}
+
+
+def big_service_objects(endpoints: int, generation: int = 0) -> list[Obj]:
+    """One ClusterIP/TCP service with `endpoints` endpoints, in EndpointSlices of 100 (the
+    EndpointSlice controller's default size; the API caps a slice at 1,000): kube-proxy's
+    known weak case. Endpoint j is always the same pod, so two counts differ only at the
+    end of the list."""
+    key = ServiceKey("ns-big", "big")
+    vip = "10.97.0.1"
+    service: Obj = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"namespace": key.namespace, "name": key.name, "uid": _uid(0, 9000)},
+        "spec": {"type": "ClusterIP", "clusterIP": vip, "clusterIPs": [vip],
+                 "ipFamilies": ["IPv4"], "ports": [{"name": "http", "port": 80,
+                                                    "protocol": "TCP", "targetPort": 8080}]},
+    }
+    slices: list[Obj] = []
+    for first in range(0, endpoints, 100):
+        eps = [{"addresses": [ip4(POD_NEW_BASE + (50 << 16) + j)],
+                "conditions": {"ready": True, "serving": True, "terminating": False},
+                "nodeName": NODES[j % 3][0], "zone": NODES[j % 3][1]}
+               for j in range(first, min(endpoints, first + 100))]
+        slices.append({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"namespace": key.namespace, "name": f"big-{first // 100}",
+                         "uid": _uid(first, 9001), "resourceVersion": str(generation),
+                         "labels": {"kubernetes.io/service-name": key.name}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": eps,
+        })
+    return [service, *slices]

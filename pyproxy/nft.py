@@ -10,6 +10,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pyproxy import staging
 from pyproxy.render import TABLE, Fragment
 from pyproxy.ruleset import Change, Commands, DesiredState, full_commands, incremental_commands
 
@@ -176,6 +177,10 @@ class Applier:
     # Fault injection (the debug socket's /fault, for drills): the next N non-empty
     # transactions fail with NftError before reaching the kernel, as if it refused them.
     fail_next: int = 0
+    # A full sync of a store larger than this goes in transactions of at most this many
+    # elements, made before break (pyproxy/staging.py): the memory peak of one huge
+    # transaction was twice the daemon's steady size.
+    stage_chunk: int = staging.DEFAULT_CHUNK
 
     def sync(self, updates: Mapping[Hashable, Fragment] | Iterable[tuple[Hashable, Fragment]],
              full: bool = False) -> SyncResult:
@@ -209,13 +214,20 @@ class Applier:
                 if kind == "chain" and value is not None:
                     self.stale_chains.pop(name, None)
         self._delete_stale_chains(t0)
-        script = cmds.text()
+        names = self.nft.list_names(self.family) if full and len(self.state) > \
+            self.stage_chunk else None
+        staged = names is not None and staging.worth_staging(self.state, names[1],
+                                                             self.stage_chunk)
+        script = "" if staged else cmds.text()
         t1 = self.clock()
         try:
-            if script:
-                if self.fail_next > 0:
-                    self.fail_next -= 1
-                    raise NftError("injected fault: transaction refused (debug socket /fault)")
+            if (script or staged) and self.fail_next > 0:
+                self.fail_next -= 1
+                raise NftError("injected fault: transaction refused (debug socket /fault)")
+            if staged:
+                assert names is not None
+                script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
+            elif script:
                 self.nft.run(script)
         except NftError:
             # The kernel state is now unknown relative to the mirror: rewrite everything
@@ -239,6 +251,22 @@ class Applier:
             self.committed_structure = self._structure()
         touched = len(self.state) if change is None else change.touched()
         return SyncResult(full, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
+
+    def _run_staged(self, cmds: Commands, table_exists: bool) -> str:
+        """The full sync as bounded transactions, each through a fresh context (one that
+        saw the elements of the last would read them all back first). Returns the last
+        transaction's text, with a line saying how many went before it."""
+        count, last = 0, ""
+        renew = getattr(self.nft, "renew", None)
+        for script in staging.scripts(self.family, self.state, cmds, table_exists,
+                                      self.stage_chunk):
+            if not script:
+                continue
+            self.nft.run(script)
+            count, last = count + 1, script
+            if renew:
+                renew()
+        return f"# staged full sync: {count} transactions, the last:\n{last}"
 
     def _commands(self, change: Change | None, full: bool) -> Commands:
         if not full and change is not None:

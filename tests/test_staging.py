@@ -1,0 +1,206 @@
+"""Staged full syncs (pyproxy/staging.py): bounded transactions that packets see as one."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from builders import ep, make_node, make_service, make_slice
+from netlab import Cluster, Lab, requires_netns
+
+from pyproxy import staging
+from pyproxy.model import IPFamily
+from pyproxy.proxier import NodeConfig, desired_state
+from pyproxy.render import BASE_CHAINS
+from pyproxy.ruleset import full_commands
+from pyproxy.snapshot import build_state
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from synth import Cluster as Synthetic
+
+VIP = "10.96.0.10"  # synth's ClusterIPs start at 10.96.0.16
+CONFIG = NodeConfig(node_name="node-a", node_ips=("192.168.50.1",),
+                    cluster_cidrs=("10.244.0.0/16",))
+
+
+def store(services: int) -> Any:
+    state = build_state([o for o in Synthetic(services, 3).objects()])
+    return desired_state(state, CONFIG, IPFamily.IPv4)
+
+
+def elements_in(script: str) -> int:
+    return sum(line.count(",") + 1 for line in script.splitlines()
+               if line.startswith("add element "))
+
+
+def test_fresh_table_hooks_come_last_and_chunks_are_bounded() -> None:
+    desired = store(40)
+    cmds = full_commands("ip", desired)
+    scripts = list(staging.scripts("ip", desired, cmds, table_exists=False, chunk=25))
+    first, *chunks, hooks = scripts
+    assert not any(f" {base} " in first or first.endswith(base) for base in BASE_CHAINS
+                   if f"chain ip pyproxy {base} " in first)
+    assert "add element" not in first and "add element" not in hooks
+    assert all(line.split()[4] in BASE_CHAINS for line in hooks.splitlines())
+    assert all(0 < elements_in(c) <= 25 for c in chunks)
+    # the same elements as the one transaction
+    assert sum(elements_in(c) for c in chunks) == elements_in(cmds.text())
+
+
+def test_existing_table_switches_to_copies_and_back() -> None:
+    desired = store(40)
+    cmds = full_commands("ip", desired, ["services"], ["service-ips"])
+    scripts = list(staging.scripts("ip", desired, cmds, table_exists=True, chunk=30))
+    copies = scripts[0]
+    assert "add map ip pyproxy service-ips-staged" in copies
+    switch = next(s for s in scripts if "flush chain" in s)
+    back = scripts[-1]
+    assert "vmap @service-ips-staged" in switch and "@service-ips-staged" not in back
+    assert "vmap @service-ips" in back
+    assert "delete map ip pyproxy service-ips-staged" in back
+    loaded = scripts[1:scripts.index(switch)]
+    refilled = scripts[scripts.index(switch) + 1:-1]
+    assert all("-staged {" in line for s in loaded for line in s.splitlines())
+    assert not any("-staged" in s for s in refilled)
+    assert sum(map(elements_in, loaded)) == sum(map(elements_in, refilled)) == \
+        elements_in(cmds.text())
+
+
+def test_not_staged_while_a_copy_is_left_in_the_kernel() -> None:
+    desired = store(40)
+    assert staging.worth_staging(desired, ["service-ips"], 25)
+    assert not staging.worth_staging(desired, ["service-ips", "service-ips-staged"], 25)
+    assert not staging.worth_staging(desired, [], len(desired))
+
+
+# ---------------------------------------------------------------------------------------------
+# Real packets: a probe connects through the service all along a staged cold start and a
+# staged full resync of a few thousand services.
+
+# The client closes first, after the answer line: the TIME_WAIT stays on the client, whose
+# kernel picks ports clear of it. On the backend, the node's fully-random masquerade ports
+# would now and then hit one, and such a SYN is answered with a reset (seen as "refused").
+PROBE = r"""
+import os, socket, sys, time
+addr, stop = sys.argv[1], sys.argv[2]
+while not os.path.exists(stop):
+    time.sleep(0.004)  # ~200 a second: unpaced, the client ran out of ports within a minute
+    s = socket.socket()
+    try:
+        s.settimeout(0.5)  # a SYN into the sink (not translated) is never answered
+        s.connect((addr, 80))
+    except OSError as err:
+        print("fail:connect-" + type(err).__name__, flush=True)
+        s.close()
+        continue
+    try:
+        s.settimeout(10)  # the backend's answer: only CPU contention delays it
+        reply = b""
+        while b"\n" not in reply and (chunk := s.recv(4096)):
+            reply += chunk
+        print(reply.split()[0].decode(), flush=True)
+    except OSError as err:
+        print("fail:reply-" + type(err).__name__, flush=True)
+    finally:
+        s.close()
+"""
+
+
+def objects(cluster: Cluster, pods: list[str], others: int) -> list[dict[str, Any]]:
+    return [make_node("node-a", "zone-1"), make_service("ns", "web", ip=VIP),
+            make_slice("ns", "web", [ep(cluster.pods[p].ip4, "node-b") for p in pods]),
+            *(o for o in Synthetic(others, 10).objects() if o["kind"] != "Node")]
+
+
+class Probe:
+    """Sequential connects from the client, in order: what each one reached."""
+
+    def __init__(self, cluster: Cluster, tmp: Path) -> None:
+        self.stop = tmp / "stop-probe"
+        self.out: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.cluster = cluster
+        self.thread.start()
+
+    def _run(self) -> None:
+        proc = self.cluster.lab.exec_python(self.cluster.client, PROBE,
+                                            args=(VIP, str(self.stop)), timeout=600)
+        self.out = proc.stdout.split()
+
+    def finish(self) -> list[str]:
+        self.stop.touch()
+        self.thread.join(60)
+        return self.out
+
+
+def assert_whole(seen: list[str]) -> None:
+    """The service answered all along. Half-programmed (its dispatch element without its
+    endpoint slots, or the other way round) it would not be translated and its SYNs would
+    end in the node's sink: connect timeouts, for a large share of the connects made
+    meanwhile. Isolated failures are this lab's background at these rates, with a
+    one-transaction sync as well (measured: about 1 in 5,000 connects, timeouts and
+    resets), so they are allowed up to 1 in 500."""
+    failed = [s for s in seen if not s.startswith("pod-")]
+    assert len(failed) <= max(3, len(seen) // 500), [
+        (i, len(seen), seen[max(0, i - 3):i + 4]) for i, s in enumerate(seen)
+        if s.startswith("fail:")]
+
+
+def runs(outcomes: list[str]) -> list[str]:
+    """The sequence with repeats collapsed: ['fail', 'ok'] for fail, fail, ok, ok."""
+    out: list[str] = []
+    for o in outcomes:
+        if not out or out[-1] != o:
+            out.append(o)
+    return out
+
+
+@pytest.mark.netns
+@requires_netns
+def test_staged_syncs_are_all_old_or_all_new_for_packets(tmp_path: Path) -> None:
+    from nftns import NodeProxy
+
+    with Lab() as lab:
+        cluster = lab.standard_topology(backends=3)
+        node = NodeProxy(cluster.node.full, CONFIG.__class__(
+            node_name="node-a", node_ips=(cluster.node_ip4,),
+            cluster_cidrs=(cluster.cluster_cidr4,)), (IPFamily.IPv4,))
+        for proxier in node.proxiers:
+            proxier.applier.stage_chunk = 2_000  # ~60k elements: dozens of transactions
+        others = 2_000
+
+        # cold start: nothing (no table: the connects time out), then the service whole
+        probe = Probe(cluster, tmp_path)
+        time.sleep(1.0)
+        [result] = node.apply(objects(cluster, ["pod-a", "pod-b"], others))
+        time.sleep(1.0)
+        seen = probe.finish()
+        assert result.full and "staged full sync" in node.proxiers[0].applier.last_script
+        first = next(i for i, s in enumerate(seen) if s.startswith("pod-"))
+        assert set(seen[:first]) == {"fail:connect-TimeoutError"}  # no table yet
+        after = seen[first:]
+        assert_whole(after)
+        assert {s for s in after if s.startswith("pod-")} == {"pod-a", "pod-b"}
+
+        # full resync to a new state: pod-c replaces both (another endpoint count, so the
+        # dispatch element, its pick chain and the endpoint slots all change)
+        probe = Probe(cluster, tmp_path / "2")
+        (tmp_path / "2").mkdir()
+        time.sleep(1.0)
+        started = time.monotonic()
+        [result] = node.apply(objects(cluster, ["pod-c"], others), full=True)
+        took = time.monotonic() - started
+        time.sleep(1.0)
+        seen = probe.finish()
+        assert "staged full sync" in node.proxiers[0].applier.last_script
+        assert_whole(seen)
+        answers = [s for s in seen if s.startswith("pod-")]
+        old_then_new = runs(["new" if s == "pod-c" else "old" for s in answers])
+        assert old_then_new == ["old", "new"], (runs(seen), took)
+        # the kernel's names are the usual ones again, the copies gone
+        listing = lab.nft_list(cluster.node)
+        assert "-staged" not in listing and "map service-ips {" in listing
