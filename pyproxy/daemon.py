@@ -3,7 +3,9 @@
 Event handlers (API watches or the snapshot file) only record into the cache and ask the
 runner for a sync; the runner calls `Proxier.sync`, which checks the changes out, selects and
 renders only the services that changed, and commits. Nothing is written before every source
-has completed its initial list: a half-known cluster must never be programmed.
+has completed its initial list: a half-known cluster must never be programmed. The last list
+to complete asks for the first sync, which runs at once (no minSyncPeriod before it: no sync
+ran before).
 """
 
 from __future__ import annotations
@@ -103,10 +105,14 @@ class Proxier:
             self._sources.setdefault(source, False)
 
     def source_synced(self, source: str) -> None:
+        """An initial list is complete. Only the last one asks for a sync: one asked for
+        earlier would find the cluster half-known and do nothing."""
         with self.lock:
             self._sources[source] = True
+            complete = self.initialized
         log.info("initial list complete", source=source)
-        self.request_sync()
+        if complete:
+            self.request_sync()
 
     @property
     def initialized(self) -> bool:
@@ -155,13 +161,14 @@ class Proxier:
             self._need_full = True
         self.request_sync()
 
-    def sync(self) -> None:
+    def sync(self) -> bool:
         """One sync (the runner's function). Raises on failure so the runner retries; the
-        next sync after a failure is a full one."""
+        next sync after a failure is a full one. False: nothing done, an initial list is
+        still missing (the runner then starts no minSyncPeriod)."""
         with self.lock:
             if not self.initialized:
                 log.debug("sync skipped: waiting for the initial lists", sources=self._sources)
-                return
+                return False
             now = self.clock()
             full, reason = self._full_reason(now)
             reconfigured = self.reconfigure()
@@ -195,6 +202,7 @@ class Proxier:
             record = self._record_sync(started, full, reason, checkout, results, None)
             for observer in self.observers:
                 observer.synced(record, checkout)
+            return True
 
     def _full_reason(self, now: float) -> tuple[bool, str]:
         if self._need_full:

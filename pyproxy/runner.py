@@ -12,6 +12,11 @@ Three guarantees, all measured on an injectable clock:
   it completed, unless something triggers one sooner; a successful run cancels the retry. The
   retry still waits for the cooldown.
 
+A run whose function returns False did nothing (the daemon's sync before every initial list is
+in): it starts no cooldown, so the first real run, requested when the last list completes,
+starts at once instead of minSyncPeriod after an empty one (upstream calls its first sync
+directly for the same reason).
+
 The decisions live in `Schedule`, a frozen value with no threads and no clock, so they can be
 tested by stepping it. `BoundedFrequencyRunner` is the thin threaded shell around it.
 """
@@ -131,9 +136,11 @@ class Schedule:
         )
         return dataclasses.replace(self, requested=False, running=True, stats=stats)
 
-    def finished(self, now: float, *, ok: bool) -> Schedule:
+    def finished(self, now: float, *, ok: bool, worked: bool = True) -> Schedule:
         """A run completed. Cooldown, max_interval and retry are all counted from `now`, so a
-        slow run never shortens the gap to the next one."""
+        slow run never shortens the gap to the next one. A run that did nothing (`worked`
+        False: it declined) leaves the cooldown where it was: nothing was written to
+        space out."""
         retry_at = None if ok else now + self.intervals.retry_interval
         stats = dataclasses.replace(
             self.stats,
@@ -146,7 +153,7 @@ class Schedule:
         return dataclasses.replace(
             self,
             running=False,
-            cooldown_until=now + self.intervals.min_interval,
+            cooldown_until=now + self.intervals.min_interval if worked else self.cooldown_until,
             periodic_at=now + self.intervals.max_interval,
             retry_at=retry_at,
             stats=stats,
@@ -154,7 +161,8 @@ class Schedule:
 
 
 class BoundedFrequencyRunner:
-    """Runs `fn` (one sync; raising means it failed) from `loop()`, at a bounded frequency.
+    """Runs `fn` (one sync; raising means it failed, returning False that it declined and did
+    nothing) from `loop()`, at a bounded frequency.
 
     `run()` is safe from any thread and never waits for a sync. Requests made before `loop()`
     starts are kept and served as soon as it does (upstream drops them; keeping them is safer
@@ -164,7 +172,7 @@ class BoundedFrequencyRunner:
     def __init__(
         self,
         name: str,
-        fn: Callable[[], None],
+        fn: Callable[[], bool | None],
         min_interval: float,
         retry_interval: float,
         max_interval: float,
@@ -246,9 +254,9 @@ class BoundedFrequencyRunner:
 
     def _run_once(self) -> None:
         # fn runs without the lock, so run() from event handlers never waits for a sync.
-        ok = False
+        ok, worked = False, True
         try:
-            self._fn()
+            worked = self._fn() is not False
             ok = True
         except Exception:
             log.error(
@@ -259,4 +267,4 @@ class BoundedFrequencyRunner:
             )
         finally:
             with self._cond:
-                self._schedule = self._schedule.finished(self._clock(), ok=ok)
+                self._schedule = self._schedule.finished(self._clock(), ok=ok, worked=worked)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Iterator
 from typing import Any
 
 import pytest
 from builders import ep, make_node, make_service, make_slice
-from fakes import FakeNft
+from fakes import FakeClock, FakeNft
 from structlog.testing import capture_logs
 
 from pyproxy.cache import ClusterCache
@@ -16,6 +17,7 @@ from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.render import Fragment, Item, Kind
+from pyproxy.runner import BoundedFrequencyRunner
 
 WEB = ServiceKey("ns", "web")
 
@@ -235,3 +237,41 @@ def test_an_unchanged_slice_event_is_not_a_change() -> None:
     cache.set_slice(("ns", "web-1"), piece)  # a relist replays it
     out = cache.checkout()
     assert not out.services and not out.trigger_times
+
+
+# --- the first sync ----------------------------------------------------------------------------
+
+
+def test_only_the_last_initial_list_asks_for_the_first_sync() -> None:
+    proxier, nft, requests = make_proxier()
+    proxier.source_synced("Service")
+    assert requests == []  # a sync now would find the cluster half-known
+    assert proxier.sync() is False and not nft.scripts  # declined: nothing written
+    proxier.source_synced("EndpointSlice")
+    assert requests == [1]
+    assert proxier.sync() is True and "add table ip pyproxy" in nft.last
+
+
+def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_later() -> None:
+    """upstream's OnServicesSynced/OnEndpointSlicesSynced: the first sync runs at once. Here
+    the runner's periodic run at t=1 finds an initial list missing and declines; the last
+    list completes at 1.25 and the first sync starts then, not at 2 (1 + minSyncPeriod)."""
+    clock = FakeClock()
+    nft = FakeNft()
+    proxier = Proxier(
+        ClusterCache("node-a"),
+        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
+        clock=clock, wall_clock=clock)
+    runner = BoundedFrequencyRunner("sync", proxier.sync, 1.0, 5.0, 1.0, clock=clock,
+                                    wait=clock.wait)
+    proxier.request_sync = runner.run
+    for source in ("Service", "EndpointSlice"):
+        proxier.expect(source)
+    clock.at(0.5, lambda: proxier.source_synced("Service"))
+    clock.at(1.25, lambda: proxier.source_synced("EndpointSlice"))
+    stop = threading.Event()
+    clock.at(1.75, stop.set)
+    runner.loop(stop)
+    assert [(r.started, r.reason) for r in proxier.history] == [(1.25, "start")]
+    assert runner.stats().runs == 2  # the declined one at t=1, then the sync
+    assert len(nft.scripts) == 1

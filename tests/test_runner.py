@@ -7,62 +7,17 @@ times can be compared with `==`.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from fakes import FakeClock
 from structlog.testing import capture_logs
 
 from pyproxy.runner import BoundedFrequencyRunner, Intervals, RunnerStats, Schedule
-
-
-class FakeClock:
-    """Time that moves only when the code under test waits or a fake sync takes time.
-
-    Like trio's autojump MockClock: `wait(cond, timeout)` jumps straight to the deadline, or to
-    the next scripted instant if that comes first, fires its events and returns as a notify
-    would.
-    Events run inside the runner's wait (the runner's lock is re-entrant, so they may call
-    `run()`).
-    """
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._events: list[tuple[float, int, Callable[[], None]]] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def at(self, when: float, action: Callable[[], None]) -> None:
-        bisect.insort(self._events, (when, len(self._events), action), key=lambda e: e[:2])
-
-    def advance(self, seconds: float) -> None:
-        """Let time pass (a sync that takes a while), firing the events that fall inside."""
-        target = self.now + seconds
-        while self._events and self._events[0][0] <= target:
-            self._fire_next()
-        self.now = target
-
-    def wait(self, cond: threading.Condition, timeout: float | None) -> None:
-        deadline = math.inf if timeout is None else self.now + timeout
-        if self._events and self._events[0][0] <= deadline:
-            # Everything scheduled for the same instant happens before the runner looks again.
-            first = self._events[0][0]
-            while self._events and self._events[0][0] == first:
-                self._fire_next()
-            return
-        assert deadline < math.inf, "the runner would block forever with nothing scripted"
-        self.now = deadline
-
-    def _fire_next(self) -> None:
-        when, _, action = self._events.pop(0)
-        self.now = max(self.now, when)
-        action()
 
 
 @dataclass(frozen=True)
@@ -70,6 +25,7 @@ class Run:
     started: float
     finished: float
     ok: bool
+    worked: bool = True
 
 
 @dataclass
@@ -82,6 +38,8 @@ class Harness:
     duration: float = 0.0
     outcomes: tuple[bool, ...] = ()
     """Per run, in order: False makes fn raise. Runs past the end succeed."""
+    declines: int = 0
+    """The first N runs decline (fn returns False: nothing to do yet)."""
     clock: FakeClock = field(default_factory=FakeClock)
     runs: list[Run] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -97,13 +55,15 @@ class Harness:
             wait=self.clock.wait,
         )
 
-    def _sync(self) -> None:
+    def _sync(self) -> bool:
         started = self.clock.now
         ok = self.outcomes[len(self.runs)] if len(self.runs) < len(self.outcomes) else True
+        worked = len(self.runs) >= self.declines
         self.clock.advance(self.duration)
-        self.runs.append(Run(started, self.clock.now, ok))
+        self.runs.append(Run(started, self.clock.now, ok, worked))
         if not ok:
             raise RuntimeError("apply failed")
+        return worked
 
     def drive(self, requests: tuple[float, ...] = (), until: float = 20.0) -> tuple[float, ...]:
         """Run the loop from t=0 with run() called at each request time; stop at `until`.
@@ -187,6 +147,15 @@ LOOP_CASES = [
         {"outcomes": fails(1), "retry_interval": 10, "max_interval": 4}, (0,), (0, 4, 8, 12, 16),
         id="max_interval comes before a longer retry and its success cancels the retry",
     ),
+    # -- runs that decline (the daemon before every initial list is in)
+    pytest.param(
+        {"declines": 1}, (0, 0.25, 0.5), (0, 0.25, 1.25),
+        id="a declined run starts no cooldown: the next request runs at once",
+    ),
+    pytest.param(
+        {"declines": 1, "max_interval": 4}, (4.5,), (4, 4.5, 8.5, 12.5, 16.5),
+        id="declined periodic runs do not delay the first real one",
+    ),
 ]
 
 
@@ -202,7 +171,8 @@ def test_loop_run_times(
 
 def assert_cooldowns_respected(runs: list[Run], min_interval: float) -> None:
     for before, after in itertools.pairwise(runs):
-        assert after.started - before.finished >= min_interval, (before, after)
+        if before.worked:
+            assert after.started - before.finished >= min_interval, (before, after)
 
 
 class TestBurst:
@@ -351,6 +321,14 @@ class TestSchedule:
         assert (fixed.retry_at, fixed.next_run_at(), fixed.stats.retry_pending) == (
             None, 162, False,
         )
+
+    def test_a_declined_run_leaves_the_cooldown_but_renews_max_interval(self) -> None:
+        declined = self.idle().request().started(100).finished(100.5, ok=True, worked=False)
+        assert declined.cooldown_until == -math.inf
+        assert declined.request().next_run_at() == -math.inf  # due at once
+        assert declined.next_run_at() == 160.5  # no busy loop on the periodic deadline
+        worked = self.idle().request().started(100).finished(100.5, ok=True)
+        assert worked.request().next_run_at() == 101.5
 
     def test_retry_is_clamped_to_the_cooldown(self) -> None:
         intervals = Intervals(min_interval=3, retry_interval=1, max_interval=60)
