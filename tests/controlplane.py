@@ -582,6 +582,50 @@ def start_pyproxy(lab: Lab, ns: Netns, kubeconfig: Path, node: str, *extra: str,
 
 
 
+def kube_proxy_config(path: Path, kubeconfig: Path, node: str = "node-a",
+                      cluster_cidr: str = "10.244.0.0/16,fd00:244::/48",
+                      min_sync_period: str = "200ms", sync_period: str = "5s") -> Path:
+    """upstream kube-proxy's configuration file for a node namespace, nftables mode."""
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "mode": "nftables", "hostnameOverride": node, "clusterCIDR": cluster_cidr,
+        "clientConnection": {"kubeconfig": str(kubeconfig)},
+        "metricsBindAddress": "127.0.0.1:10249", "healthzBindAddress": "127.0.0.1:10256",
+        # Global sysctls kube-proxy cannot set from inside a namespace: leave them alone.
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                      "tcpCloseWaitTimeout": "0s", "udpTimeout": "0s",
+                      "udpStreamTimeout": "0s"},
+        "nftables": {"minSyncPeriod": min_sync_period, "syncPeriod": sync_period},
+    }))
+    return path
+
+
+def kube_proxy_token(kube: Kube) -> str:
+    """kube-system/kube-proxy bound to system:node-proxier, as kubeadm sets it up."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        kube.core.create_namespaced_service_account(
+            "kube-system", {"metadata": {"name": "kube-proxy"}})
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    try:
+        client.RbacAuthorizationV1Api(kube.api).create_cluster_role_binding({
+            "metadata": {"name": "kube-proxy-test"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:node-proxier"},
+            "subjects": [{"kind": "ServiceAccount", "name": "kube-proxy",
+                          "namespace": "kube-system"}]})
+    except ApiException as err:
+        if err.status != 409:
+            raise
+    request = kube.core.create_namespaced_service_account_token(
+        "kube-proxy", "kube-system", {"spec": {"audiences": [], "expirationSeconds": 7200}})
+    return str(request.status.token)
+
+
 @pytest.fixture(scope="session", name="control_plane")
 def control_plane_fixture() -> Iterator[ControlPlane]:
     """The control plane, started once per test session (about 4 s, ~400 MB)."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pyproxy.model import IPFamily
-from pyproxy.nft import LibNftables
+from pyproxy.nft import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.snapshot import build_state
 
@@ -23,7 +23,7 @@ _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
 
 
-def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
+def call_in_netns(netns: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
     """Run fn on a short-lived thread that entered the namespace: sockets it creates (a
     libnftables context, a listening server) stay in that namespace afterwards. Threads that
     fn starts inherit the namespace; the test's own threads never leave the root one."""
@@ -45,13 +45,13 @@ def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=enter_and_call, daemon=True)
     thread.start()
-    thread.join(30)
+    thread.join(timeout)
     if "error" in made:
         raise made["error"]
     return made["result"]  # type: ignore[no-any-return]
 
 
-def libnft_in(netns: str) -> LibNftables:
+def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS) -> LibNftables:
     """A LibNftables whose contexts' sockets live in the named namespace."""
     import nftables
 
@@ -60,7 +60,7 @@ def libnft_in(netns: str) -> LibNftables:
         ctx.set_echo_output(False)
         return ctx
 
-    return LibNftables(context)
+    return LibNftables(context, sockets)
 
 
 class NodeProxy:

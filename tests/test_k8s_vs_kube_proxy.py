@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from controlplane import (
     ControlPlane,
     Kube,
     apply_manifests,
+    kube_proxy_config,
+    kube_proxy_token,
     service_account_token,
     start_pyproxy,
     wait_for,
@@ -172,48 +173,6 @@ def service_object(svc: Svc, node_ports: dict[str, int]) -> dict[str, Any]:
     if svc.name in node_ports:
         spec["ports"][0]["nodePort"] = node_ports[svc.name]
     return {"metadata": {"name": svc.name, **svc.meta}, "spec": spec}
-
-
-def kube_proxy_config(path: Path, kubeconfig: Path) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-        "mode": "nftables", "hostnameOverride": NODE,
-        "clusterCIDR": "10.244.0.0/16,fd00:244::/48",
-        "clientConnection": {"kubeconfig": str(kubeconfig)},
-        "metricsBindAddress": "127.0.0.1:10249", "healthzBindAddress": "127.0.0.1:10256",
-        # Global sysctls kube-proxy cannot set from inside a namespace: leave them alone.
-        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
-                      "tcpCloseWaitTimeout": "0s", "udpTimeout": "0s",
-                      "udpStreamTimeout": "0s"},
-        "nftables": {"minSyncPeriod": "200ms", "syncPeriod": "5s"},
-    }))
-    return path
-
-
-def kube_proxy_token(kube: Kube) -> str:
-    """kube-system/kube-proxy bound to system:node-proxier, as kubeadm sets it up."""
-    from kubernetes import client
-    from kubernetes.client.exceptions import ApiException
-
-    try:
-        kube.core.create_namespaced_service_account(
-            "kube-system", {"metadata": {"name": "kube-proxy"}})
-    except ApiException as err:
-        if err.status != 409:
-            raise
-    try:
-        client.RbacAuthorizationV1Api(kube.api).create_cluster_role_binding({
-            "metadata": {"name": "kube-proxy-test"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "system:node-proxier"},
-            "subjects": [{"kind": "ServiceAccount", "name": "kube-proxy",
-                          "namespace": "kube-system"}]})
-    except ApiException as err:
-        if err.status != 409:
-            raise
-    request = kube.core.create_namespaced_service_account_token(
-        "kube-proxy", "kube-system", {"spec": {"audiences": [], "expirationSeconds": 7200}})
-    return str(request.status.token)
 
 
 @dataclass

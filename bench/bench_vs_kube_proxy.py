@@ -1,0 +1,435 @@
+"""pyproxy against the real kube-proxy (v1.37.2, nftables mode) on the same loaded cluster.
+
+`make bench-vs-kube-proxy` (root; builds the control plane with `make k8s` first). For each size
+(1k × 10 and 10k × 10 by default): a real control plane (tests/controlplane.py) is loaded
+through the real API with the synthetic cluster of bench/synth.py (Services, EndpointSlices,
+Nodes; the realistic mix of NodePort, LoadBalancer, affinity, eTP=Local…), then each proxy is
+started on it, one after the other, in the same node namespace with the same minSyncPeriod
+(1 s), and measured from outside:
+
+- start → first complete ruleset: process start until a connection through the Service that
+  was created last (its endpoint a real backend) succeeds;
+- resident memory (VmRSS) after the first sync and its peak (VmHWM), CPU seconds (utime+stime);
+- network programming latency: the last Service's one endpoint is moved between two real
+  backends ≥ 30 times, ≥ 2 s apart; the latency is API write → the first new connection
+  landing on the new backend (probed every ~5 ms from a client namespace);
+- the same under a churn of 20 endpoint changes/s on other Services;
+- memory after 1,000 more changes (RSS flat?).
+
+Prints one table per size and the ratios; `--json FILE` keeps the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from controlplane import (  # noqa: E402
+    ControlPlane,
+    Kube,
+    apply_manifests,
+    binaries_dir,
+    kube_proxy_config,
+    kube_proxy_token,
+    missing_binaries,
+    running_control_plane,
+    service_account_token,
+)
+from netlab import Cluster, Lab  # noqa: E402
+from nftns import call_in_netns  # noqa: E402
+from synth import Cluster as Synth  # noqa: E402
+from synth import ip4  # noqa: E402
+
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
+NODE = "node-a"
+PROBE_NS, PROBE_NAME, PROBE_VIP = "bench-probe", "probe", "10.96.250.1"
+MIN_SYNC = "1s"
+# One range covering the synthetic endpoints (10.128.0.0/9) and the lab's real backends
+# (10.244.0.0/16): kube-proxy takes one CIDR per family.
+CLUSTER_CIDRS = "10.0.0.0/8"
+
+
+# -- loading the cluster through the API ------------------------------------------------------
+
+
+def strip(obj: dict[str, Any]) -> dict[str, Any]:
+    """A synthetic object as a client would create it (the server sets uid, versions…)."""
+    meta = {k: v for k, v in obj["metadata"].items()
+            if k in ("name", "namespace", "labels", "annotations")}
+    return {**{k: v for k, v in obj.items() if k not in ("metadata", "status")},
+            "metadata": meta}
+
+
+def service_body(obj: dict[str, Any], health_port: int | None) -> dict[str, Any]:
+    body = strip(obj)
+    spec = dict(body["spec"])
+    spec.pop("selector", None)  # slices are ours: no controller may manage them
+    spec.pop("healthCheckNodePort", None)
+    if health_port is not None:
+        # From the top of the range down: the API server would otherwise pick random ports
+        # that collide with the NodePorts synth.py hands out from the bottom up.
+        spec["healthCheckNodePort"] = health_port
+    body["spec"] = spec
+    return body
+
+
+def slice_body(obj: dict[str, Any]) -> dict[str, Any]:
+    body = strip(obj)
+    body["metadata"]["labels"] = {**body["metadata"]["labels"],
+                                  "endpointslice.kubernetes.io/managed-by": "bench"}
+    return body
+
+
+def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
+    from kubernetes import client
+
+    started = time.monotonic()
+    for ns in sorted({synth.key(i).namespace for i in range(synth.services)}):
+        kube.core.create_namespace({"metadata": {"name": ns}})
+    for name, zone, ip in (("node-a", "zone-1", node_ip), ("node-b", "zone-1", "192.168.0.11"),
+                           ("node-c", "zone-2", "192.168.0.12")):
+        kube.node(name, (ip,), zone=zone, region="region-1")
+    discovery = client.DiscoveryV1Api(kube.api)
+
+    local = [i for i in range(synth.services)
+             if synth.shape(i).etp_local and synth.shape(i).kind != "ClusterIP"]
+    health_ports = {i: 32767 - rank for rank, i in enumerate(local)}
+
+    def one(i: int) -> None:
+        svc = synth.service(i)
+        ns = svc["metadata"]["namespace"]
+        kube.core.create_namespaced_service(ns, service_body(svc, health_ports.get(i)))
+        ingress = svc["status"]["loadBalancer"].get("ingress")
+        if ingress:
+            kube.core.patch_namespaced_service_status(
+                svc["metadata"]["name"], ns, {"status": {"loadBalancer": {"ingress": ingress}}})
+        if not synth.shape(i).no_endpoints:
+            discovery.create_namespaced_endpoint_slice(
+                ns, slice_body(synth.endpoint_slice(i, synth.initial_endpoints(i))))
+
+    with ThreadPoolExecutor(workers) as pool:
+        for _ in pool.map(one, range(synth.services)):
+            pass
+    return time.monotonic() - started
+
+
+def probe_objects(ip: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    service = {"metadata": {"name": PROBE_NAME},
+               "spec": {"clusterIP": PROBE_VIP, "ports": [{"name": "http", "port": 80,
+                                                           "targetPort": 8080,
+                                                           "protocol": "TCP"}]}}
+    return service, probe_slice(ip)
+
+
+def probe_slice(ip: str) -> dict[str, Any]:
+    return {"metadata": {"name": f"{PROBE_NAME}-1", "labels": {
+                "kubernetes.io/service-name": PROBE_NAME,
+                "endpointslice.kubernetes.io/managed-by": "bench"},
+                "annotations": {"endpoints.kubernetes.io/last-change-trigger-time":
+                                time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [ip], "nodeName": "node-b", "zone": "zone-1",
+                           "conditions": {"ready": True, "serving": True,
+                                          "terminating": False}}]}
+
+
+# -- measuring a proxy from outside ---------------------------------------------------------
+
+
+def proc_figures(pid: int) -> dict[str, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
+            "hwm_mib": int(fields["VmHWM"].split()[0]) / 1024,
+            "cpu_s": (int(stat[11]) + int(stat[12])) / ticks}
+
+
+class Prober:
+    """Connects to the probe VIP from the client namespace in a tight loop; `wait_for(name)`
+    returns when a connection lands on that backend."""
+
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+
+    def first_landing(self, want: str, timeout: float,
+                      alive: Callable[[], bool] = lambda: True) -> float | None:
+        """Seconds until a connection to the probe VIP answers with backend `want`."""
+
+        def loop() -> float | None:
+            started = time.monotonic()
+            while time.monotonic() - started < timeout and alive():
+                try:
+                    with socket.create_connection((PROBE_VIP, 80), timeout=0.2) as s:
+                        line = s.recv(200).decode()
+                    if line.split(" ", 1)[0] == want:
+                        return time.monotonic() - started
+                except OSError:
+                    pass
+                time.sleep(0.005)
+            return None
+
+        return call_in_netns(self.netns, loop, timeout=timeout + 10)
+
+
+@dataclass
+class Run:
+    proxy: str
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "n": len(ordered)}
+
+
+class Churn:
+    """Endpoint changes on the synthetic Services at a steady rate, in the background."""
+
+    def __init__(self, kube: Kube, synth: Synth, rate: float, generation: int) -> None:
+        from kubernetes import client
+
+        self.discovery = client.DiscoveryV1Api(kube.api)
+        self.synth, self.rate, self.generation = synth, rate, generation
+        self.stop = threading.Event()
+        self.done = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _change(self, n: int) -> None:
+        i = (n * 7919) % self.synth.services
+        if self.synth.shape(i).no_endpoints:
+            return
+        eps = self.synth.initial_endpoints(i)
+        eps[0] = (ip4((10 << 24) | (200 << 16) | (self.generation << 12) | (n & 0xFFF)),
+                  eps[0][1])
+        body = slice_body(self.synth.endpoint_slice(i, eps))
+        key = self.synth.key(i)
+        self.discovery.patch_namespaced_endpoint_slice(
+            body["metadata"]["name"], key.namespace,
+            {"endpoints": body["endpoints"], "metadata": {"annotations": {
+                "endpoints.kubernetes.io/last-change-trigger-time":
+                    time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}})
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        n = 0
+        while not self.stop.is_set():
+            due = started + n / self.rate
+            self.stop.wait(max(0.0, due - time.monotonic()))
+            if self.stop.is_set():
+                return
+            self._change(n)
+            n += 1
+            self.done = n
+
+    def __enter__(self) -> Churn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
+            stop: Callable[[Any], None], kube: Kube, synth: Synth, cluster: Cluster,
+            flips: int, churn_flips: int, memory_changes: int) -> Run:
+    run = Run(name)
+    prober = Prober(cluster.client.full)
+    pods = [cluster.pods["pod-a"].ip4, cluster.pods["pod-b"].ip4]
+    names = ["pod-a", "pod-b"]
+    discovery_patch = kube.discovery.patch_namespaced_endpoint_slice
+    # The probe Service points at pod-a again before each proxy starts.
+    discovery_patch(f"{PROBE_NAME}-1", PROBE_NS, {"endpoints": probe_slice(pods[0])["endpoints"]})
+    started = time.monotonic()
+    handle = start()
+    pid = pid_of(handle)
+    first = prober.first_landing("pod-a", timeout=600, alive=lambda: handle.poll() is None)
+    if first is None:
+        stop(handle)
+        raise RuntimeError(f"{name}: the probe Service never answered")
+    run.figures["first_ruleset_s"] = time.monotonic() - started
+    time.sleep(2.0)  # let the first sync's allocations settle
+    run.figures["after_first_sync"] = proc_figures(pid)
+
+    def flip_series(count: int, spacing: float) -> list[float]:
+        samples = []
+        for n in range(count):
+            target = (n + 1) % 2
+            written = time.monotonic()
+            body = probe_slice(pods[target])
+            discovery_patch(f"{PROBE_NAME}-1", PROBE_NS, {
+                "endpoints": body["endpoints"],
+                "metadata": {"annotations": body["metadata"]["annotations"]}})
+            landed = prober.first_landing(names[target], timeout=120)
+            if landed is None:
+                raise RuntimeError(f"{name}: change {n} never arrived")
+            samples.append(time.monotonic() - written)
+            time.sleep(max(0.0, spacing - (time.monotonic() - written)))
+        # Back to pod-a whatever the count was.
+        return samples
+
+    run.figures["npl_quiet"] = percentiles(flip_series(flips, 2.0))
+    with Churn(kube, synth, 20.0, generation=1):
+        run.figures["npl_churn_20"] = percentiles(flip_series(churn_flips, 2.0))
+    run.figures["after_changes"] = proc_figures(pid)
+    with Churn(kube, synth, 50.0, generation=2) as churn:
+        while churn.done < memory_changes:
+            time.sleep(0.5)
+    time.sleep(3.0)
+    run.figures["after_1000_more"] = proc_figures(pid)
+    stop(handle)
+    return run
+
+
+@contextmanager
+def loaded_cluster(plane: ControlPlane, services: int, endpoints: int) -> Iterator[
+        tuple[Kube, Synth, Cluster, Lab, float]]:
+    kube = Kube(plane.admin_client())
+    apply_manifests(kube)
+    synth = Synth(services, endpoints)
+    with Lab() as lab:
+        cluster = lab.standard_topology(backends=2)
+        plane.attach(cluster.node)
+        load_s = load(kube, synth, cluster.node_ip4)
+        kube.namespace(PROBE_NS)
+        service, piece = probe_objects(cluster.pods["pod-a"].ip4)
+        kube.core.create_namespaced_service(PROBE_NS, service)
+        kube.discovery.create_namespaced_endpoint_slice(PROBE_NS, piece)
+        yield kube, synth, cluster, lab, load_s
+
+
+def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
+                       kube: Kube) -> Callable[[], Any]:
+    kubeconfig = plane.node_kubeconfig(lab.workdir / "kube-proxy.kubeconfig",
+                                       kube_proxy_token(kube))
+    config = kube_proxy_config(lab.workdir / "kube-proxy.yaml", kubeconfig, NODE,
+                               CLUSTER_CIDRS, MIN_SYNC, "30s")
+
+    def start() -> Any:
+        return lab.popen(cluster.node, [plane.bin / "kube-proxy", f"--config={config}"],
+                         log_name="kube-proxy.log")
+    return start
+
+
+def pyproxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
+                    kube: Kube) -> Callable[[], Any]:
+    kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
+                                       service_account_token(kube))
+
+    def start() -> Any:
+        return lab.popen(cluster.node, [
+            PYPROXY, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", NODE,
+            "--cluster-cidr", CLUSTER_CIDRS, "--min-sync-period", MIN_SYNC,
+            "--sync-period", "30s", "--healthz-bind-address", "127.0.0.1:10256",
+            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""],
+            log_name="pyproxy.log")
+    return start
+
+
+def run_size(plane: ControlPlane, services: int, endpoints: int,
+             args: argparse.Namespace) -> dict[str, Any]:
+    with loaded_cluster(plane, services, endpoints) as (kube, synth, cluster, lab, load_s):
+        print(f"\n{services} services × {endpoints} endpoints: loaded through the API in "
+              f"{load_s:.0f} s", flush=True)
+        runs = {}
+        starters = {"kube-proxy": kube_proxy_starter(plane, lab, cluster, kube),
+                    "pyproxy": pyproxy_starter(plane, lab, cluster, kube)}
+        for name in args.order:
+            def stop(proc: Any, name: str = name) -> None:
+                lab.stop_process(proc)
+                table = "kube-proxy" if name == "kube-proxy" else "pyproxy"
+                for family in ("ip", "ip6"):
+                    cluster.node.run(["nft", "delete", "table", family, table], check=False)
+                lab.flush_conntrack(cluster.node)
+
+            print(f"  {name}…", flush=True)
+            runs[name] = measure(name, starters[name], lambda p: int(p.pid), stop, kube,
+                                 synth, cluster, args.flips, args.churn_flips,
+                                 args.memory_changes).figures
+            print(f"  {name}: {json.dumps(runs[name])}", flush=True)
+        kube.core.delete_node("node-a")
+        return {"services": services, "endpoints": endpoints, "load_s": load_s,
+                "runs": runs}
+
+
+def table(result: dict[str, Any]) -> str:
+    kp, py = result["runs"]["kube-proxy"], result["runs"]["pyproxy"]
+    rows = [
+        ("start → first complete ruleset (s)", lambda r: r["first_ruleset_s"]),
+        ("RSS after the first sync (MiB)", lambda r: r["after_first_sync"]["rss_mib"]),
+        ("peak RSS, VmHWM, after the first sync (MiB)",
+         lambda r: r["after_first_sync"]["hwm_mib"]),
+        ("CPU seconds to the first sync", lambda r: r["after_first_sync"]["cpu_s"]),
+        ("NPL p50 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p50"]),
+        ("NPL p90 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p90"]),
+        ("NPL p99 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p99"]),
+        ("NPL p50 (ms), 20 changes/s", lambda r: 1000 * r["npl_churn_20"]["p50"]),
+        ("NPL p99 (ms), 20 changes/s", lambda r: 1000 * r["npl_churn_20"]["p99"]),
+        ("RSS after the changes (MiB)", lambda r: r["after_changes"]["rss_mib"]),
+        ("RSS after 1,000 more changes (MiB)", lambda r: r["after_1000_more"]["rss_mib"]),
+        ("peak RSS at the end (MiB)", lambda r: r["after_1000_more"]["hwm_mib"]),
+    ]
+    lines = [f"| {result['services']} × {result['endpoints']} | pyproxy | kube-proxy | "
+             "pyproxy / kube-proxy |", "|---|---:|---:|---:|"]
+    for label, get in rows:
+        ours, theirs = get(py), get(kp)
+        ratio = ours / theirs if theirs else float("nan")
+        lines.append(f"| {label} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1000x10,10000x10",
+                        help="comma-separated SERVICESxENDPOINTS (default %(default)s)")
+    parser.add_argument("--flips", type=int, default=30, help="quiet NPL samples (≥ 30)")
+    parser.add_argument("--churn-flips", type=int, default=15,
+                        help="NPL samples under 20 changes/s")
+    parser.add_argument("--memory-changes", type=int, default=1000)
+    parser.add_argument("--order", default="kube-proxy,pyproxy",
+                        type=lambda s: s.split(","))
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    bin_dir = binaries_dir()
+    if missing_binaries(bin_dir):
+        print(f"run `make k8s` first ({bin_dir})", file=sys.stderr)
+        return 2
+    results = []
+    for size in args.sizes.split(","):
+        services, endpoints = (int(x) for x in size.split("x"))
+        # A fresh control plane per size: the previous size's objects would add up.
+        with running_control_plane(bin_dir) as plane:
+            results.append(run_size(plane, services, endpoints, args))
+        print("\n" + table(results[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    print()
+    for result in results:
+        print(table(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
