@@ -199,6 +199,9 @@ class Applier:
             # leaves the store ahead of the kernel. Only a full sync makes them agree again.
             self.need_full = True
             raise
+        # Before the commands are made: a full sync lists the kernel's chains and flushes
+        # those nobody wants, so a chain deleted after the listing failed the whole sync.
+        self._delete_stale_chains(t0)
         cmds = self._commands(change, full)
         if cmds.needs_full_sync:
             full = True
@@ -213,7 +216,6 @@ class Applier:
             for (kind, name, _), value in change.after.items():
                 if kind == "chain" and value is not None:
                     self.stale_chains.pop(name, None)
-        self._delete_stale_chains(t0)
         names = self.nft.list_names(self.family) if full and len(self.state) > \
             self.stage_chunk else None
         staged = names is not None and staging.worth_staging(self.state, names[1],

@@ -204,3 +204,28 @@ def test_staged_syncs_are_all_old_or_all_new_for_packets(tmp_path: Path) -> None
         # the kernel's names are the usual ones again, the copies gone
         listing = lab.nft_list(cluster.node)
         assert "-staged" not in listing and "map service-ips {" in listing
+
+
+@pytest.mark.netns
+@requires_netns
+@pytest.mark.parametrize("chunk", [5, 1_000_000])
+def test_full_sync_after_a_stale_chain_is_due(chunk: int) -> None:
+    """A service's endpoint count changed (its old pick chain flushed, to be deleted after
+    the grace period), then a full sync once that period is over: the chain is deleted
+    before the full sync lists the table, not between the listing and the commit."""
+    from nftns import NodeProxy
+
+    def cluster(endpoints: int) -> list[dict[str, Any]]:
+        return [make_node("node-a"), make_service("ns", "web", ip=VIP),
+                make_slice("ns", "web", [ep(f"10.244.1.{i + 2}", "node-b")
+                                         for i in range(endpoints)])]
+
+    with Lab() as lab:
+        node = NodeProxy(lab.add_ns("node").full, CONFIG, (IPFamily.IPv4,))
+        node.proxiers[0].applier.stage_chunk = chunk
+        node.apply(cluster(7))
+        node.apply(cluster(8))
+        time.sleep(1.2)  # nft.STALE_CHAIN_GRACE
+        [result] = node.apply(cluster(8), full=True)
+        assert result.full
+        assert "cluster-tcp-7" not in lab.nft_list("node")
