@@ -43,12 +43,14 @@ from builders import ep, make_node, make_service, make_slice  # noqa: E402
 from netlab import Cluster, ConnResult, NetlabError, tally  # noqa: E402
 from nftns import call_in_netns  # noqa: E402
 
+from pyproxy.daemon import REPAIR_REASON  # noqa: E402
 from pyproxy.debug import DebugError, ask  # noqa: E402
 from pyproxy.nft import STALE_CHAIN_GRACE  # noqa: E402
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"
 WEB, STICKY, DOOMED, FRESH = "10.96.0.10", "10.96.0.13", "10.96.0.20", "10.96.0.21"
+LB, LB_HEALTH_PORT = "10.96.0.30", 30999  # an eTP=Local LoadBalancer and its health port
 HEALTHZ = "127.0.0.1:10256"
 METRICS = "127.0.0.1:10249"
 
@@ -278,6 +280,17 @@ class Daemon:
     def healthz(self) -> int:
         return self.http("/healthz")[0]
 
+    def health(self) -> Health:
+        """/healthz, /livez and the health-check node port of `lb` (`lb_local`), at once
+        (`at`: when /healthz was asked)."""
+        asked = time.monotonic()
+        code, _, body = self.http("/healthz")
+        livez, _, livez_body = self.http("/livez")
+        node_port, _, port_body = self.http("/", f"{self.env.cluster.node_ip4}:{LB_HEALTH_PORT}")
+        return Health(asked, code, json.loads(body).get("reason", ""), livez,
+                      json.loads(livez_body).get("reason", ""), node_port,
+                      json.loads(port_body or b"{}").get("reason", ""))
+
     def metrics(self) -> str:
         return self.http("/metrics", METRICS)[2].decode()
 
@@ -289,6 +302,42 @@ class Daemon:
 
 def _duration(seconds: float) -> str:
     return f"{round(seconds * 1000)}ms"
+
+
+@dataclass(frozen=True)
+class Health:
+    """What the daemon's health endpoints answered at `at` (monotonic)."""
+
+    at: float
+    healthz: int
+    reason: str  # /healthz's, when it is 503
+    livez: int
+    livez_reason: str
+    node_port: int  # the health-check node port's
+    node_port_reason: str
+
+
+class HealthWatch:
+    """The health endpoints polled in the background every `interval` (not flat out: the
+    daemon's health server shares the interpreter with the sync being watched)."""
+
+    def __init__(self, daemon: Daemon, interval: float = 0.02) -> None:
+        self.daemon = daemon
+        self.interval = interval
+        self.samples: list[Health] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(OSError, ValueError):
+                self.samples.append(self.daemon.health())
+
+    def finish(self) -> list[Health]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.samples
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +454,18 @@ def web(env: Env, pods: Iterable[str], name: str = "web", ip: str = WEB,
 
 def sticky(svc: Obj) -> None:
     svc["spec"]["sessionAffinity"] = "ClientIP"
+
+
+def lb_local(env: Env) -> list[Obj]:
+    """An externalTrafficPolicy: Local LoadBalancer with its endpoint on this node: its
+    health-check node port answers 200 while the proxy is healthy."""
+    def tweak(svc: Obj) -> None:
+        svc["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local",
+                           healthCheckNodePort=LB_HEALTH_PORT, ports=[{
+                               "name": "http", "port": 80, "targetPort": 8080,
+                               "protocol": "TCP", "nodePort": LB_HEALTH_PORT - 1}])
+    return [make_service("ns", "lb", tweak, ip=LB),
+            make_slice("ns", "lb", [ep(env.pod("pod-a"), NODE)])]
 
 
 def wait_loaded(daemon: Daemon, loads_before: int, settle: float | None = None) -> None:
@@ -808,43 +869,71 @@ TAMPERS = {
 
 def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMPERS),
            bench: SnapshotBench | None = None) -> Result:
+    """Each tamper is announced by the kernel's nftables change events and repaired at once
+    (the periodic structure check every syncPeriod is only the backstop). The issue's goals:
+    repaired within 0.2 s, at most 50 failed connections in the long drill."""
     which = list(which)
     with snapshot_bench(env, bench, "tamper", sync_period=sync_period) as b:
         daemon = b.daemon
         sync_period = daemon.sync_period
         r = Result("tamper", f"{', '.join(which)} (syncPeriod {sync_period:g} s)")
-        b.write(b.base, settle=0)
+        b.write([*b.base, *lb_local(env)], settle=0)
         repairs_before = daemon.metric("pyproxy_table_repairs_total")
         probe = Probe(env, WEB, timeout=0.3)
-        times = {}
+        times: dict[str, float] = {}
+        unhealthy: dict[str, float] = {}
         for label in which:
             until(daemon.diff_clean, 10, "clean before tampering")
             time.sleep(0.2)
+            r.check(daemon.health().healthz == 200, f"{label}: /healthz not 200 before")
+            watch = HealthWatch(daemon)
+            tampered_wall, tampered = time.time(), time.monotonic()
             env.nft(*TAMPERS[label])
 
             def repaired() -> bool:
                 return daemon.diff_clean() and set(env.connect(WEB, 2, 0.3, 2)) <= {
                     "pod-a", "pod-b"}
 
-            took = until(repaired, sync_period * 3 + 10, f"repair of {label}")
-            times[label] = took
-            r.check(took <= sync_period + 1.5,
-                    f"{label}: repaired after {took:.2f} s, syncPeriod is {sync_period:g} s")
+            until(repaired, sync_period * 3 + 10, f"repair of {label}")
+            samples = watch.finish()
+            # From the repair sync's own record: when its commit ended.
+            repair = next((h for h in daemon.history() if h["reason"] == REPAIR_REASON
+                           and h["started"] >= tampered_wall - 0.01), None)
+            if not r.check(repair is not None, f"{label}: no repair sync in the history"):
+                continue
+            assert repair is not None
+            times[label] = took = repair["started"] + repair["seconds"] - tampered_wall
+            # The issue's bound is 0.2 s; 0.3 s more of margin for a shared, busy machine.
+            r.check(took <= 0.5, f"{label}: repaired {took:.2f} s after the tamper")
+            bad = [x for x in samples if x.healthz != 200]
+            unhealthy[label] = max((x.at for x in bad), default=tampered) - tampered
+            r.check(all(x.livez == 200 for x in samples), f"{label}: /livez not 200")
+            r.check(all(REPAIR_REASON in x.reason for x in bad),
+                    f"{label}: /healthz 503 for another reason: {[x.reason for x in bad][:3]}")
+            after = daemon.health()
+            r.check(after.healthz == 200 and after.node_port == 200,
+                    f"{label}: not healthy after the repair: {after}")
         probe.finish()
         r.add_probe(probe)
+        r.check(probe.failed <= 50, f"{probe.failed} connections failed (goal: at most 50)")
         repairs = daemon.metric("pyproxy_table_repairs_total") - repairs_before
         r.check(repairs >= len(which), f"pyproxy_table_repairs_total counted {repairs}")
-        history = [h for h in daemon.history() if h["reason"] == "table changed by someone else"]
+        history = [h for h in daemon.history() if h["reason"] == REPAIR_REASON]
         r.check(len(history) >= len(which), f"only {len(history)} repair syncs in history")
-        r.converge_s = max(times.values())
+        r.converge_s = max(times.values(), default=None)
         r.converge_what = "tamper to repaired (max)"
-        r.figures.update({f"{k}: repaired after": f"{v:.2f} s" for k, v in times.items()})
+        r.figures.update({f"{k}: repaired after": f"{v:.3f} s" for k, v in times.items()})
+        r.figures["/healthz 503 seen (last 503 after the tamper)"] = ", ".join(
+            f"{v * 1000:.0f} ms" if v else "never (repaired between two polls)"
+            for v in unhealthy.values())
         r.notes.append("connections fail while the rules are gone; the failed count is "
                        "the cost of the tampering window")
         # Connections made while the rules were gone left un-NATed conntrack entries (SYN_SENT,
         # 120 s): a later connection that happens to reuse one's source port would follow it
         # to nowhere. Not what the next drill is about.
         env.lab.flush_conntrack(env.cluster.node)
+        # The bench as it was: `lb` gone, and its chains too (deleted a grace period later).
+        b.write(b.base, settle=STALE_CHAIN_GRACE + sync_period + 0.5)
     return r
 
 
@@ -853,7 +942,7 @@ def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMP
 
 
 def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,
-                  idle_check: bool = False, bench: SnapshotBench | None = None) -> Result:
+                  damage_check: bool = True, bench: SnapshotBench | None = None) -> Result:
     with snapshot_bench(env, bench, "faults", sync_period=sync_period) as b:
         daemon = b.daemon
         sync_period = daemon.sync_period
@@ -861,30 +950,18 @@ def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,
         r = Result("kernel-rejects", f"every transaction refused for {hold:g} s (/fault), then "
                    f"one refused transaction (syncPeriod {sync_period:g} s)")
         node = make_node(NODE, "zone-1")
-        b.write([node, *web(env, ["pod-a", "pod-b"])])
+        lb = lb_local(env)
+        b.write([node, *web(env, ["pod-a", "pod-b"]), *lb])
         r.check(daemon.healthz() == 200, "not healthy before the faults")
-        if idle_check:
-            # Faults with nothing queued: a tamper repair that keeps failing, while traffic
-            # to every service fails (the DNAT base chain is gone).
-            idle = Probe(env, WEB, timeout=0.3)
-            daemon.ask("/fault", fail=100000)
-            env.nft(*TAMPERS["base chain nat-prerouting deleted"])
-            codes = _watch_health(daemon, 2 * sync_period + 2)
-            daemon.ask("/fault", fail=0)
-            until(daemon.diff_clean, sync_period * 3, "repaired after the faults")
-            idle.finish()
-            r.figures[f"repair failing {2 * sync_period + 2:g} s, nothing queued: /healthz"] = (
-                ("200 throughout" if set(codes.values()) == {200}
-                 else f"{sorted(set(codes.values()))}")
-                + f" while {idle.failed} of {len(idle.results)} connections failed")
-            env.lab.flush_conntrack(env.cluster.node)  # un-NATed entries of that window
+        if damage_check:
+            _repair_refused(r, env, daemon, sync_period)
         probe = Probe(env, WEB)
         failures_before = daemon.status()["syncFailures"]
         loads = daemon.status()["source"]["loads"]
         answer = daemon.ask("/fault", fail=100000)
         r.check(set(answer["failNext"].values()) == {100000}, f"/fault answered {answer}")
         queued_wall = time.time()
-        write_snapshot(b.path, [node, *web(env, ["pod-a", "pod-b", "pod-c"])])
+        write_snapshot(b.path, [node, *web(env, ["pod-a", "pod-b", "pod-c"]), *lb])
         queued = time.monotonic()
         until(lambda: daemon.status()["source"]["loads"] > loads, 5, "snapshot read")
         codes = _watch_health(daemon, hold, since=queued)
@@ -924,7 +1001,7 @@ def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,
         nft_family = "ip" if family == "IPv4" else "ip6"
         daemon.ask("/fault", fail=1, family=nft_family)
         before = daemon.status()["syncFailures"]
-        write_snapshot(b.path, [node, *web(env, ["pod-a", "pod-b"])])
+        write_snapshot(b.path, [node, *web(env, ["pod-a", "pod-b"])])  # `lb` goes too
         start = time.monotonic()
         seen_codes = set()
         while daemon.endpoints("web") != env.pods("pod-a", "pod-b"):
@@ -944,13 +1021,61 @@ def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,
         # period, which must not pass for tampering (no repair sync, `diff` clean).
         time.sleep(STALE_CHAIN_GRACE + sync_period + 0.3)
         spurious = [h for h in daemon.history() if h["started"] >= queued_wall
-                    and h["reason"] == "table changed by someone else"]
+                    and h["reason"] == REPAIR_REASON]
         r.check(not spurious, "our own stale-chain deletion was taken for tampering")
         r.check(daemon.diff_clean(), "pyproxy diff not clean after the faults")
         probe.finish()
         r.add_probe(probe)
         r.check(probe.failed == 0, f"{probe.failed} connections failed: {probe.tally()}")
     return r
+
+
+def _repair_refused(r: Result, env: Env, daemon: Daemon, sync_period: float) -> None:
+    """A tamper whose repair the kernel keeps refusing, with nothing queued: traffic to every
+    service fails (the DNAT base chain is gone), so /healthz and the health-check node port
+    must answer 503, with the reason, at once and until the repair succeeds; /livez, about
+    the process, stays 200."""
+    idle = Probe(env, WEB, timeout=0.3)
+    daemon.ask("/fault", fail=100000)
+    seconds = 2 * sync_period + 2
+    watch = HealthWatch(daemon)
+    tampered = time.monotonic()
+    env.nft(*TAMPERS["base chain nat-prerouting deleted"])
+    time.sleep(seconds)
+    daemon.ask("/fault", fail=0)
+    stopped = time.monotonic()
+    until(lambda: daemon.diff_clean() and daemon.health().healthz == 200, sync_period * 3 + 5,
+          "repaired and healthy after the faults")
+    samples = watch.finish()
+    idle.finish()
+    env.lab.flush_conntrack(env.cluster.node)  # un-NATed entries of that window
+    during = [x for x in samples if tampered <= x.at <= stopped]
+    first = next((x.at - tampered for x in during if x.healthz == 503), None)
+    r.check(first is not None, "/healthz never 503 while the repair was refused")
+    if first is not None:
+        # Reported by the change event, then one refused repair: well under a second (a
+        # generous bound; the figure is reported).
+        r.check(first <= 1.0, f"/healthz 503 only {first:.2f} s after the tamper")
+        held = [x for x in during if x.at - tampered >= first]
+        r.check(all(x.healthz == 503 and x.node_port == 503 for x in held),
+                "/healthz or the health-check node port back to 200 while still broken")
+        reasons = {x.reason for x in held} | {x.node_port_reason for x in held}
+        r.check(all(REPAIR_REASON in why for why in reasons),
+                f"503 without the reason: {sorted(reasons)[:3]}")
+        r.check(any("the repair failed" in why for why in reasons),
+                f"the refused repair never named: {sorted(reasons)[:3]}")
+        r.figures[f"repair refused {seconds:g} s, nothing queued: /healthz"] = (
+            f"503 from {first * 1000:.0f} ms after the tamper until repaired "
+            f"({idle.failed} of {len(idle.results)} connections failed meanwhile)")
+        failed = sorted(why for why in reasons if "the repair failed" in why)
+        r.figures["/healthz reason"] = min(failed or sorted(reasons) or [""], key=len)
+    # /livez is about the process: the damage never fails it; only kube-proxy's own rule
+    # does, once the refused repairs are older than 2 x syncPeriod.
+    early = [x for x in samples if x.livez != 200 and x.at - tampered < 2 * sync_period - 0.05]
+    r.check(not early, f"/livez {early[0].livez} {early[0].at - tampered:.2f} s after the "
+            "tamper" if early else "")
+    r.check(all(REPAIR_REASON not in x.livez_reason for x in samples),
+            "/livez failed because of the damage")
 
 
 def _watch_health(daemon: Daemon, seconds: float, since: float | None = None,

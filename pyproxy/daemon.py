@@ -6,6 +6,11 @@ renders only the services that changed, and commits. Nothing is written before e
 has completed its initial list: a half-known cluster must never be programmed. The last list
 to complete asks for the first sync, which runs at once (no minSyncPeriod before it: no sync
 ran before).
+
+Someone else changing our tables is reported by the nftables change events
+(`table_changed`) or found by the periodic structure check; either makes the next sync a full
+one, the repair, and until it has succeeded `damage()` says why the kernel does not hold what
+was committed (/healthz answers 503 meanwhile).
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class SyncObserver(Protocol):
     def failed(self, record: SyncRecord) -> None: ...
 
 
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
 def _annotation_notes(ports: tuple[ServicePort, ...]) -> set[str]:
     return {note for port in ports[:1] for note in (port.topology_note, port.balancing_note)
             if note}
@@ -96,6 +105,16 @@ class Proxier:
     _need_full: bool = True
     _last_full: float = float("-inf")
     _last_verify: float = float("-inf")
+    # Reports of someone else's changes to our tables, and how many of them a successful full
+    # sync has repaired. Kept out of `lock`: a sync holds it for seconds at 10k services,
+    # and a report must reach /healthz at once.
+    _repairs_wanted: int = 0
+    _repairs_done: int = 0
+    _damage: str = ""  # what was changed
+    _repair_error: str = ""  # why the last repair failed
+    _verify_now: bool = False
+    _synced_once: bool = False
+    _report_lock: threading.Lock = field(default_factory=threading.Lock)
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -154,6 +173,39 @@ class Proxier:
             if self.initialized:
                 self.request_sync()
 
+    # -- our tables, changed by someone else ---------------------------------------------------
+
+    def table_changed(self, what: str) -> None:
+        """Someone else changed one of our tables (an nftables change event): repair it with
+        the next sync, which is asked for now. Before our first sync there is nothing of ours
+        to repair (that sync rewrites everything anyway)."""
+        if not self._synced_once:
+            log.info("pyproxy's table changed by someone else before the first sync", change=what)
+            return
+        log.warning("pyproxy's table was changed by someone else: repairing", change=what)
+        self._report_damage(f"{REPAIR_REASON}: {what}")
+        self.request_sync()
+
+    def events_lost(self) -> None:
+        """Change events were lost: whether someone changed our tables meanwhile is unknown,
+        so the next sync compares their structure, and is asked for now."""
+        self._verify_now = True
+        self.request_sync()
+
+    def _report_damage(self, reason: str) -> None:
+        with self._report_lock:
+            self._damage, self._repair_error = reason, ""
+            self._repairs_wanted += 1
+
+    def damage(self) -> str | None:
+        """Why the kernel does not hold what was last committed (someone else changed our
+        tables and the repair has not succeeded yet), or None."""
+        with self._report_lock:
+            if self._repairs_wanted == self._repairs_done:
+                return None
+            failed = f"; the repair failed: {self._repair_error}" if self._repair_error else ""
+            return self._damage + failed
+
     # -- syncing -----------------------------------------------------------------------------
 
     def force_full_sync(self) -> None:
@@ -175,11 +227,17 @@ class Proxier:
             if reconfigured is not None and not full:
                 full, reason = True, reconfigured
             checkout = self.cache.checkout()
-            if not full and not checkout.services and not checkout.topology_changed \
-                    and now - self._last_verify >= self.verify_period:
-                self._last_verify = now
+            with self._report_lock:
+                repairs = self._repairs_wanted
+            if repairs != self._repairs_done and reason != "start":
+                full, reason = True, REPAIR_REASON
+            elif not full and self._verify_due(now, checkout):
+                self._last_verify, self._verify_now = now, False
                 if not all(p.applier.structure_intact() for p in self.proxiers):
-                    log.warning("pyproxy's table was changed by someone else: repairing")
+                    log.warning("pyproxy's table was changed by someone else: repairing",
+                                change="found by the structure check")
+                    self._report_damage(f"{REPAIR_REASON}: found by the structure check")
+                    repairs += 1
                     full, reason = True, REPAIR_REASON
             changed = None if (full or checkout.topology_changed) else checkout.services
             if checkout.topology_changed and not full:
@@ -192,6 +250,9 @@ class Proxier:
                     results.append(proxier.sync(state, changed, full=full))
             except NftError as err:
                 self._need_full = True
+                if repairs != self._repairs_done:
+                    with self._report_lock:
+                        self._repair_error = _first_line(str(err))
                 record = self._record_sync(started, full, reason, checkout, results, str(err))
                 for observer in self.observers:
                     observer.failed(record)
@@ -199,10 +260,24 @@ class Proxier:
             if full:
                 self._need_full = False
                 self._last_full = now
+                if reason == REPAIR_REASON:
+                    # Were the store's idea of the table's shape ever to differ from nft's
+                    # listing, the next check would otherwise "repair" again and again.
+                    for proxier in self.proxiers:
+                        proxier.applier.adopt_structure()
+                with self._report_lock:
+                    self._repairs_done = repairs
+            self._synced_once = True
             record = self._record_sync(started, full, reason, checkout, results, None)
             for observer in self.observers:
                 observer.synced(record, checkout)
             return True
+
+    def _verify_due(self, now: float, checkout: Checkout) -> bool:
+        """Time for the periodic structure check (on a sync with nothing else to do, so that
+        changes are not held up by it), or events were lost."""
+        idle = not checkout.services and not checkout.topology_changed
+        return self._verify_now or (idle and now - self._last_verify >= self.verify_period)
 
     def _full_reason(self, now: float) -> tuple[bool, str]:
         if self._need_full:

@@ -44,9 +44,14 @@ class FamilyHealth:
 
 @dataclass
 class ProxyHealth:
-    """Per-family freshness of the programmed rules, and whether this node should get
-    traffic. A family is unhealthy when an update has been queued for longer than
-    `timeout` (2 × syncPeriod) without being programmed; no pending update is healthy."""
+    """Per-family freshness of the programmed rules, whether the kernel holds what was
+    committed, and whether this node should get traffic. A family is unhealthy when an update
+    has been queued (or a sync has been failing) for longer than `timeout` (2 × syncPeriod)
+    without being programmed; no pending update is healthy. The data plane is unhealthy
+    while `damage` gives a reason (someone else changed our tables, not repaired yet): that
+    fails /healthz and the health-check node ports, so that load balancers stop sending
+    traffic to a node whose rules are broken, but not /livez, which is about the process.
+    Unhealthy answers carry the reason in the JSON body (`reason`)."""
 
     families: tuple[IPFamily, ...]
     timeout: float = 60.0
@@ -54,6 +59,8 @@ class ProxyHealth:
     wall_clock: Callable[[], float] = time.time
     node: Node | None = None
     node_known: bool = False
+    damage: Callable[[], str | None] = lambda: None
+    sync_error: str | None = None  # while syncs fail: the last one's error
     _state: dict[IPFamily, FamilyHealth] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -76,11 +83,20 @@ class ProxyHealth:
                 if state.oldest_queued is None:
                     state.oldest_queued = now
 
+    def sync_failed(self, error: str) -> None:
+        """A sync failed: the kernel does not hold what should be programmed. That counts as
+        a queued update, so /healthz fails after `timeout` of failures even when nothing new
+        was queued (a repair of a damaged table that the kernel keeps refusing)."""
+        self.queued()
+        with self._lock:
+            self.sync_error = error.strip().splitlines()[0] if error.strip() else error
+
     def updated(self, families: Iterable[IPFamily] | None = None) -> None:
         now = self.wall_clock()
         with self._lock:
             for family in families or self._state:
                 self._state[family] = FamilyHealth(last_updated=now)
+            self.sync_error = None
 
     def set_node(self, node: Node | None) -> None:
         with self._lock:
@@ -92,22 +108,45 @@ class ProxyHealth:
         return state.oldest_queued is None or self.clock() - state.oldest_queued < self.timeout
 
     def healthy(self) -> bool:
+        """Rules fresh and the kernel holding them (the health-check node ports' view)."""
+        return self.problem() is None
+
+    def problem(self, data_plane: bool = True) -> str | None:
+        """Why the proxy is unhealthy, or None. `data_plane`: also when the kernel does not
+        hold what was committed (not for /livez)."""
+        damage = self.damage() if data_plane else None
         with self._lock:
-            return all(self.family_healthy(f) for f in self._state)
+            stale = self._stale()
+            error = self.sync_error
+        reasons = [damage] if damage else []
+        if stale:
+            failing = f"; the last sync failed: {error}" if error else ""
+            reasons.append(f"rules not updated for {', '.join(stale)} (more than "
+                           f"{self.timeout:g} s){failing}")
+        return "; ".join(reasons) or None
+
+    def _stale(self) -> list[str]:
+        """The unhealthy families, with how long their oldest update has waited."""
+        now = self.clock()
+        return [f"{f} ({now - s.oldest_queued:.1f} s)"
+                for f, s in sorted(self._state.items(), key=lambda item: str(item[0]))
+                if s.oldest_queued is not None and not self.family_healthy(f)]
 
     def node_eligible(self) -> bool:
         with self._lock:
             return node_is_eligible(self.node)
 
     def response(self, with_node: bool) -> tuple[int, dict[str, Any]]:
-        """(status code, body) for /healthz (with_node) or /livez."""
+        """(status code, body) for /healthz (with_node) or /livez (without the node and
+        without the data plane: it is about the process)."""
         now = self.wall_clock()
+        problem = self.problem(data_plane=with_node)
         with self._lock:
             # Go marshals the per-family map with its keys sorted.
             statuses = {str(f): (self.family_healthy(f), self._state[f].last_updated)
                         for f in sorted(self._state, key=str)}
-            healthy = all(ok for ok, _ in statuses.values())
             eligible = node_is_eligible(self.node)
+        healthy = problem is None
         ok = healthy and (eligible or not with_node)
         last = max((ts for _, ts in statuses.values()), default=now)
         body: dict[str, Any] = {
@@ -120,6 +159,8 @@ class ProxyHealth:
         body["healthy"] = healthy
         body["status"] = {name: {"lastUpdated": _rfc3339(ts), "healthy": fam_ok}
                           for name, (fam_ok, ts) in statuses.items()}
+        if problem is not None:
+            body["reason"] = problem  # pyproxy's: not in kube-proxy's answer
         return (200 if ok else 503), body
 
 
@@ -134,13 +175,17 @@ class ServiceHealth:
         self.ports = dict(ports)
         self.local_endpoints = {key: counts.get(key, 0) for key in ports}
 
-    def response(self, service: ServiceKey, proxy_healthy: bool) -> tuple[int, dict[str, Any]]:
+    def response(self, service: ServiceKey, proxy_healthy: bool,
+                 reason: str | None = None) -> tuple[int, dict[str, Any]]:
+        """`reason`: why the proxy is unhealthy (added to the body as `reason`)."""
         count = self.local_endpoints.get(service, 0)
-        body = {
+        body: dict[str, Any] = {
             "service": {"namespace": service.namespace, "name": service.name},
             "localEndpoints": count,
             "serviceProxyHealthy": proxy_healthy,
         }
+        if not proxy_healthy and reason:
+            body["reason"] = reason
         # 200 only with a ready local endpoint AND a healthy proxy (kubernetes#115825).
         return (200 if count > 0 and proxy_healthy else 503), body
 
@@ -343,7 +388,8 @@ class ServiceHealthServers:
 
         class Handler(_Handler):
             def do_GET(self) -> None:  # any path, as upstream
-                code, body = health.response(key, proxy.healthy())
+                problem = proxy.problem()
+                code, body = health.response(key, problem is None, problem)
                 _send(self, code, body, {
                     "X-Load-Balancing-Endpoint-Weight": str(body["localEndpoints"])},
                     pretty=True)

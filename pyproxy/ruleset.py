@@ -10,7 +10,7 @@ the smallest value wins, so the result does not depend on event order.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -158,6 +158,47 @@ def _unflattened(flat: tuple[str, ...]) -> list[Item]:
     return [tuple.__new__(Item, group)
             for group in zip(fields, fields, fields, fields, strict=True)]
 _EMPTY = Fragment()
+
+
+# ---------------------------------------------------------------------------------------------
+# The table's shape
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A table at the level of names: each chain with its number of rules, and the names of
+    its sets and maps. What the store predicts a listing of the kernel's table shows (the
+    exact text of a rule is nft's, normalised, and cannot be predicted)."""
+
+    chains: Mapping[str, int]
+    sets: frozenset[str]
+
+    def differences(self, found: Shape) -> list[str]:
+        """How `found` (the kernel's) differs from this shape (the expected one)."""
+        out = [f"chain {n}: missing" for n in sorted(set(self.chains) - set(found.chains))]
+        out += [f"chain {n}: unexpected" for n in sorted(set(found.chains) - set(self.chains))]
+        out += [f"chain {n}: {found.chains[n]} rule(s), expected {want}"
+                for n, want in sorted(self.chains.items())
+                if n in found.chains and found.chains[n] != want]
+        out += [f"set or map {n}: missing" for n in sorted(self.sets - found.sets)]
+        out += [f"set or map {n}: unexpected" for n in sorted(found.sets - self.sets)]
+        return out
+
+
+def table_shape(state: DesiredState, flushed: Iterable[str] = ()) -> Shape:
+    """The shape of the table a full sync of `state` leaves, with the `flushed` chains (no
+    longer wanted, not yet deleted) still there, empty."""
+    chains = {name: len(BASE_CHAIN_RULES.get(name, ())) for name in BASE_CHAINS}
+    sets = set()
+    for kind, container, entries in state.containers():
+        if kind is Kind.CHAIN:
+            for _key, rules in entries:
+                chains[container] = sum(1 for rule in rules.split("\n") if rule)
+        elif kind is Kind.SET:
+            sets.add(container)
+    for name in flushed:
+        chains.setdefault(name, 0)
+    return Shape(chains, frozenset(sets))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,6 +32,8 @@ from pyproxy.live import handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
 from pyproxy.model import IPFamily, Node, ServiceKey, ip_family, override_ips
+from pyproxy.nft import OWN_SOCKETS
+from pyproxy.nftevents import NftMonitor
 from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.ratelimit import TokenBucket, limit_requests
 from pyproxy.runner import BoundedFrequencyRunner
@@ -113,8 +115,8 @@ class DaemonObserver:
         self.metrics.sync_failures.inc()
         # A failed sync leaves work pending (the kernel does not hold what it should): if
         # it keeps failing, /healthz turns 503 after 2 x syncPeriod even when nothing new
-        # was queued (a repair of a damaged table that the kernel keeps refusing).
-        self.health.queued()
+        # was queued.
+        self.health.sync_failed(record.error or "")
 
     def synced(self, record: SyncRecord, checkout: Checkout) -> None:
         proxier = self.proxier_ref()
@@ -328,6 +330,9 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     metrics.watch_selections(lambda: current_selections(proxier))
     proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)
+    # Someone else changing our tables: repaired at once, and /healthz fails until it is.
+    health.damage = proxier.damage
+    NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost).start(stop)
 
     servers = _start_servers(config, health, metrics, stop)
     source: ApiSource | SnapshotSource

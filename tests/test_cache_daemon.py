@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -12,11 +12,12 @@ from fakes import FakeClock, FakeNft
 from structlog.testing import capture_logs
 
 from pyproxy.cache import ClusterCache
-from pyproxy.daemon import Proxier
+from pyproxy.daemon import REPAIR_REASON, Proxier
 from pyproxy.model import IPFamily, ServiceKey
 from pyproxy.nft import Applier, NftError
 from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.render import Fragment, Item, Kind
+from pyproxy.ruleset import Shape
 from pyproxy.runner import BoundedFrequencyRunner
 
 WEB = ServiceKey("ns", "web")
@@ -275,3 +276,172 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     assert [(r.started, r.reason) for r in proxier.history] == [(1.25, "start")]
     assert runner.stats().runs == 2  # the declined one at t=1, then the sync
     assert len(nft.scripts) == 1
+
+
+# --- someone else's changes to our tables --------------------------------------------------------
+
+
+def initialized() -> tuple[Proxier, FakeNft, list[int]]:
+    proxier, nft, requests = make_proxier()
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.on_service(("ns", "web"), svc())
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", slice_name="web-1"))
+    proxier.sync()
+    requests.clear()
+    return proxier, nft, requests
+
+
+def test_someone_elses_change_is_repaired_at_once_and_is_damage_until_then() -> None:
+    proxier, nft, requests = initialized()
+    assert proxier.damage() is None
+    proxier.table_changed("ip pyproxy: chain services deleted")
+    assert requests == [1]  # a sync, now
+    assert proxier.damage() == ("table changed by someone else: ip pyproxy: chain services "
+                                "deleted")
+    proxier.sync()
+    record = proxier.history[-1]
+    assert record.full and record.reason == REPAIR_REASON and record.error is None
+    assert "add table ip pyproxy" in nft.last
+    assert proxier.damage() is None
+
+
+def test_a_repair_the_kernel_refuses_stays_damage_and_says_why() -> None:
+    proxier, nft, _ = initialized()
+    proxier.table_changed("ip pyproxy: table deleted")
+    nft.fail_next = 1
+    with pytest.raises(NftError):
+        proxier.sync()
+    assert proxier.damage() == ("table changed by someone else: ip pyproxy: table deleted; the "
+                                "repair failed: Error: Could not process rule: Invalid argument "
+                                "(injected)")
+    proxier.sync()
+    assert proxier.history[-1].full and proxier.damage() is None
+
+
+class TamperedDuringCommit(FakeNft):
+    """Someone changes the table while our commit runs: the report reaches the proxier
+    after that sync started, so that sync cannot have repaired it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.during_next_commit: list[Callable[[], None]] = []
+
+    def run(self, script: str) -> str:
+        while self.during_next_commit:
+            self.during_next_commit.pop()()
+        return super().run(script)
+
+
+def test_a_change_reported_during_a_sync_is_repaired_by_the_next_one() -> None:
+    nft = TamperedDuringCommit()
+    requests: list[int] = []
+    proxier = Proxier(ClusterCache("node-a"), [FamilyProxier(
+        IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
+        request_sync=lambda: requests.append(1))
+    proxier.expect("Service")
+    proxier.source_synced("Service")
+    proxier.sync()
+    proxier.table_changed("ip pyproxy: chain services deleted")
+    nft.during_next_commit.append(lambda: proxier.table_changed("ip pyproxy: table deleted"))
+    proxier.sync()  # repairs the first change; the second happened after it started
+    assert proxier.damage() == "table changed by someone else: ip pyproxy: table deleted"
+    proxier.sync()
+    assert [r.reason for r in list(proxier.history)[-2:]] == [REPAIR_REASON, REPAIR_REASON]
+    assert proxier.damage() is None
+
+
+def test_a_change_before_the_first_sync_is_not_damage() -> None:
+    proxier, _, requests = make_proxier()
+    proxier.table_changed("ip pyproxy: table deleted")  # the previous run's table, say
+    assert proxier.damage() is None and requests == []
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.sync()
+    assert proxier.history[-1].reason == "start"
+
+
+class KernelListing(FakeNft):
+    """A fake that lists the table's structure as a terse `list ruleset` does, from the
+    shape the applier expects, unless `tampered` says otherwise; it counts the reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applier: Applier | None = None
+        self.reads = 0
+        self.tampered: str | None = None
+
+    def list_structure(self, family: str) -> str | None:
+        self.reads += 1
+        if self.tampered is not None:
+            return self.tampered
+        assert self.applier is not None
+        return terse_listing(family, self.applier.expected_shape())
+
+
+def terse_listing(family: str, shape: Shape) -> str:
+    lines = [f"table {family} pyproxy {{"]
+    for name in sorted(shape.sets):
+        lines += [f"\tset {name} {{", "\t\ttype ipv4_addr", "\t}"]
+    for name, rules in sorted(shape.chains.items()):
+        lines += [f"\tchain {name} {{", *[f"\t\tcounter {n}" for n in range(rules)], "\t}"]
+    return "\n".join([*lines, "}"])
+
+
+def listing_proxier() -> tuple[Proxier, KernelListing, list[float]]:
+    nft = KernelListing()
+    now = [0.0]
+    family = FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)
+    nft.applier = family.applier
+    family.applier.clock = lambda: now[0]
+    proxier = Proxier(ClusterCache("node-a"), [family], clock=lambda: now[0], verify_period=30)
+    proxier.expect("Service")
+    proxier.source_synced("Service")
+    proxier.on_service(("ns", "web"), svc())
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", slice_name="web-1"))
+    proxier.sync()
+    return proxier, nft, now
+
+
+def test_the_structure_is_read_at_the_periodic_check_not_after_our_own_commits() -> None:
+    proxier, nft, now = listing_proxier()
+    reads = nft.reads
+    # A service reaching an endpoint count no other has: a new shared pick chain.
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", "10.244.1.2", slice_name="web-1"))
+    now[0] += 1
+    proxier.sync()
+    assert "add chain ip pyproxy cluster-tcp-2" in nft.last
+    now[0] += 2  # past the grace period: our own deletion of cluster-tcp-1 (with a change,
+    # so that this sync is not the periodic check's)
+    proxier.on_service(("ns", "db"), svc("db", clusterIP="10.96.0.20", clusterIPs=["10.96.0.20"]))
+    proxier.sync()
+    assert "delete chain ip pyproxy cluster-tcp-1" in nft.scripts[-2]  # its own transaction
+    assert nft.reads == reads  # neither commit read the structure back
+    now[0] += 30  # the periodic check: one read, no repair
+    proxier.sync()
+    assert nft.reads == reads + 1
+    assert proxier.history[-1].reason == "changes" and proxier.damage() is None
+
+
+def test_the_periodic_check_finds_tampering_after_our_own_structure_changes() -> None:
+    proxier, nft, now = listing_proxier()
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", "10.244.1.2", slice_name="web-1"))
+    proxier.sync()
+    nft.tampered = terse_listing("ip", proxier.proxiers[0].applier.expected_shape()).replace(
+        "\tchain services {\n\t\tcounter 0\n", "\tchain services {\n")  # a flushed rule
+    assert len(proxier.proxiers[0].applier.diff()) == 1
+    assert proxier.proxiers[0].applier.diff()[0].startswith("chain services: ")
+    now[0] += 30
+    proxier.sync()
+    assert proxier.history[-1].reason == REPAIR_REASON
+
+
+def test_lost_events_check_the_structure_at_the_next_sync_even_with_changes() -> None:
+    proxier, nft, now = listing_proxier()
+    nft.tampered = "table ip pyproxy {\n}"
+    proxier.events_lost()
+    proxier.on_slice(("ns", "web-1"), eps("10.244.1.3", slice_name="web-1"))  # pending
+    now[0] += 1  # well within verify_period
+    proxier.sync()
+    assert proxier.history[-1].reason == REPAIR_REASON
+    assert proxier.history[-1].full and "10.244.1.3" in nft.last

@@ -246,6 +246,36 @@ def test_an_update_queued_too_long_makes_the_proxy_unhealthy(hz: Healthz) -> Non
     assert hz.get("/healthz").status == 200 and hz.get("/livez").status == 200
 
 
+def test_unhealthy_answers_say_why(hz: Healthz) -> None:
+    assert "reason" not in hz.get("/healthz").json()
+    hz.health.sync_failed("Error: Could not process rule: Device or resource busy\nadd …")
+    hz.advance(TIMEOUT)
+    for path in ("/healthz", "/livez"):
+        assert hz.get(path).json()["reason"] == (
+            "rules not updated for IPv4 (60.0 s), IPv6 (60.0 s) (more than 60 s); the last "
+            "sync failed: Error: Could not process rule: Device or resource busy")
+    hz.health.updated()
+    assert "reason" not in hz.get("/healthz").json()
+
+
+def test_a_damaged_data_plane_fails_healthz_at_once_but_not_livez(hz: Healthz) -> None:
+    """Someone else changed our tables: /healthz is 503 (with the reason) until the repair
+    has succeeded, however fresh the last sync; /livez is about the process and stays 200."""
+    damage: list[str] = ["table changed by someone else: ip pyproxy: chain services deleted"]
+    hz.health.damage = lambda: damage[0] if damage else None
+    answer = hz.get("/healthz")
+    assert answer.status == 503
+    body = answer.json()
+    assert body["healthy"] is False and body["nodeEligible"] is True
+    assert body["reason"] == damage[0]
+    assert body["status"]["IPv4"]["healthy"] is True  # the rules were programmed in time
+    livez = hz.get("/livez")
+    assert livez.status == 200 and "reason" not in livez.json()
+    assert not hz.health.healthy()
+    damage.clear()
+    assert hz.get("/healthz").status == 200 and hz.health.healthy()
+
+
 def test_one_stale_family_is_enough(hz: Healthz) -> None:
     hz.health.queued()
     hz.advance(10)
@@ -430,8 +460,11 @@ def hcnp() -> Iterator[Hcnp]:
     h.servers.stop()
 
 
-def expected_body(service: ServiceKey, count: int, healthy: bool) -> bytes:
-    # Upstream's dedented template, byte for byte (tab indentation, no trailing newline).
+def expected_body(service: ServiceKey, count: int, healthy: bool,
+                  reason: str | None = None) -> bytes:
+    # Upstream's dedented template, byte for byte (tab indentation, no trailing newline);
+    # pyproxy adds why the proxy is unhealthy.
+    why = f",\n\t\"reason\": {json.dumps(reason)}" if reason else ""
     return (
         "{\n"
         "\t\"service\": {\n"
@@ -439,7 +472,7 @@ def expected_body(service: ServiceKey, count: int, healthy: bool) -> bytes:
         f"\t\t\"name\": \"{service.name}\"\n"
         "\t},\n"
         f"\t\"localEndpoints\": {count},\n"
-        f"\t\"serviceProxyHealthy\": {'true' if healthy else 'false'}\n"
+        f"\t\"serviceProxyHealthy\": {'true' if healthy else 'false'}{why}\n"
         "}"
     ).encode()
 
@@ -484,10 +517,26 @@ def test_an_unhealthy_proxy_is_503_even_with_local_endpoints(hcnp: Hcnp) -> None
     hcnp.mono.now += TIMEOUT
     answer = request("127.0.0.1", port)
     assert answer.status == 503
-    assert answer.body == expected_body(WEB, 3, False)
+    assert answer.body == expected_body(
+        WEB, 3, False, "rules not updated for IPv4 (60.0 s), IPv6 (60.0 s) (more than 60 s)")
     assert answer.headers["X-Load-Balancing-Endpoint-Weight"] == "3"
     hcnp.proxy.updated()
     assert request("127.0.0.1", port).status == 200
+
+
+def test_a_damaged_data_plane_is_503_with_the_reason(hcnp: Hcnp) -> None:
+    """The kernel does not hold what was committed (tampered, not repaired yet): load
+    balancers must stop sending traffic here, with local endpoints or not."""
+    port = free_port("127.0.0.1")
+    hcnp.serve({WEB: port}, {WEB: 3})
+    damage: list[str] = []
+    hcnp.proxy.damage = lambda: damage[0] if damage else None
+    damage.append("table changed by someone else: ip pyproxy: table deleted")
+    answer = request("127.0.0.1", port)
+    assert answer.status == 503
+    assert answer.body == expected_body(WEB, 3, False, damage[0])
+    damage.clear()  # repaired
+    assert request("127.0.0.1", port).body == expected_body(WEB, 3, True)
 
 
 def test_count_changes_need_no_new_listener(hcnp: Hcnp) -> None:

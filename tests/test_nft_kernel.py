@@ -17,6 +17,7 @@ from netlab import Lab, Netns, requires_netns
 from nftns import libnft_in
 
 from pyproxy.model import IPFamily, ServiceKey
+from pyproxy.nft import LibNftables, listing_shape
 from pyproxy.proxier import FamilyProxier, NodeConfig, render_script
 from pyproxy.snapshot import build_state
 
@@ -139,8 +140,11 @@ def test_incremental_syncs_end_where_a_full_load_ends(lab: Lab,
             changed = {ServiceKey("ns", f"s{i}") for i in range(6)}
             result = proxier.sync(state, changed=changed)
             assert not result.full
+            # our own commits never look like tampering (the store predicts the shape)
+            assert proxier.applier.structure_intact()
         clock[0] += 10  # past the grace period: the flushed stale chains go now
         proxier.sync(state, changed=set())
+        assert proxier.applier.structure_intact()
         fresh = FamilyProxier(IPFamily.IPv4, CONFIG, libnft_in(b.full))
         fresh.sync(build_state(steps[-1]))
         got, want = listing(a)["objects"], listing(b)["objects"]
@@ -189,3 +193,93 @@ def test_stale_chains_are_flushed_then_deleted(ns: Netns) -> None:
     clock[0] += 2
     proxier.sync(build_state(objs), changed=set())
     assert "cluster-tcp-1" not in ns.run(["nft", "list", "chains", "ip"]).stdout
+
+
+# --- the tamper check's reference: kept from our own commits, read only when checking ----------
+
+
+class CountingReads(LibNftables):
+    """libnftables in a namespace, counting the structure listings."""
+
+    def __init__(self, netns: str) -> None:
+        inner = libnft_in(netns)
+        super().__init__(inner._factory)
+        self.reads = 0
+
+    def list_structure(self, family: str) -> str | None:
+        self.reads += 1
+        return super().list_structure(family)
+
+
+def example_state() -> Any:
+    """The example cluster, and a service for each balancing algorithm and weights."""
+    from pathlib import Path
+
+    from pyproxy.snapshot import parse_objects
+
+    text = (Path(__file__).parent.parent / "examples" / "cluster.yaml").read_text()
+    objs = parse_objects(text)
+    pods = [ep(f"10.244.{n % 3}.{n}", "node-b") for n in range(1, 5)]
+    for n, (algorithm, weights) in enumerate([("maglev", ""), ("round-robin", ""),
+                                              ("source-hash", "10.244.1.1=3"),
+                                              ("random", "10.244.2.2=0")]):
+        def annotate(svc: dict[str, Any], a: str = algorithm, w: str = weights,
+                     n: int = n) -> None:
+            svc["metadata"]["annotations"] = {"service.pyproxy.io/balancing": a}
+            if w:
+                svc["metadata"]["annotations"]["service.pyproxy.io/endpoint-weights"] = w
+            svc["spec"]["ipFamilies"] = ["IPv4", "IPv6"]
+            svc["spec"]["clusterIPs"] = [f"10.96.7.{n + 1}", f"fd00:96::7:{n + 1}"]
+        objs += [make_service("bal", algorithm, annotate, ip=f"10.96.7.{n + 1}"),
+                 make_slice("bal", algorithm, pods)]
+    state = build_state(objs)
+    assert {x.name for x in state.skipped if x.invalid} == {"broken"}  # the example's own
+    return state
+
+
+@pytest.mark.parametrize("family", [IPFamily.IPv4, IPFamily.IPv6])
+def test_the_store_predicts_how_nft_lists_the_table(ns: Netns, family: IPFamily) -> None:
+    """Every kind of chain and set there is (affinity, source ranges, eTP=Local, NodePorts,
+    Maglev, round robin, …): the shape the check compares with after our own commits."""
+    proxier = FamilyProxier(family, CONFIG, libnft_in(ns.full))
+    proxier.sync(example_state())
+    listed = proxier.applier.nft.list_structure(family.nft_family)
+    assert listed is not None
+    assert listing_shape(listed) == proxier.applier.expected_shape()
+
+
+def test_our_own_commits_do_not_read_the_structure_back(ns: Netns) -> None:
+    clock = [100.0]
+    nft = CountingReads(ns.full)
+    proxier = FamilyProxier(IPFamily.IPv4, CONFIG, nft)
+    proxier.applier.clock = lambda: clock[0]
+    objs = [*NODES, make_service("ns", "web"), make_slice("ns", "web", [ep("10.244.1.1")])]
+    proxier.sync(build_state(objs))
+    reads = nft.reads  # the full sync's names of leftover chains, nothing after the commit
+    objs[-1] = make_slice("ns", "web", [ep("10.244.1.1"), ep("10.244.1.2")])
+    proxier.sync(build_state(objs), changed={ServiceKey("ns", "web")})
+    assert "add chain ip pyproxy cluster-tcp-2" in proxier.applier.last_script  # a new chain
+    clock[0] += 2
+    proxier.sync(build_state(objs), changed=set())  # our deletion of cluster-tcp-1
+    assert "cluster-tcp-1" not in ns.run(["nft", "list", "chains", "ip"]).stdout
+    assert nft.reads == reads
+    assert proxier.applier.structure_intact()  # the check reads once, and keeps the listing
+    assert nft.reads == reads + 1
+    assert proxier.applier.committed_structure is not None
+    assert not proxier.applier.structure_changed
+
+
+def test_tampering_after_our_own_structure_change_is_found(ns: Netns) -> None:
+    proxier = FamilyProxier(IPFamily.IPv4, CONFIG, libnft_in(ns.full))
+    objs = [*NODES, make_service("ns", "web"), make_slice("ns", "web", [ep("10.244.1.1")])]
+    proxier.sync(build_state(objs))
+    objs[-1] = make_slice("ns", "web", [ep("10.244.1.1"), ep("10.244.1.2")])
+    proxier.sync(build_state(objs), changed={ServiceKey("ns", "web")})
+    assert proxier.applier.structure_changed  # not read back
+    ns.run(["nft", "flush", "chain", "ip", "pyproxy", "cluster-tcp-2"])
+    assert not proxier.applier.structure_intact()
+    assert proxier.applier.diff()[:1] == ["chain cluster-tcp-2: 0 rule(s), expected 2"]
+    proxier.sync(build_state(objs), full=True)
+    proxier.applier.adopt_structure()
+    ns.run(["nft", "add", "chain", "ip", "pyproxy", "intruder"])
+    assert not proxier.applier.structure_intact()  # the exact comparison, as before
