@@ -153,7 +153,7 @@ class Profiler:
 
 def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
-    from synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
+    from synth import NODE_CONFIG, Cluster, apply_change, plan_changes
 
     import pyproxy.proxier as proxier_mod
     from pyproxy.model import IPFamily
@@ -164,8 +164,6 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.ruleset import DesiredState
     from pyproxy.snapshot import build_state
 
-    if args.no_count_connections:  # the same run without the feature: what it costs
-        NODE_CONFIG = dataclasses.replace(NODE_CONFIG, count_connections=False)
     prof = Profiler(args.profile)
     gcc = GcClock()
     render = {"s": 0.0}
@@ -333,11 +331,6 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
                      "kernel_s": r.kernel_seconds, "gc_s": g1[0] - g0[0]}
     proxier.applier.last_script = ""
     res["rss_end"] = rss()
-    if NODE_CONFIG.count_connections:
-        from conncount import measure_reads
-
-        log("pyproxy: reading the connection counters ...")
-        res["connections"] = measure_reads(proxier, state, NODE_CONFIG, NODE_IP, rss)
     prof.dump()
     return res
 
@@ -477,8 +470,7 @@ def _on_signal(signum: int, _frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def run_in_netns(kind: str, args: argparse.Namespace, n: int,
-                 extra: tuple[str, ...] = ()) -> dict[str, Any] | None:
+def run_in_netns(kind: str, args: argparse.Namespace, n: int) -> dict[str, Any] | None:
     ns = f"ppxbench-{os.getpid()}-{n}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     _NAMESPACES.add(ns)
@@ -490,7 +482,6 @@ def run_in_netns(kind: str, args: argparse.Namespace, n: int,
         cmd += ["--profile", os.path.join(args.profile, f"run{n}")]
     if args.gc_tuned:
         cmd.append("--gc-tuned")
-    cmd += extra
     proc = None
     try:
         env = {**os.environ, "PPXBENCH_PARENT_NETNS": str(netns_inode())}
@@ -544,8 +535,7 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def report(args: argparse.Namespace, info: dict[str, Any], py: list[dict[str, Any]],
-           base: dict[str, Any] | None,
-           uncounted: list[dict[str, Any]] | None = None) -> tuple[str, dict[str, Any]]:
+           base: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
     P = aggregate(py)
     B = aggregate([base]) if base else None
     c = P["cold"]
@@ -705,12 +695,6 @@ def report(args: argparse.Namespace, info: dict[str, Any], py: list[dict[str, An
                             "met": st["median"] <= BIG_SERVICE_TARGET_MS,
                             "p90_met": st["p90"] <= BIG_SERVICE_TARGET_MS,
                             "max_met": st["max"] <= BIG_SERVICE_TARGET_MS})
-    if uncounted:
-        import conncount
-
-        more_lines, more_targets = conncount.report(py, uncounted)
-        lines += more_lines
-        targets += more_targets
     w("")
     w("TARGETS")
     for t in targets:
@@ -725,7 +709,6 @@ def report(args: argparse.Namespace, info: dict[str, Any], py: list[dict[str, An
     data = {"args": {k: v for k, v in vars(args).items() if k not in ("python",)},
             "host": info, "pyproxy": {"runs": py, "aggregate": P},
             "baseline": {"run": base, "aggregate": B} if base else None,
-            "without_counting": uncounted,
             "ratios": ratios, "targets": targets}
     return "\n".join(lines) + "\n", data
 
@@ -763,11 +746,6 @@ def main() -> None:
                          "the cold start and gc.freeze() after it")
     ap.add_argument("--timeout", type=int, default=3600, help="per-worker timeout, seconds")
     ap.add_argument("--python", default=VENV_PY if os.path.exists(VENV_PY) else sys.executable)
-    ap.add_argument("--no-counting-comparison", action="store_true",
-                    help="skip the runs without counting new connections per endpoint (by "
-                         "default each pyproxy run is followed by one without, to measure "
-                         "the feature's cost)")
-    ap.add_argument("--no-count-connections", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker", choices=("pyproxy", "baseline"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -825,24 +803,18 @@ def bench_size(args: argparse.Namespace, info: dict[str, Any]) -> tuple[str, dic
     log(f"bench: {args.services} x {args.endpoints}, {args.runs} pyproxy run(s), baseline "
         f"{'off' if args.no_baseline else 'on'}")
     py: list[dict[str, Any]] = []
-    uncounted: list[dict[str, Any]] = []
     try:
         for n in range(args.runs):
             r = run_in_netns("pyproxy", args, n)
             if r is None:
                 sys.exit(1)
             py.append(r)
-            if not args.no_counting_comparison:  # interleaved: noise hits both alike
-                r = run_in_netns("pyproxy", args, 100 + n, ("--no-count-connections",))
-                if r is None:
-                    sys.exit(1)
-                uncounted.append(r)
         base = None if args.no_baseline else run_in_netns("baseline", args, args.runs)
         if not args.no_baseline and base is None:
             log("baseline failed; reporting pyproxy only")
     finally:
         _cleanup_all()
-    return report(args, info, py, base, uncounted)
+    return report(args, info, py, base)
 
 
 if __name__ == "__main__":
