@@ -58,10 +58,13 @@ demo: venv
 	scripts/demo.sh $(if $(KEEP),--keep)
 
 # Sync speed against an upstream-style baseline measured in the same run (bench/README.md),
-# and the daemon end to end (initial list, memory, network programming latency).
+# first-packet latency through a ClusterIP at 10 and 10,000 services, and the daemon end to
+# end (initial list, memory, network programming latency). BENCH_FLAGS=--envelope: the big
+# sizes (10k x 25, 5k x 50, one service with 5,000 endpoints) instead of 10k x 10.
 bench: venv
 	$(BIN)/python bench/bench_sync.py $(BENCH_FLAGS)
 	$(BIN)/python bench/bench_maglev.py
+	$(BIN)/python bench/bench_first_packet.py
 
 bench-daemon: venv
 	$(BIN)/python bench/bench_daemon.py $(BENCH_FLAGS)

@@ -5,13 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import os
+import socket
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pyproxy import staging
 from pyproxy.render import TABLE, Fragment
-from pyproxy.ruleset import Change, Commands, DesiredState, full_commands, incremental_commands
+from pyproxy.ruleset import (
+    Change,
+    Commands,
+    DesiredState,
+    Shape,
+    full_commands,
+    incremental_commands,
+    table_shape,
+)
 
 # Chains left without references are deleted this long after they were flushed: on kernels
 # before 6.2 the kernel notices a chain is unreferenced only a short time after the vmap
@@ -38,6 +51,69 @@ def _new_context() -> Any:
     return ctx
 
 
+NETLINK_NETFILTER = 12
+
+
+class OwnSockets:
+    """The netlink port ids of this process's libnftables transaction contexts. The kernel
+    stamps every nftables change event with the port id of the socket that committed it, so
+    an event carrying one of these is our own commit (pyproxy/nftevents.py). Process-wide,
+    as sockets are. A replaced context's ids stay known a little longer: the events of its
+    last commit may still be on their way to the listener when it is closed."""
+
+    RETIRED_KEPT = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._current: dict[int, tuple[int, ...]] = {}  # id(owner) → its context's ids
+        self._retired: deque[int] = deque(maxlen=self.RETIRED_KEPT)
+        self._listeners: list[Callable[[], None]] = []
+
+    def replace(self, owner: object, portids: Iterable[int]) -> None:
+        """`owner`'s transaction context is now the one with these port ids. Listeners hear
+        of it before the context commits anything."""
+        with self._lock:
+            self._retired.extend(self._current.get(id(owner), ()))
+            self._current[id(owner)] = tuple(portids)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def current(self) -> frozenset[int]:
+        """The port ids of the contexts in use."""
+        with self._lock:
+            return frozenset(p for ids in self._current.values() for p in ids)
+
+    def __contains__(self, portid: object) -> bool:
+        with self._lock:
+            return any(portid in ids for ids in self._current.values()) \
+                or portid in self._retired
+
+
+OWN_SOCKETS = OwnSockets()
+
+
+def netfilter_sockets() -> dict[int, int]:
+    """This process's NETLINK_NETFILTER sockets: file descriptor → port id (0: not bound
+    yet; the kernel binds a socket when it first sends)."""
+    found: dict[int, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(int(name)))  # learns family and protocol
+        except OSError:
+            continue  # closed meanwhile, or not a socket Python can wrap
+        with probe:
+            if probe.family == socket.AF_NETLINK and probe.proto == NETLINK_NETFILTER:
+                found[int(name)] = int(probe.getsockname()[0])
+    return found
+
+
 class LibNftables:
     """libnftables through the Python binding. Text input: half the size of JSON, faster to
     load and to render (docs/nft-layout.md).
@@ -48,11 +124,32 @@ class LibNftables:
     is renewed after every full sync, and listings use throwaway contexts. `list table` is
     slow for the same reason (it fetches every element even with --terse: ~4 s at 10k),
     while a terse `list ruleset` is not (~40 ms): that is what the structure checks read.
-    `factory` makes contexts (tests bind them to a network namespace)."""
+    `factory` makes contexts (tests bind them to a network namespace).
 
-    def __init__(self, factory: Callable[[], Any] = _new_context) -> None:
+    The transaction context's netlink port id goes into `sockets`, so that the change events
+    of our own commits are told from someone else's."""
+
+    def __init__(self, factory: Callable[[], Any] = _new_context,
+                 sockets: OwnSockets = OWN_SOCKETS) -> None:
         self._factory = factory
-        self._nft = factory()
+        self._sockets = sockets
+        self._nft = self._writer()
+
+    def _writer(self) -> Any:
+        """A transaction context, its socket's port id registered. libnftables opens the
+        socket with the context but the kernel assigns the port id only when it first sends:
+        a small read makes it do so before any commit. `list flowtables` (there are none):
+        `list tables` would mark the context's cache as a full one, and its first transaction
+        would then fetch every element (~0.3 s at 10k services). Sockets other threads open
+        meanwhile may be registered too; none of them writes nftables."""
+        before = netfilter_sockets()
+        ctx = self._factory()
+        with contextlib.suppress(Exception):  # no table access: the commits will say so
+            ctx.cmd("list flowtables")
+        opened = {fd: portid for fd, portid in netfilter_sockets().items()
+                  if fd not in before and portid}
+        self._sockets.replace(self, opened.values())
+        return ctx
 
     def run(self, script: str) -> str:
         rc, out, err = self._nft.cmd(script)
@@ -62,7 +159,7 @@ class LibNftables:
 
     def renew(self) -> None:
         """A fresh transaction context (drops libnftables' cache of the whole table)."""
-        self._nft = self._factory()
+        self._nft = self._writer()
 
     def list_structure(self, family: str) -> str | None:
         """Our table without set elements: chains, rules, set declarations. None when the
@@ -110,6 +207,32 @@ def table_block(ruleset: str, family: str) -> str | None:
         return None
     end = ruleset.find("\n}", start)
     return ruleset[start:end + 2] if end >= 0 else ruleset[start:]
+
+
+def listing_shape(block: str) -> Shape:
+    """The shape of our table as a terse listing shows it: each chain with its number of
+    rules, and the names of the sets and maps. A chain's `type … hook …` and `comment`
+    lines are properties, not rules."""
+    chains: dict[str, int] = {}
+    sets: set[str] = set()
+    current: str | None = None
+    for line in block.splitlines():
+        words = line.split()
+        if len(words) == 3 and words[2] == "{" and words[0] in ("chain", "set", "map"):
+            current = words[1] if words[0] == "chain" else None
+            if current is not None:
+                chains[current] = 0
+            else:
+                sets.add(words[1])
+        elif words == ["}"]:
+            current = None
+        elif current is not None and words and not _chain_property(words):
+            chains[current] += 1
+    return Shape(chains, frozenset(sets))
+
+
+def _chain_property(words: list[str]) -> bool:
+    return (words[0] == "type" and "hook" in words) or words[0] in ("comment", "policy")
 
 
 def parse_elements(listing: str) -> list[str]:
@@ -169,13 +292,21 @@ class Applier:
     started: bool = False
     stale_chains: dict[str, float] = field(default_factory=dict)
     last_script: str = ""
-    # The terse listing right after our last commit that changed chains or sets: what a
-    # later listing must still show, unless someone else changed the table.
+    # The terse listing of our table as last read while it held what we had committed: what
+    # a later listing must still show, unless someone else changed the table. Our own
+    # commits do not read it again (at 10k services that read cost more CPU than a commit
+    # that adds a chain): they set `structure_changed`, and the next check compares the
+    # listing's shape with the store's instead, and keeps the listing if they agree.
     committed_structure: str | None = None
+    structure_changed: bool = False
     cleanup_failures: int = 0  # stale chains that could not be deleted (a metric)
     # Fault injection (the debug socket's /fault, for drills): the next N non-empty
     # transactions fail with NftError before reaching the kernel, as if it refused them.
     fail_next: int = 0
+    # A full sync of a store larger than this goes in transactions of at most this many
+    # elements, made before break (pyproxy/staging.py): the memory peak of one huge
+    # transaction was twice the daemon's steady size.
+    stage_chunk: int = staging.DEFAULT_CHUNK
 
     def sync(self, updates: Mapping[Hashable, Fragment] | Iterable[tuple[Hashable, Fragment]],
              full: bool = False) -> SyncResult:
@@ -194,6 +325,9 @@ class Applier:
             # leaves the store ahead of the kernel. Only a full sync makes them agree again.
             self.need_full = True
             raise
+        # Before the commands are made: a full sync lists the kernel's chains and flushes
+        # those nobody wants, so a chain deleted after the listing failed the whole sync.
+        self._delete_stale_chains(t0)
         cmds = self._commands(change, full)
         if cmds.needs_full_sync:
             full = True
@@ -208,14 +342,20 @@ class Applier:
             for (kind, name, _), value in change.after.items():
                 if kind == "chain" and value is not None:
                     self.stale_chains.pop(name, None)
-        self._delete_stale_chains(t0)
-        script = cmds.text()
+        names = self.nft.list_names(self.family) if full and len(self.state) > \
+            self.stage_chunk else None
+        staged = names is not None and staging.worth_staging(self.state, names[1],
+                                                             self.stage_chunk)
+        script = "" if staged else cmds.text()
         t1 = self.clock()
         try:
-            if script:
-                if self.fail_next > 0:
-                    self.fail_next -= 1
-                    raise NftError("injected fault: transaction refused (debug socket /fault)")
+            if (script or staged) and self.fail_next > 0:
+                self.fail_next -= 1
+                raise NftError("injected fault: transaction refused (debug socket /fault)")
+            if staged:
+                assert names is not None
+                script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
+            elif script:
                 self.nft.run(script)
         except NftError:
             # The kernel state is now unknown relative to the mirror: rewrite everything
@@ -236,9 +376,25 @@ class Applier:
                                  for slot, value in change.after.items()):
             # only when a chain or a declaration really changed: a service moving to an
             # existing shared pick chain touches the chain's slot but not its value
-            self.committed_structure = self._structure()
+            self.structure_changed = True
         touched = len(self.state) if change is None else change.touched()
         return SyncResult(full, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
+
+    def _run_staged(self, cmds: Commands, table_exists: bool) -> str:
+        """The full sync as bounded transactions, each through a fresh context (one that
+        saw the elements of the last would read them all back first). Returns the last
+        transaction's text, with a line saying how many went before it."""
+        count, last = 0, ""
+        renew = getattr(self.nft, "renew", None)
+        for script in staging.scripts(self.family, self.state, cmds, table_exists,
+                                      self.stage_chunk):
+            if not script:
+                continue
+            self.nft.run(script)
+            count, last = count + 1, script
+            if renew:
+                renew()
+        return f"# staged full sync: {count} transactions, the last:\n{last}"
 
     def _commands(self, change: Change | None, full: bool) -> Commands:
         if not full and change is not None:
@@ -253,7 +409,6 @@ class Applier:
         due = [n for n, since in self.stale_chains.items() if now - since >= STALE_CHAIN_GRACE]
         if not due:
             return
-        intact = self.structure_intact()
         try:
             self.nft.run("".join(f"delete chain {self.family} {TABLE} {n}\n" for n in due))
         except NftError:
@@ -261,34 +416,49 @@ class Applier:
             return  # retried at the next sync; a full sync finds them again anyway
         for name in due:
             del self.stale_chains[name]
-        if self.committed_structure is not None and intact:
-            # Our own deletion changed the structure: without this, the next check would
-            # take it for tampering (a needless full "repair" sync, and a false `pyproxy
-            # diff` until then). Left alone if someone else had changed it before.
-            self.committed_structure = self._structure()
+        # Our own deletion changed the structure: the next check must not take it for
+        # tampering (a needless full "repair" sync, and a false `pyproxy diff` until then).
+        self.structure_changed = True
 
     def _structure(self) -> str | None:
         lister = getattr(self.nft, "list_structure", None)
         return lister(self.family) if lister else None
 
+    def expected_shape(self) -> Shape:
+        """The shape the kernel's table must have: the store's chains and sets, and the
+        chains flushed but not yet deleted (empty)."""
+        return table_shape(self.state, self.stale_chains)
+
     def structure_intact(self) -> bool:
-        """Whether chains, rules and set declarations are as we left them (cheap)."""
-        if self.committed_structure is None:
+        """Whether chains, rules and set declarations are as we left them. Reads the table's
+        structure (a terse listing, ~40 ms at 10k services): for the periodic check, not
+        after every commit."""
+        if not self.started or getattr(self.nft, "list_structure", None) is None:
+            return True  # nothing committed yet, or nothing to read the kernel with
+        current = self._structure()
+        if current is None:
+            return False  # the table is gone
+        if self.structure_changed or self.committed_structure is None:
+            if listing_shape(current) != self.expected_shape():
+                return False
+            self.adopt_structure(current)
             return True
-        return self._structure() == self.committed_structure
+        return current == self.committed_structure
+
+    def adopt_structure(self, listing: str | None = None) -> None:
+        """Take the kernel's structure, as it is now, as the reference. Also right after a
+        repair: were the store's prediction ever to differ from how nft lists a chain, that
+        would cost one repair, not one at every check."""
+        self.committed_structure = listing if listing is not None else self._structure()
+        self.structure_changed = False
 
     def diff(self, limit: int = 50) -> list[str]:
         """What differs between what we committed and what the kernel holds: the structure
         (chains, rules, declarations) and the elements of every set and map. Lists the
         elements, so it costs time proportional to the table: for `pyproxy diff`."""
-        out: list[str] = []
-        current = self._structure()
-        if self.committed_structure is not None and current != self.committed_structure:
-            if current is None:
-                return [f"table {self.family} {TABLE} is missing"]
-            out.extend(difflib.unified_diff(
-                self.committed_structure.splitlines(), current.splitlines(),
-                "committed", "kernel", lineterm="", n=1))
+        out = self._structure_diff() if self.started else []
+        if out[:1] == [f"table {self.family} {TABLE} is missing"]:
+            return out
         lister = getattr(self.nft, "list_elements", None)
         if lister is None:
             return out
@@ -303,6 +473,19 @@ class Applier:
             for element in sorted(have - wanted)[:limit]:
                 out.append(f"{kind} {name}: unexpected element {element}")
         return out
+
+    def _structure_diff(self) -> list[str]:
+        if getattr(self.nft, "list_structure", None) is None:
+            return []
+        current = self._structure()
+        if current is None:
+            return [f"table {self.family} {TABLE} is missing"]
+        if self.structure_changed or self.committed_structure is None:
+            # our own commits changed it since it was last read: compared by shape
+            return self.expected_shape().differences(listing_shape(current))
+        return list(difflib.unified_diff(
+            self.committed_structure.splitlines(), current.splitlines(),
+            "committed", "kernel", lineterm="", n=1))
 
     def _desired_elements(self) -> list[tuple[str, str, set[str]]]:
         declared: dict[str, str] = {}
@@ -321,3 +504,4 @@ class Applier:
         self.state = DesiredState()
         self.need_full = True
         self.stale_chains.clear()
+        self.committed_structure, self.structure_changed = None, False
