@@ -107,7 +107,7 @@ def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
     discovery = client.DiscoveryV1Api(kube.api)
 
     local = [i for i in range(synth.services)
-             if synth.shape(i).etp_local and synth.shape(i).kind != "ClusterIP"]
+             if synth.shape(i).etp_local and synth.shape(i).kind == "LoadBalancer"]
     health_ports = {i: 32767 - rank for rank, i in enumerate(local)}
 
     def one(i: int) -> None:

@@ -581,7 +581,7 @@ def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",
         until(lambda: daemon.endpoints("doomed") == env.pods("pod-a")
               and daemon.endpoints("web") == env.pods("pod-a", "pod-b", "pod-c"), 20,
               "initial state programmed")
-        lists = emu.count("list", "services")
+        lists = emu.count_lists("services")
         errors = _api_errors(daemon)
         probe = Probe(env, WEB)
         time.sleep(0.5)
@@ -618,7 +618,7 @@ def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",
         r.add_probe(probe)
         r.check(probe.failed == 0, f"{probe.failed} connections failed: {probe.tally()}")
         r.figures["failed API calls while away (3 watches, capped backoff)"] = errors
-        r.figures["relists (Service)"] = emu.count("list", "services") - lists
+        r.figures["relists (Service)"] = emu.count_lists("services") - lists
         emu.delete("Service", "fresh", "ns")
     return r
 
@@ -643,7 +643,7 @@ def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
         b.apply(web(env, ["pod-a", "pod-b", "pod-c"]))
         until(lambda: daemon.endpoints("web") == env.pods("pod-a", "pod-b", "pod-c"), 20,
               "initial state programmed")
-        lists_before = emu.count("list", "endpointslices")
+        lists_before = emu.count_lists("endpointslices")
         watches_before = emu.count("watch", "endpointslices")
         gone_before = daemon.log_path.read_text().count(GONE_LOG)
         syncs_before = daemon.status()["syncs"]
@@ -676,7 +676,7 @@ def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
         r.figures["changes during the storm"] = changes
         r.figures["watches ended by 410 Gone (all kinds)"] = gone
         r.check(gone >= changes // 4, f"only {gone} watches ended with 410 Gone")
-        r.figures["relists (EndpointSlice)"] = emu.count("list", "endpointslices") - lists_before
+        r.figures["relists (EndpointSlice)"] = emu.count_lists("endpointslices") - lists_before
         r.figures["watches started (EndpointSlice)"] = (emu.count("watch", "endpointslices")
                                                         - watches_before)
         r.figures["syncs"] = daemon.status()["syncs"] - syncs_before

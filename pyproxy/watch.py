@@ -123,7 +123,14 @@ class _NotServedIsEmpty:
         if not kwargs.get("watch"):
             log.info("resource not served by the API server: taken as none", kind=self.kind)
             return _Response(b'{"items": [], "metadata": {"resourceVersion": ""}}')
+        if kwargs.get("send_initial_events"):  # a streamed list of nothing
+            log.info("resource not served by the API server: taken as none", kind=self.kind)
+            return _Response(_EMPTY_STREAMED_LIST)
         return _Response(b"", quiet_for=float(kwargs.get("timeout_seconds") or 300))
+
+
+_EMPTY_STREAMED_LIST = json.dumps({"type": "BOOKMARK", "object": {"metadata": {
+    "resourceVersion": "", "annotations": {"k8s.io/initial-events-end": "true"}}}}).encode()
 
 
 @dataclass
@@ -134,6 +141,8 @@ class _Response:
     quiet_for: float = 0.0
 
     def stream(self, amt: int = 0, decode_content: bool = True) -> Iterator[bytes]:
+        if self.data:
+            yield self.data + b"\n"
         # Empty chunks once a second: the reflector checks its stop event after each one.
         deadline = time.monotonic() + self.quiet_for
         while time.monotonic() < deadline:
@@ -143,9 +152,20 @@ class _Response:
     def release_conn(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class Expired(Exception):
     """The watch position is older than the server's history (410 Gone)."""
+
+
+class WatchListRefused(Exception):
+    """The server does not stream lists (sendInitialEvents): list in pages instead."""
+
+
+# The annotation of the bookmark that ends a streamed list's initial events.
+INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 
 
 @dataclass
@@ -190,7 +210,7 @@ class Reflector:
                  on_synced: Callable[[], None], stop: threading.Event,
                  watch_timeout: int = MIN_WATCH_TIMEOUT,
                  read_timeout: float = WATCH_READ_TIMEOUT,
-                 page_size: int = LIST_PAGE_SIZE) -> None:
+                 page_size: int = LIST_PAGE_SIZE, watch_list: bool = True) -> None:
         self.api_client = api_client
         self.resource = resource
         self.handler = handler
@@ -202,6 +222,8 @@ class Reflector:
         # A stream silent for longer (not even a bookmark) is considered stalled.
         self.read_timeout = read_timeout
         self.page_size = page_size
+        # Ask for a streamed list first; False once the server has refused one.
+        self.watch_list = watch_list
         self.status = WatchStatus(resource.kind)
         self._known: set[ObjectKey] = set()
         self._backoff = Backoff()
@@ -239,6 +261,74 @@ class Reflector:
         return fn(_preload_content=False, **kwargs)
 
     def _list(self) -> str:
+        """The whole state: streamed through one watch (the server's watch-list) where it is
+        served, otherwise read in pages."""
+        if self.watch_list:
+            try:
+                return self._stream_list()
+            except WatchListRefused as err:
+                # An API server before 1.27, or with the WatchList feature off, refuses the
+                # parameters (400/422); it is asked once per reflector.
+                self.watch_list = False
+                log.info("streaming list not served, listing in pages",
+                         kind=self.resource.kind, reason=str(err)[:200])
+        return self._paged_list()
+
+    def _stream_list(self) -> str:
+        """client-go's watch-list: one watch with sendInitialEvents streams every object as
+        ADDED, then a bookmark marked k8s.io/initial-events-end carrying the snapshot's
+        resourceVersion. One request however big the list (the token bucket of
+        clientConnection.qps/burst is not spent on pages), and one object in memory at a time
+        instead of a page of 500."""
+        started = time.monotonic()
+        try:
+            response = self._call(
+                watch=True, send_initial_events=True, resource_version_match="NotOlderThan",
+                allow_watch_bookmarks=True,
+                timeout_seconds=int(self.watch_timeout * (1 + random.random())),
+                _request_timeout=(10, self.read_timeout))
+        except Exception as err:
+            if getattr(err, "status", None) in (400, 422):
+                raise WatchListRefused(str(err)) from err
+            raise
+        self.status.connected = True
+        seen: set[ObjectKey] = set()
+        version: str | None = None
+        handling = 0.0
+        try:
+            with gc_paused():  # as for a page: conversion makes many objects without cycles
+                for event in _events(response, self.stop):
+                    kind, obj = event.get("type"), event.get("object") or {}
+                    meta = obj.get("metadata") or {}
+                    if kind == "BOOKMARK":
+                        if (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
+                            version = str(meta.get("resourceVersion") or "")
+                            break
+                        continue
+                    if kind == "ERROR":
+                        self._handle(event, "")  # raises
+                    key = _key(obj)
+                    began = time.monotonic()
+                    if kind == "DELETED":
+                        seen.discard(key)
+                        self.handler(key, None)
+                    else:
+                        seen.add(key)
+                        self.handler(key, obj)
+                    handling += time.monotonic() - began
+        finally:
+            response.close()  # not drained: the connection cannot go back to the pool
+            response.release_conn()
+        if version is None:
+            if self.stop.is_set():
+                return ""
+            raise RuntimeError("the streamed list ended before its initial-events-end bookmark")
+        elapsed = time.monotonic() - started
+        # Waiting for the server and decoding are interleaved in a stream: reported together.
+        self._listed(seen, version, started, elapsed - handling, 0.0)
+        return version
+
+    def _paged_list(self) -> str:
         seen: set[ObjectKey] = set()
         version = ""
         limit, token = self.page_size, ""
@@ -270,6 +360,12 @@ class Reflector:
             del body
             if not token:
                 break
+        self._listed(seen, version, started, waited, decoding)
+        return version
+
+    def _listed(self, seen: set[ObjectKey], version: str, started: float, waited: float,
+                decoding: float) -> None:
+        """A complete list: status, reconciliation, and "synced" the first time."""
         self.status.lists += 1
         self.status.connected = True
         self.status.last_list_seconds = round(time.monotonic() - started, 3)
@@ -283,7 +379,6 @@ class Reflector:
         if not self.status.synced:
             self.status.synced = True
             self.on_synced()
-        return version
 
     def _page(self, limit: int, token: str) -> tuple[dict[str, Any], float, float]:
         """One page, the seconds spent waiting for it (request and transfer) and those

@@ -150,10 +150,10 @@ def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
 
 @contextlib.contextmanager
 def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
-            page_size: int) -> Iterator[Reflector]:
+            page_size: int = 500, watch_list: bool = False) -> Iterator[Reflector]:
     stop = threading.Event()
     refl = Reflector(emu.api_client(), services_resource(), handle, synced.set, stop,
-                     page_size=page_size)
+                     page_size=page_size, watch_list=watch_list)
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:
@@ -179,6 +179,50 @@ def test_lists_are_read_in_pages(emu: ApiEmulator) -> None:
         emu.create("services", service("later"))
         wait(lambda: "later" in rec.names())
         assert rec.events == 6
+
+
+def test_lists_are_streamed_through_one_watch(emu: ApiEmulator) -> None:
+    for i in range(5):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, watch_list=True) as refl:
+        assert rec.synced.wait(5)
+        assert rec.names() == {f"svc-{i}" for i in range(5)}
+        assert emu.count("list", "services") == 0  # no list request at all
+        assert refl.status.lists == 1 and refl.watch_list
+        # The watch after it resumes from the end bookmark's version.
+        emu.wait_for_watches(1, "services")
+        emu.create("services", service("later"))
+        wait(lambda: "later" in rec.names())
+        assert rec.events == 6
+        assert emu.count("watch", "services") == 2  # the streamed list, then the watch
+
+
+def test_a_streamed_relist_reconciles_deletions(emu: ApiEmulator) -> None:
+    for i in range(3):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, watch_list=True) as refl:
+        assert rec.synced.wait(5)
+        emu.wait_for_watches(1, "services")
+        emu.drop_connections()
+        emu.delete("services", "svc-0", "ns")
+        emu.compact()  # the watch resumes into 410 Gone: a streamed list again
+        wait(lambda: refl.status.lists == 2)
+        wait(lambda: rec.names() == {"svc-1", "svc-2"})
+        assert emu.count("list", "services") == 0
+
+
+def test_a_server_without_streamed_lists_is_listed_in_pages() -> None:
+    with ApiEmulator(bookmark_interval=0.2, watch_list=False) as emu:
+        for i in range(3):
+            emu.create("services", service(f"svc-{i}"))
+        rec = Recorder()
+        with running(emu, rec.handle, rec.synced, page_size=2, watch_list=True) as refl:
+            assert rec.synced.wait(5)
+            assert rec.names() == {"svc-0", "svc-1", "svc-2"}
+            assert emu.count("list", "services") == 2
+            assert not refl.watch_list  # asked once, then pages only
 
 
 def test_list_snapshot_expiring_between_pages_lists_again_in_one_piece(

@@ -441,6 +441,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _watch_options(self, query: Mapping[str, str]) -> _WatchOptions:
         send_initial = query.get("sendInitialEvents") in _TRUE
+        if send_initial and not self.emu.watch_list:
+            raise ApiError(422, "Invalid", "sendInitialEvents: Forbidden: sendInitialEvents is "
+                           "forbidden for watch unless the WatchList feature gate is enabled")
         bookmarks = query.get("allowWatchBookmarks") in _TRUE
         if send_initial and (query.get("resourceVersionMatch") != "NotOlderThan" or not bookmarks):
             raise ApiError(
@@ -703,7 +706,10 @@ class ApiEmulator:
         join_timeout: float = 5.0,
         request_log_size: int = 100_000,
         unserved: Iterable[str] = (),
+        watch_list: bool = True,
     ) -> None:
+        # False: refuse sendInitialEvents as a server with the WatchList feature off does.
+        self.watch_list = watch_list
         # Resources (plurals) answered 404 like an API the server does not have (an older
         # server without ServiceCIDRs). Discovery still lists them.
         self.unserved = frozenset(unserved)
@@ -885,6 +891,19 @@ class ApiEmulator:
                 and (method is None or r.method == method)
                 and (path is None or r.path == path)
                 and (status is None or r.status == status)
+            )
+
+    def count_lists(self, resource: str) -> int:
+        """Complete lists asked for: first pages of paged lists and streamed lists (watches
+        with sendInitialEvents), what a reflector does once per (re)list."""
+        plural = _resolve(resource).plural
+        with self._lock:
+            return sum(
+                1
+                for r in self._counters.records
+                if r.resource == plural
+                and ((r.verb == "list" and not r.query.get("continue"))
+                     or (r.verb == "watch" and r.query.get("sendInitialEvents") in _TRUE))
             )
 
     def reset_counters(self) -> None:
