@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip openssl
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon demo clean k8s k8s-path
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy demo clean k8s k8s-path
 
 all: test
 
@@ -68,6 +68,12 @@ bench: venv
 
 bench-daemon: venv
 	$(BIN)/python bench/bench_daemon.py $(BENCH_FLAGS)
+
+# pyproxy against the real kube-proxy (nftables mode) of the control plane's release, on one
+# cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes):
+# VS_FLAGS e.g. --sizes 1000x10 --json out.json.
+bench-vs-kube-proxy: venv k8s
+	$(BIN)/python bench/bench_vs_kube_proxy.py $(VS_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
