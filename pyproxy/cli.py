@@ -79,11 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.set_defaults(handler=_cmd_render if name == "render" else _cmd_apply)
 
     cleanup = commands.add_parser(
-        "cleanup", help="remove everything pyproxy programmed (its nftables tables)",
-        description="Delete pyproxy's nftables tables (ip and ip6) in this network namespace.")
+        "cleanup", help="remove pyproxy's rules, or with --kube-proxy kube-proxy's",
+        description="Delete pyproxy's nftables tables (ip and ip6) in this network namespace. "
+                    "With --kube-proxy, delete what kube-proxy left behind instead and leave "
+                    "pyproxy's tables alone (docs/deploying.md, migrating from kube-proxy).")
     cleanup.add_argument("--kube-proxy", action="store_true",
-                         help="also remove what kube-proxy left behind (its nftables tables "
-                              "and KUBE-* iptables chains), when migrating")
+                         help="remove kube-proxy's nftables tables (ip/ip6 kube-proxy) and the "
+                              "iptables chains of its iptables and ipvs modes, not pyproxy's; "
+                              "refused while pyproxy has no table here")
+    cleanup.add_argument("--force", action="store_true",
+                         help="with --kube-proxy: even where pyproxy has not programmed the "
+                              "node (it is then left without any Service rules)")
     cleanup.set_defaults(handler=_cmd_cleanup)
 
     _live_commands(commands)
@@ -182,14 +188,32 @@ def _cmd_apply(args: argparse.Namespace) -> int:
 
 
 def _cmd_cleanup(args: argparse.Namespace) -> int:
+    if args.kube_proxy:
+        return _cleanup_kube_proxy(args.force)
+    if args.force:
+        raise UsageError("--force goes with --kube-proxy")
     for family in IPFamily:
         Applier(family.nft_family).cleanup()
-    if args.kube_proxy:
-        from pyproxy.kubeproxy_cleanup import cleanup_kube_proxy
-
-        for line in cleanup_kube_proxy():
-            print(line)
     return EXIT_OK
+
+
+def _cleanup_kube_proxy(force: bool) -> int:
+    """Only kube-proxy's leftovers: this runs on a node pyproxy programs (while it runs), and
+    deleting pyproxy's tables too would leave the node without Service rules until its next
+    sync repaired them."""
+    from pyproxy.kubeproxy_cleanup import cleanup_kube_proxy, pyproxy_tables_present
+
+    if not force and not pyproxy_tables_present():
+        print("pyproxy: no pyproxy table in this network namespace: kube-proxy's rules are "
+              "the only Service rules here. Run pyproxy first and wait for its first sync "
+              "(pyproxy status), or pass --force.", file=sys.stderr)
+        return EXIT_ERROR
+    outcome = cleanup_kube_proxy()
+    for line in outcome.removed or ["nothing of kube-proxy's was left"]:
+        print(line)
+    for line in outcome.failed:
+        print(f"pyproxy: failed: {line}", file=sys.stderr)
+    return EXIT_ERROR if outcome.failed else EXIT_OK
 
 
 def _cmd_explain(args: argparse.Namespace) -> int:
