@@ -174,8 +174,9 @@ uninstall:
 # `make chaos`: the long versions of the reliability and security drills (docs/drills.md) in
 # throwaway network namespaces, as root: the 60 s API outage, 10 SIGKILLs, 10,000 generated
 # objects… (about 10 minutes). Prints each drill's figures and the table of faults.
+# The kube-proxy migration drill runs the real control plane and kube-proxy: `k8s` builds them.
 # CHAOS_FLAGS: e.g. --only outage, --markdown FILE, --json FILE, --seed N.
 CHAOS_FLAGS ?=
 .PHONY: chaos
-chaos: venv
+chaos: venv k8s
 	$(BIN)/python drills/chaos.py $(CHAOS_FLAGS)

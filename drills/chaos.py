@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from netlab import NETNS_USABLE, Lab
 
+from drills import migration
 from drills import scenarios as d
 
 Drill = tuple[str, Callable[[d.Env], d.Result | list[d.Result]]]
@@ -49,6 +50,9 @@ def drills(seed: int) -> list[Drill]:
         ("inputs", d.input_cases),
         ("oversized", lambda env: d.oversized(env, slices=20, ports=100, port_endpoints=1000)),
         ("security", d.security),
+        # Starts its own control plane (make k8s builds it).
+        ("kube-proxy-migration", lambda env: migration.chaos(env, round_trips=3, hold_s=10.0,
+                                                             clients=16, extra=20)),
     ]
 
 
