@@ -175,12 +175,16 @@ def test_runs_with_the_manifests_identity(node: Node) -> None:
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
-    events = client.EventsV1Api(node.kube.api).list_namespaced_event(
-        "default", field_selector="regarding.name=node-a")
-    assert any(e.reason == "Starting" and e.reporting_controller == "pyproxy.io/pyproxy"
-               for e in events.items), [e.reason for e in events.items]
+    def started() -> bool:
+        events = client.EventsV1Api(node.kube.api).list_namespaced_event(
+            "default", field_selector="regarding.name=node-a")
+        return any(e.reason == "Starting" and e.reporting_controller == "pyproxy.io/pyproxy"
+                   for e in events.items)
+
+    wait_for(started, 20, "pyproxy's Starting event on node-a")
     log = node.daemon.log.read_text()
-    assert "Forbidden" not in log and "403" not in log, log[-2000:]
+    # The client's errors read "ApiException: (403) Reason: Forbidden …".
+    assert "Forbidden" not in log and "(403)" not in log, log[-2000:]
     assert "event recorded" in log
 
     token = yaml.safe_load(node.kubeconfig.read_text())["users"][0]["user"]["token"]
