@@ -600,8 +600,8 @@ def report(args: argparse.Namespace, info: dict[str, Any], py: list[dict[str, An
 
         w(f"  {len(chained)} of the changes created a new shared pick chain (a service "
           f"reaching an endpoint count no other had): {listed('total_ms')} ms, of which "
-          f"kernel {listed('kernel_ms')} and re-reading the table's structure for the "
-          f"tamper check {listed('other_ms')}; included above")
+          f"kernel {listed('kernel_ms')} and other {listed('other_ms')} (no longer a read of "
+          f"the table's structure: only the periodic tamper check reads it); included above")
     w(f"  a full GC collection on this heap ({first['gc_tracked_objects'] / 1e6:.1f} M tracked "
       f"objects) pauses {first['gc_full_pause_ms']:.0f} ms; it can land on any sync")
     rs = first["resync"]
