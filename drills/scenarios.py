@@ -868,10 +868,13 @@ TAMPERS = {
 
 
 def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMPERS),
-           bench: SnapshotBench | None = None) -> Result:
+           bench: SnapshotBench | None = None, max_failed: int = 50) -> Result:
     """Each tamper is announced by the kernel's nftables change events and repaired at once
     (the periodic structure check every syncPeriod is only the backstop). The issue's goals:
-    repaired within 0.2 s, at most 50 failed connections in the long drill."""
+    repaired within 0.2 s, at most 50 failed connections (`max_failed`) in the long drill.
+    How many fail depends on where the probe is when it happens: without the base chain or
+    the map, `cluster-ips-check` rejects at once and the probe fails a connection every
+    ~0.25 ms of the ~10 ms from the tamper's commit to the repair's."""
     which = list(which)
     with snapshot_bench(env, bench, "tamper", sync_period=sync_period) as b:
         daemon = b.daemon
@@ -915,7 +918,8 @@ def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMP
                     f"{label}: not healthy after the repair: {after}")
         probe.finish()
         r.add_probe(probe)
-        r.check(probe.failed <= 50, f"{probe.failed} connections failed (goal: at most 50)")
+        r.check(probe.failed <= max_failed,
+                f"{probe.failed} connections failed (at most {max_failed})")
         repairs = daemon.metric("pyproxy_table_repairs_total") - repairs_before
         r.check(repairs >= len(which), f"pyproxy_table_repairs_total counted {repairs}")
         history = [h for h in daemon.history() if h["reason"] == REPAIR_REASON]
