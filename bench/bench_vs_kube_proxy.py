@@ -369,6 +369,11 @@ def run_size(plane: ControlPlane, services: int, endpoints: int,
                                  synth, cluster, args.flips, args.churn_flips,
                                  args.memory_changes).figures
             print(f"  {name}: {json.dumps(runs[name])}", flush=True)
+            if args.logs:  # the proxy's own log, for where its time went
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                log = lab.workdir / f"{name}.log"
+                (Path(args.logs) / f"{services}x{endpoints}-{name}.log").write_bytes(
+                    log.read_bytes())
         kube.core.delete_node("node-a")
         return {"services": services, "endpoints": endpoints, "load_s": load_s,
                 "runs": runs}
@@ -411,6 +416,7 @@ def main() -> int:
     parser.add_argument("--order", default="kube-proxy,pyproxy",
                         type=lambda s: s.split(","))
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--logs", help="copy each proxy's log into this folder")
     args = parser.parse_args()
     bin_dir = binaries_dir()
     if missing_binaries(bin_dir):

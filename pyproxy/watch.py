@@ -164,6 +164,20 @@ class WatchListRefused(Exception):
     """The server does not stream lists (sendInitialEvents): list in pages instead."""
 
 
+class _Bigger(Exception):
+    """The list has more than one page: stream it (seen: the first page's objects)."""
+
+    def __init__(self, seen: frozenset[tuple[str, str]]) -> None:
+        super().__init__(f"{len(seen)} objects and more")
+        self.seen = seen
+
+
+# A list of up to this many objects is one request (decoded at once, ~6 MB of dicts per
+# 1,000 Services); a longer one is streamed. Streamed lists cost a bookmark tick (about a
+# second) at the end, pages a token of the qps/burst bucket each.
+SMALL_LIST = 2000
+
+
 # The annotation of the bookmark that ends a streamed list's initial events.
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 
@@ -210,7 +224,8 @@ class Reflector:
                  on_synced: Callable[[], None], stop: threading.Event,
                  watch_timeout: int = MIN_WATCH_TIMEOUT,
                  read_timeout: float = WATCH_READ_TIMEOUT,
-                 page_size: int = LIST_PAGE_SIZE, watch_list: bool = True) -> None:
+                 page_size: int = LIST_PAGE_SIZE, watch_list: bool = True,
+                 small_list: int = SMALL_LIST) -> None:
         self.api_client = api_client
         self.resource = resource
         self.handler = handler
@@ -224,6 +239,7 @@ class Reflector:
         self.page_size = page_size
         # Ask for a streamed list first; False once the server has refused one.
         self.watch_list = watch_list
+        self.small_list = small_list
         self.status = WatchStatus(resource.kind)
         self._known: set[ObjectKey] = set()
         self._backoff = Backoff()
@@ -261,11 +277,16 @@ class Reflector:
         return fn(_preload_content=False, **kwargs)
 
     def _list(self) -> str:
-        """The whole state: streamed through one watch (the server's watch-list) where it is
-        served, otherwise read in pages."""
+        """The whole state in the fewest requests: a list that fits in one page of
+        small_list objects is that one request; a bigger one is streamed through one watch
+        (the server's watch-list) where it is served, otherwise read in pages."""
         if self.watch_list:
             try:
-                return self._stream_list()
+                return self._paged_list(stream_beyond_first_page=True)
+            except _Bigger as bigger:
+                first_page = bigger.seen
+            try:
+                return self._stream_list(first_page)
             except WatchListRefused as err:
                 # An API server before 1.27, or with the WatchList feature off, refuses the
                 # parameters (400/422); it is asked once per reflector.
@@ -274,12 +295,15 @@ class Reflector:
                          kind=self.resource.kind, reason=str(err)[:200])
         return self._paged_list()
 
-    def _stream_list(self) -> str:
+    def _stream_list(self, first_page: frozenset[ObjectKey] = frozenset()) -> str:
         """client-go's watch-list: one watch with sendInitialEvents streams every object as
         ADDED, then a bookmark marked k8s.io/initial-events-end carrying the snapshot's
         resourceVersion. One request however big the list (the token bucket of
         clientConnection.qps/burst is not spent on pages), and one object in memory at a time
-        instead of a page of 500."""
+        instead of a page of 500. The API server sends the end bookmark on its next
+        bookmark tick (about a second), which is why small lists are read as one page.
+        first_page: objects a first page already handed over; those the stream does not
+        have were deleted meanwhile."""
         started = time.monotonic()
         try:
             response = self._call(
@@ -325,13 +349,16 @@ class Reflector:
             raise RuntimeError("the streamed list ended before its initial-events-end bookmark")
         elapsed = time.monotonic() - started
         # Waiting for the server and decoding are interleaved in a stream: reported together.
+        self._known |= first_page - seen
         self._listed(seen, version, started, elapsed - handling, 0.0)
         return version
 
-    def _paged_list(self) -> str:
+    def _paged_list(self, stream_beyond_first_page: bool = False) -> str:
+        """The list in pages of page_size (the first of small_list when a bigger list is to
+        be streamed instead: _Bigger then says so, after handing that page over)."""
         seen: set[ObjectKey] = set()
         version = ""
-        limit, token = self.page_size, ""
+        limit, token = (self.small_list if stream_beyond_first_page else self.page_size), ""
         started, waited, decoding = time.monotonic(), 0.0, 0.0
         while True:
             try:
@@ -360,6 +387,8 @@ class Reflector:
             del body
             if not token:
                 break
+            if stream_beyond_first_page:
+                raise _Bigger(frozenset(seen))
         self._listed(seen, version, started, waited, decoding)
         return version
 

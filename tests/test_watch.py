@@ -150,10 +150,11 @@ def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
 
 @contextlib.contextmanager
 def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
-            page_size: int = 500, watch_list: bool = False) -> Iterator[Reflector]:
+            page_size: int = 500, watch_list: bool = False,
+            small_list: int = 2000) -> Iterator[Reflector]:
     stop = threading.Event()
     refl = Reflector(emu.api_client(), services_resource(), handle, synced.set, stop,
-                     page_size=page_size, watch_list=watch_list)
+                     page_size=page_size, watch_list=watch_list, small_list=small_list)
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:
@@ -181,28 +182,58 @@ def test_lists_are_read_in_pages(emu: ApiEmulator) -> None:
         assert rec.events == 6
 
 
-def test_lists_are_streamed_through_one_watch(emu: ApiEmulator) -> None:
+def test_a_small_list_is_one_request(emu: ApiEmulator) -> None:
     for i in range(5):
         emu.create("services", service(f"svc-{i}"))
     rec = Recorder()
-    with running(emu, rec.handle, rec.synced, watch_list=True) as refl:
+    with running(emu, rec.handle, rec.synced, watch_list=True, small_list=10) as refl:
         assert rec.synced.wait(5)
         assert rec.names() == {f"svc-{i}" for i in range(5)}
-        assert emu.count("list", "services") == 0  # no list request at all
+        assert emu.count("list", "services") == 1 and refl.status.lists == 1
+        emu.wait_for_watches(1, "services")
+        assert emu.count("watch", "services") == 1  # no streamed list: the watch only
+
+
+def test_a_bigger_list_is_streamed_through_one_watch(emu: ApiEmulator) -> None:
+    for i in range(5):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, watch_list=True, small_list=2) as refl:
+        assert rec.synced.wait(5)
+        assert rec.names() == {f"svc-{i}" for i in range(5)}
+        # One page of 2 says the list is bigger; the rest comes in one streamed list.
+        assert emu.count("list", "services") == 1
         assert refl.status.lists == 1 and refl.watch_list
         # The watch after it resumes from the end bookmark's version.
         emu.wait_for_watches(1, "services")
         emu.create("services", service("later"))
         wait(lambda: "later" in rec.names())
-        assert rec.events == 6
         assert emu.count("watch", "services") == 2  # the streamed list, then the watch
+
+
+def test_an_object_of_the_first_page_gone_from_the_stream_is_deleted(
+        emu: ApiEmulator) -> None:
+    for i in range(4):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    gone = threading.Event()
+
+    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
+        rec.handle(key, obj)
+        if key[1] == "svc-0" and obj is not None and not gone.is_set():
+            gone.set()  # between the first page and the streamed list
+            emu.delete("services", "svc-0", "ns")
+
+    with running(emu, handle, rec.synced, watch_list=True, small_list=2):
+        assert rec.synced.wait(5)
+        wait(lambda: rec.names() == {"svc-1", "svc-2", "svc-3"})
 
 
 def test_a_streamed_relist_reconciles_deletions(emu: ApiEmulator) -> None:
     for i in range(3):
         emu.create("services", service(f"svc-{i}"))
     rec = Recorder()
-    with running(emu, rec.handle, rec.synced, watch_list=True) as refl:
+    with running(emu, rec.handle, rec.synced, watch_list=True, small_list=1) as refl:
         assert rec.synced.wait(5)
         emu.wait_for_watches(1, "services")
         emu.drop_connections()
@@ -210,7 +241,6 @@ def test_a_streamed_relist_reconciles_deletions(emu: ApiEmulator) -> None:
         emu.compact()  # the watch resumes into 410 Gone: a streamed list again
         wait(lambda: refl.status.lists == 2)
         wait(lambda: rec.names() == {"svc-1", "svc-2"})
-        assert emu.count("list", "services") == 0
 
 
 def test_a_server_without_streamed_lists_is_listed_in_pages() -> None:
@@ -218,10 +248,12 @@ def test_a_server_without_streamed_lists_is_listed_in_pages() -> None:
         for i in range(3):
             emu.create("services", service(f"svc-{i}"))
         rec = Recorder()
-        with running(emu, rec.handle, rec.synced, page_size=2, watch_list=True) as refl:
+        with running(emu, rec.handle, rec.synced, page_size=2, watch_list=True,
+                     small_list=2) as refl:
             assert rec.synced.wait(5)
             assert rec.names() == {"svc-0", "svc-1", "svc-2"}
-            assert emu.count("list", "services") == 2
+            # The first page, the refused stream, then the list in pages from the start.
+            assert emu.count("list", "services") == 3
             assert not refl.watch_list  # asked once, then pages only
 
 
