@@ -14,6 +14,7 @@ from pyproxy.debug import Handler
 from pyproxy.explain import explain_report, port_entry
 from pyproxy.health import ProxyHealth
 from pyproxy.model import ServiceKey, ip_family
+from pyproxy.nft import inject_faults, pending_faults
 from pyproxy.proxier import FamilyProxier
 from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.trace import trace
@@ -81,12 +82,9 @@ def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str
     """Check every element the trace relied on against the kernel: the answer holds for
     the kernel only if each is there with the same value. Returns the mismatches."""
     problems = []
-    getter = getattr(proxier.applier.nft, "get_element", None)
-    if getter is None:
-        return ["this applier cannot read the kernel"]
     for container, element in consulted:
         key = element.split(" : ", 1)[0].split(" comment ", 1)[0]
-        found = getter(proxier.applier.family, container, key)
+        found = proxier.applier.nft.get_element(proxier.applier.family, container, key)
         if found != element:
             problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
     return problems
@@ -156,10 +154,11 @@ def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunn
         if "fail" in query:
             count = parse_fault_count(query["fail"])
             for applier in appliers:
-                applier.fail_next = count
+                inject_faults(applier, count)
             log.warning("fault injection: transactions will fail", fail_next=count,
                         families=[a.family for a in appliers])
-        return {"failNext": {p.applier.family: p.applier.fail_next for p in proxier.proxiers}}
+        return {"failNext": {p.applier.family: pending_faults(p.applier)
+                             for p in proxier.proxiers}}
 
     return {
         "/status": locked(status), "/services": locked(services), "/explain": locked(explain),

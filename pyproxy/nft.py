@@ -37,10 +37,85 @@ class NftError(RuntimeError):
     """The kernel or libnftables refused a transaction; nothing of it was applied."""
 
 
-class Runner(Protocol):
-    """What the applier needs from libnftables (a fake in tests that don't need a kernel)."""
+class Kernel(Protocol):
+    """What the applier needs from the kernel's nftables: `LibNftables` in production, the
+    stateful fake (tests/fakes.py) where no namespace is needed. Every method names our
+    table by family; listings return None where the object does not exist."""
 
-    def run(self, script: str) -> str: ...
+    def run(self, script: str) -> str:
+        """Commit `script` as one transaction (all or nothing); NftError if refused."""
+        ...
+
+    def renew(self) -> None:
+        """Drop whatever the connection caches of the table (after a full sync)."""
+        ...
+
+    def list_structure(self, family: str) -> str | None:
+        """Our table as a terse listing: chains, rules, set declarations, no elements."""
+        ...
+
+    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
+        """The elements of one set or map as nft prints them."""
+        ...
+
+    def get_element(self, family: str, container: str, key: str) -> str | None:
+        """One element as the kernel holds it."""
+        ...
+
+    def list_names(self, family: str) -> tuple[list[str], list[str]]:
+        """Names of our table's chains and of its sets and maps (empty: no table)."""
+        ...
+
+
+class FaultyKernel:
+    """A kernel that refuses the next `fail_next` sync transactions before they reach
+    `inner`, as if the kernel did: the debug socket's /fault, for the drills
+    (docs/drills.md). Installed in front of an applier's kernel only when a fault is
+    asked for; everything else goes to `inner`. The deletion of stale chains (a transaction
+    of its own, before a sync's) is let through: refused, it is only counted and retried,
+    and it would take the fault meant for the sync."""
+
+    def __init__(self, inner: Kernel) -> None:
+        self.inner = inner
+        self.fail_next = 0
+
+    def run(self, script: str) -> str:
+        if self.fail_next > 0 and script and not _only_chain_deletions(script):
+            self.fail_next -= 1
+            raise NftError("injected fault: transaction refused (debug socket /fault)")
+        return self.inner.run(script)
+
+    def renew(self) -> None:
+        self.inner.renew()
+
+    def list_structure(self, family: str) -> str | None:
+        return self.inner.list_structure(family)
+
+    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
+        return self.inner.list_elements(family, kind, name)
+
+    def get_element(self, family: str, container: str, key: str) -> str | None:
+        return self.inner.get_element(family, container, key)
+
+    def list_names(self, family: str) -> tuple[list[str], list[str]]:
+        return self.inner.list_names(family)
+
+
+def _only_chain_deletions(script: str) -> bool:
+    return all(line.startswith("delete chain ") for line in script.splitlines() if line)
+
+
+def inject_faults(applier: Applier, count: int) -> int:
+    """Make `applier`'s next `count` non-empty transactions fail (0: none); returns the
+    count now pending."""
+    if not isinstance(applier.nft, FaultyKernel):
+        applier.nft = FaultyKernel(applier.nft)
+    applier.nft.fail_next = count
+    return count
+
+
+def pending_faults(applier: Applier) -> int:
+    return applier.nft.fail_next if isinstance(applier.nft, FaultyKernel) else 0
 
 
 def _new_context() -> Any:
@@ -285,7 +360,7 @@ class Applier:
     and commits the difference in one transaction (or everything, for a full sync)."""
 
     family: str
-    nft: Any = field(default_factory=LibNftables)
+    nft: Kernel = field(default_factory=LibNftables)
     clock: Callable[[], float] = time.monotonic
     state: DesiredState = field(default_factory=DesiredState)
     need_full: bool = True
@@ -300,9 +375,6 @@ class Applier:
     committed_structure: str | None = None
     structure_changed: bool = False
     cleanup_failures: int = 0  # stale chains that could not be deleted (a metric)
-    # Fault injection (the debug socket's /fault, for drills): the next N non-empty
-    # transactions fail with NftError before reaching the kernel, as if it refused them.
-    fail_next: int = 0
     # A full sync of a store larger than this goes in transactions of at most this many
     # elements, made before break (pyproxy/staging.py): the memory peak of one huge
     # transaction was twice the daemon's steady size.
@@ -349,9 +421,6 @@ class Applier:
         script = "" if staged else cmds.text()
         t1 = self.clock()
         try:
-            if (script or staged) and self.fail_next > 0:
-                self.fail_next -= 1
-                raise NftError("injected fault: transaction refused (debug socket /fault)")
             if staged:
                 assert names is not None
                 script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
@@ -369,9 +438,7 @@ class Applier:
         if full:
             self.need_full = False
             self.started = True
-            renew = getattr(self.nft, "renew", None)
-            if renew:
-                renew()
+            self.nft.renew()
         if change is None or any(slot[0] != "element" and change.before.get(slot) != value
                                  for slot, value in change.after.items()):
             # only when a chain or a declaration really changed: a service moving to an
@@ -385,21 +452,19 @@ class Applier:
         saw the elements of the last would read them all back first). Returns the last
         transaction's text, with a line saying how many went before it."""
         count, last = 0, ""
-        renew = getattr(self.nft, "renew", None)
         for script in staging.scripts(self.family, self.state, cmds, table_exists,
                                       self.stage_chunk):
             if not script:
                 continue
             self.nft.run(script)
             count, last = count + 1, script
-            if renew:
-                renew()
+            self.nft.renew()
         return f"# staged full sync: {count} transactions, the last:\n{last}"
 
     def _commands(self, change: Change | None, full: bool) -> Commands:
         if not full and change is not None:
             return incremental_commands(self.family, change)
-        chains, sets = self.nft.list_names(self.family) if self.nft else ([], [])
+        chains, sets = self.nft.list_names(self.family)
         return full_commands(self.family, self.state, chains, sets,
                              recreate_base_chains=not self.started and bool(chains))
 
@@ -421,8 +486,7 @@ class Applier:
         self.structure_changed = True
 
     def _structure(self) -> str | None:
-        lister = getattr(self.nft, "list_structure", None)
-        return lister(self.family) if lister else None
+        return self.nft.list_structure(self.family)
 
     def expected_shape(self) -> Shape:
         """The shape the kernel's table must have: the store's chains and sets, and the
@@ -433,8 +497,8 @@ class Applier:
         """Whether chains, rules and set declarations are as we left them. Reads the table's
         structure (a terse listing, ~40 ms at 10k services): for the periodic check, not
         after every commit."""
-        if not self.started or getattr(self.nft, "list_structure", None) is None:
-            return True  # nothing committed yet, or nothing to read the kernel with
+        if not self.started:
+            return True  # nothing committed yet
         current = self._structure()
         if current is None:
             return False  # the table is gone
@@ -459,11 +523,8 @@ class Applier:
         out = self._structure_diff() if self.started else []
         if out[:1] == [f"table {self.family} {TABLE} is missing"]:
             return out
-        lister = getattr(self.nft, "list_elements", None)
-        if lister is None:
-            return out
         for name, kind, wanted in self._desired_elements():
-            found = lister(self.family, kind, name)
+            found = self.nft.list_elements(self.family, kind, name)
             if found is None:
                 out.append(f"{kind} {name}: missing")
                 continue
@@ -475,8 +536,6 @@ class Applier:
         return out
 
     def _structure_diff(self) -> list[str]:
-        if getattr(self.nft, "list_structure", None) is None:
-            return []
         current = self._structure()
         if current is None:
             return [f"table {self.family} {TABLE} is missing"]

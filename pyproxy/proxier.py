@@ -18,7 +18,7 @@ from pyproxy.ruleset import Change, DesiredState, full_commands
 from pyproxy.snapshot import ClusterState
 
 if TYPE_CHECKING:
-    from pyproxy.nft import SyncResult
+    from pyproxy.nft import Kernel, SyncResult
 
 SKELETON = "skeleton"
 
@@ -166,7 +166,7 @@ class FamilyProxier:
     """One family's table kept in step with successive cluster states (the one-shot `apply`,
     tests, and the base the daemon's incremental sync builds on)."""
 
-    def __init__(self, family: IPFamily, config: NodeConfig, nft: object | None = None) -> None:
+    def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None) -> None:
         from pyproxy.nft import Applier, LibNftables  # the I/O shell, imported where used
 
         self.family = family

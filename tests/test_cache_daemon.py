@@ -193,7 +193,7 @@ def test_updates_failing_half_way_force_a_full_sync() -> None:
     # already in its store when the stream raises, and the kernel was not written.
     nft = FakeNft()
     applier = Applier("ip", nft)
-    applier.sync({"a": _elements("10.96.0.1")})
+    applier.sync({"declared": _CLUSTER_IPS, "a": _elements("10.96.0.1")})
     assert not applier.need_full
 
     def broken() -> Iterator[tuple[Hashable, Fragment]]:
@@ -206,6 +206,9 @@ def test_updates_failing_half_way_force_a_full_sync() -> None:
     assert len(nft.scripts) == scripts and applier.need_full
     result = applier.sync({"b": _elements("10.96.0.3")})
     assert result.full and "10.96.0.2" in nft.last and "10.96.0.3" in nft.last
+
+
+_CLUSTER_IPS = Fragment((Item(Kind.SET, "cluster-ips", "", "set type ipv4_addr;"),))
 
 
 def _elements(*ips: str) -> Fragment:
