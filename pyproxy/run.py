@@ -282,8 +282,10 @@ def _log_host_setting(outcome: Outcome) -> None:
         log.info("host setting applied", **fields)
     elif outcome.action == "unchanged":
         log.debug("host setting already in place", **fields)
-    else:  # kube-proxy stops on most of these; the rules do not depend on them
-        log.warning(f"host setting {outcome.action}", **fields)
+    elif outcome.action == "skipped":
+        log.warning("host setting skipped", **fields)
+    else:  # "failed": kube-proxy stops on most of these; the rules do not depend on them
+        log.warning("host setting failed", **fields)
 
 
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
@@ -429,7 +431,8 @@ def _start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
         except OSError as err:
             if config.bind_address_hard_fail:
                 raise
-            log.error(f"{name} server not started; retrying", address=address, error=str(err))
+            log.error("server not started; retrying", server=name, address=address,
+                      error=str(err))
             threading.Thread(target=_retry_server, args=(name, start, servers, stop),
                              name=f"retry-{name}", daemon=True).start()
     return servers
@@ -442,7 +445,7 @@ def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
             servers.append(start())
         except OSError:
             continue
-        log.info(f"{name} server started")
+        log.info("server started", server=name)
         return
 
 
