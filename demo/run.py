@@ -67,8 +67,27 @@ WIDTH = 92
 # Output
 
 
+class OutputClosed(Exception):
+    """Whoever read the demo's output went away (`make demo | head`): stop, and clean up."""
+
+
+_output_closed = [False]
+
+
 def say(text: str = "") -> None:
-    print(text, flush=True)
+    """One line to stdout. Once the reader is gone the first failed write raises
+    OutputClosed, and every later one (the cleanup's report) goes nowhere."""
+    if _output_closed[0]:
+        return
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _output_closed[0] = True
+        # Python's recipe: stdout to /dev/null, or the flush at exit fails once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        raise OutputClosed from None
 
 
 def heading(text: str) -> None:
@@ -488,21 +507,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             except KeyboardInterrupt:
                 interrupted = True
                 say("\ninterrupted")
+            except OutputClosed:
+                pass  # nobody reads on: clean up below, exit as a shell reports SIGPIPE
             finally:
                 for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                     signal.signal(sig, signal.SIG_IGN)  # let the cleanup finish
-                say()
-                say("Cleaning up ...")
+                with contextlib.suppress(OutputClosed):  # the reader may go just now
+                    say()
+                    say("Cleaning up ...")
                 daemons = len(lab.procs)
                 deleted = lab.close()
                 shutil.rmtree(workdir, ignore_errors=True)
-            code = report_leftovers(started, daemons, deleted)
+            with contextlib.suppress(OutputClosed):
+                code = report_leftovers(started, daemons, deleted)
+            if _output_closed[0]:
+                return 128 + signal.SIGPIPE
             return _signal_code[0] if interrupted else 1 if failed else code
     except (DemoError, Locked) as err:
         say(f"demo: {err}")
         return 1
     except KeyboardInterrupt:  # before the lab existed
         return _signal_code[0]
+    except OutputClosed:  # before the lab existed, or while the cleanup reported
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":
