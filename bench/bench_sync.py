@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import conncount
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
@@ -153,7 +155,7 @@ class Profiler:
 
 def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
-    from synth import NODE_CONFIG, Cluster, apply_change, plan_changes
+    from synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
 
     import pyproxy.proxier as proxier_mod
     from pyproxy.model import IPFamily
@@ -331,6 +333,12 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
                      "kernel_s": r.kernel_seconds, "gc_s": g1[0] - g0[0]}
     proxier.applier.last_script = ""
     res["rss_end"] = rss()
+    if not args.no_counting:
+        from conncount import measure
+
+        log("pyproxy: counting new connections: with and without, reading the counters ...")
+        res["connections"] = measure(proxier, state, cluster, NODE_CONFIG, NODE_IP, rss,
+                                     args.seed + 2)
     prof.dump()
     return res
 
@@ -478,6 +486,8 @@ def run_in_netns(kind: str, args: argparse.Namespace, n: int) -> dict[str, Any] 
            "--services", str(args.services), "--endpoints", str(args.endpoints),
            "--changes", str(args.changes), "--seed", str(args.seed),
            "--big-service", str(args.big_service)]
+    if args.no_counting:
+        cmd.append("--no-counting")
     if args.profile and kind == "pyproxy":
         cmd += ["--profile", os.path.join(args.profile, f"run{n}")]
     if args.gc_tuned:
@@ -695,6 +705,9 @@ def report(args: argparse.Namespace, info: dict[str, Any], py: list[dict[str, An
                             "met": st["median"] <= BIG_SERVICE_TARGET_MS,
                             "p90_met": st["p90"] <= BIG_SERVICE_TARGET_MS,
                             "max_met": st["max"] <= BIG_SERVICE_TARGET_MS})
+    more_lines, more_targets = conncount.report(py)  # counting new connections
+    lines += more_lines
+    targets += more_targets
     w("")
     w("TARGETS")
     for t in targets:
@@ -746,6 +759,9 @@ def main() -> None:
                          "the cold start and gc.freeze() after it")
     ap.add_argument("--timeout", type=int, default=3600, help="per-worker timeout, seconds")
     ap.add_argument("--python", default=VENV_PY if os.path.exists(VENV_PY) else sys.executable)
+    ap.add_argument("--no-counting", action="store_true",
+                    help="skip the cost of counting new connections per endpoint (cold start "
+                         "and changes with and without it, reading the counters: ~1 min at 10k)")
     ap.add_argument("--worker", choices=("pyproxy", "baseline"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 

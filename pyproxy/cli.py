@@ -319,7 +319,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_services(args: argparse.Namespace) -> int:
-    entries = ask(args.socket, "/services", service=args.service)
+    # new connections per endpoint: a read of the kernel's counters, for the outputs showing them
+    counts = "1" if args.output in ("wide", "json") else None
+    entries = ask(args.socket, "/services", service=args.service, connections=counts)
     if args.output == "json":
         _print_json(entries)
     else:

@@ -74,10 +74,18 @@ def _endpoints(value: list[str] | None) -> str:
     return ",".join(value) if value else "<none>"
 
 
+def _connections(counts: list[dict[str, Any]] | None) -> str:
+    """`10.244.1.2:8080=12(node),10.244.2.3:8080=9(zone)`: endpoints without one are left out."""
+    if counts is None:
+        return "-"  # the daemon was not asked, or does not count
+    return ",".join(f"{c['endpoint']}={c['count']}({c['scope']})" for c in counts) or "<none>"
+
+
 def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
     header = ["SERVICE", "PORT", "TYPE", "CLUSTER-IP", "NODEPORT", "TOPOLOGY", "ENDPOINTS"]
     if wide:
-        header += ["LOCAL-ENDPOINTS", "EXTERNAL-IPS", "POLICIES", "AFFINITY"]
+        header += ["LOCAL-ENDPOINTS", "EXTERNAL-IPS", "POLICIES", "AFFINITY",
+                   "NEW-CONNECTIONS"]
     rows = [header]
     for e in entries:
         row = [e["service"], f"{e['servicePort']}/{e['protocol']}"
@@ -91,7 +99,7 @@ def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
             row += [_endpoints(e["localEndpoints"]),
                     ",".join(e["externalIPs"] + e["loadBalancerIPs"]) or "-",
                     f"int={e['internalTrafficPolicy']},ext={e['externalTrafficPolicy']}",
-                    e["sessionAffinity"]]
+                    e["sessionAffinity"], _connections(e.get("newConnections"))]
         rows.append(row)
     return "\n".join(align(rows)) + "\n"
 

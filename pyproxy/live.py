@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from pyproxy.connections import ConnectionCounters, CountingContext, Series, endpoint_family
 from pyproxy.debug import Handler
 from pyproxy.explain import explain_report, port_entry
 from pyproxy.health import ProxyHealth
@@ -90,8 +91,30 @@ def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str
     return problems
 
 
+def counting_context(proxier: Proxier) -> CountingContext:
+    """What the connection counters' labels need, copied under the sync lock."""
+    with proxier.lock:
+        state = proxier.cache.state()
+        return CountingContext(
+            tuple(ps for p in proxier.proxiers for ps in p.selections.values()),
+            state.node(proxier.cache.node_name), state.node_labels())
+
+
+def with_connections(entries: list[dict[str, Any]],
+                     totals: Mapping[Series, int]) -> list[dict[str, Any]]:
+    """Each `services` entry with `newConnections`: per endpoint of that service port and
+    family that has counted any (endpoints gone from it too, while their count is kept)."""
+    by_port: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for series, count in sorted(totals.items()):
+        by_port.setdefault((series.service, series.port, str(endpoint_family(series))), []).append(
+            {"endpoint": series.endpoint, "scope": series.scope, "count": count})
+    return [{**e, "newConnections": by_port.get((e["service"], e["port"], e["ipFamily"]), [])}
+            for e in entries]
+
+
 def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
-             source_status: Callable[[], Any]) -> dict[str, Handler]:
+             source_status: Callable[[], Any],
+             connections: ConnectionCounters | None = None) -> dict[str, Handler]:
     def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:
         def handle(query: Mapping[str, str]) -> tuple[int, Any]:
             with proxier.lock:
@@ -128,6 +151,13 @@ def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunn
                    if wanted is None or ps.port.name.service == wanted]
         return sorted(entries, key=lambda e: (e["service"], e["port"], e["ipFamily"]))
 
+    def services_handler(query: Mapping[str, str]) -> tuple[int, Any]:
+        code, entries = locked(services)(query)
+        if query.get("connections") == "1" and connections is not None:
+            # read outside the sync lock: at 10k services it takes a fraction of a second
+            entries = with_connections(entries, connections.totals())
+        return code, entries
+
     def explain(query: Mapping[str, str]) -> Any:
         wanted = service_key(query["service"]) if query.get("service") else None
         return explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
@@ -161,7 +191,7 @@ def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunn
                              for p in proxier.proxiers}}
 
     return {
-        "/status": locked(status), "/services": locked(services), "/explain": locked(explain),
+        "/status": locked(status), "/services": services_handler, "/explain": locked(explain),
         "/trace": locked(trace_handler), "/diff": locked(diff), "/history": locked(history),
         "/fault": locked(fault),
     }

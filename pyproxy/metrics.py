@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pyproxy.connections import Series
 from pyproxy.explain import PortSelection
 from pyproxy.model import TrafficPolicy
 from pyproxy.topology import TOPOLOGY_NONE
@@ -21,6 +23,8 @@ _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 # Network programming latency, upstream's buckets: 0.25 s, 0.5 s, 1..59 s by 1 s, 60..115 s by
 # 5 s, 120..300 s by 30 s.
 _NPL_BUCKETS = (0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30))
+log = structlog.get_logger("pyproxy.metrics")
+
 # What Go's time.Parse(time.RFC3339Nano, …) accepts; anything else is no trigger time.
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")
 
@@ -99,6 +103,11 @@ class Metrics:
         """Metrics computed at scrape time from the selections in force (off the sync path)."""
         self.registry.register(_SelectionCollector(selections))
 
+    def watch_connections(self, totals: Callable[[], Mapping[Series, int]]) -> None:
+        """New connections per endpoint, read from the kernel at scrape time (at most once a
+        second however many scrapers ask; pyproxy/connections.py)."""
+        self.registry.register(_ConnectionCollector(totals))
+
     def count_health(self, path: str, code: int) -> None:
         (self.healthz if path == "/healthz" else self.livez).labels(code=str(code)).inc()
 
@@ -149,3 +158,30 @@ class _SelectionCollector(Collector):
             no_local.add_metric([policy, family], count)
         yield no_local
         yield topology
+
+
+class _ConnectionCollector(Collector):
+    def __init__(self, totals: Callable[[], Mapping[Series, int]]) -> None:
+        self.totals = totals
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "pyproxy_endpoint_new_connections",
+            "New connections this node sent to each endpoint of a service port, counted by the "
+            "kernel; scope: where the endpoint runs relative to this node (node, zone, cluster)",
+            labels=list(Series._fields))
+
+    def describe(self) -> Iterator[Metric]:
+        # without it, registering would call collect(): a kernel read before the first sync
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        try:
+            totals = self.totals()
+        except Exception as err:  # the rest of /metrics must still answer
+            log.warning("connection counters not read", error=str(err))
+            totals = {}
+        for series, count in totals.items():
+            family.add_metric(list(series), count)
+        yield family

@@ -38,6 +38,8 @@ class NodeConfig:
     nodeport_addresses: tuple[str, ...] = ("primary",)
     masquerade_bit: int = 14
     masquerade_all: bool = False
+    # New connections counted per endpoint in the kernel (metrics, `services -o wide`).
+    count_connections: bool = True
 
     def render_config(self, family: IPFamily) -> RenderConfig:
         return RenderConfig(
@@ -48,6 +50,7 @@ class NodeConfig:
             node_ips=tuple(ip for ip in self.node_ips if ip_family(ip) is family),
             masquerade_bit=self.masquerade_bit,
             masquerade_all=self.masquerade_all,
+            count_connections=self.count_connections,
         )
 
     def _mode(self, family: IPFamily) -> LocalMode:

@@ -21,6 +21,7 @@ import structlog
 
 from pyproxy.cache import Checkout, ClusterCache
 from pyproxy.config import ProxyConfig
+from pyproxy.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
 from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
 from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
 from pyproxy.debug import DebugServer
@@ -28,12 +29,13 @@ from pyproxy.events import record_start
 from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.host import Outcome, apply_host_settings
-from pyproxy.live import handlers
+from pyproxy.live import counting_context, handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
 from pyproxy.model import IPFamily, Node, ServiceKey, ip_family, override_ips
 from pyproxy.nft import OWN_SOCKETS
 from pyproxy.nftevents import NftMonitor
+from pyproxy.nlsets import KernelCounters
 from pyproxy.proxier import FamilyProxier, NodeConfig
 from pyproxy.ratelimit import TokenBucket, limit_requests
 from pyproxy.runner import BoundedFrequencyRunner
@@ -330,6 +332,12 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         ConntrackWorker(metrics), on_first_sync=lambda: sd_notify("READY=1"))
     tracker.on_change.append(lambda new: reconfigure(new, proxier, observer, health))
     metrics.watch_selections(lambda: current_selections(proxier))
+    counters = KernelCounters()
+    connections = ConnectionCounters(families, lambda: counting_context(proxier),
+                                     Kernel(counters.read, counters.delete))
+    metrics.watch_connections(connections.totals)
+    threading.Thread(target=connections.run_periodically, args=(stop, REFRESH_INTERVAL),
+                     name="connection-counters", daemon=True).start()
     proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
@@ -350,7 +358,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
 
-    debug = _start_debug(config, proxier, health, runner, source)
+    debug = _start_debug(config, proxier, health, runner, source, connections)
     _install_signal_handlers(stop)
     runner.loop(stop)
     log.info("stopping; the rules stay in place")
@@ -365,8 +373,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
 
 
 def _start_debug(config: ProxyConfig, proxier: Proxier, health: ProxyHealth,
-                 runner: BoundedFrequencyRunner,
-                 source: ApiSource | SnapshotSource) -> DebugServer | None:
+                 runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
+                 connections: ConnectionCounters | None = None) -> DebugServer | None:
     if not config.debug_socket:
         return None
 
@@ -378,7 +386,7 @@ def _start_debug(config: ProxyConfig, proxier: Proxier, health: ProxyHealth,
 
     try:
         server = DebugServer(config.debug_socket,
-                             handlers(proxier, health, runner, source_status))
+                             handlers(proxier, health, runner, source_status, connections))
     except OSError as err:
         log.error("debug socket not served", path=config.debug_socket, error=str(err))
         return None

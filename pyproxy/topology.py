@@ -428,6 +428,26 @@ def endpoint_label(ep: Endpoint, key: str, node_labels: NodeLabels) -> str | Non
 
 
 # ---------------------------------------------------------------------------------------------
+# Where an endpoint is, seen from this node
+
+SCOPE_NODE, SCOPE_ZONE, SCOPE_CLUSTER = "node", "zone", "cluster"
+
+
+def endpoint_scope(ep: Endpoint, node: Node, node_labels: NodeLabels) -> str:
+    """Where an endpoint runs relative to this node: "node" (on this node, as the Local traffic
+    policies count it), "zone" (elsewhere in this node's zone: its Node's zone label when that
+    Node is known, else the EndpointSlice's zone) or "cluster" (anywhere else, a zone that is
+    unknown included, and every other node's endpoint when this node has no zone label). It
+    says where traffic went, not why the endpoint was eligible: an endpoint a zone hint lends
+    to this zone from another one is "cluster"."""
+    if ep.is_local(node.name):
+        return SCOPE_NODE
+    if node.zone and endpoint_label(ep, LABEL_ZONE, node_labels) == node.zone:
+        return SCOPE_ZONE
+    return SCOPE_CLUSTER
+
+
+# ---------------------------------------------------------------------------------------------
 # The local list
 
 

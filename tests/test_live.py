@@ -205,3 +205,37 @@ def test_trace_verify_checks_the_answer_against_the_kernel(env: tuple[Cluster, s
     finally:
         c.node.run(["nft", "add", "element", "ip", "pyproxy", "endpoints-tcp",
                     f"{{ {slot} : {' '.join(value)} }}"])
+
+
+def new_connections(c: Cluster) -> dict[tuple[str, str, str], float]:
+    """ns/web's new connections per (port, endpoint, scope), from the daemon's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = c.lab.exec_python(c.node, "import urllib.request;print(urllib.request.urlopen("
+                             "'http://127.0.0.1:10249/metrics').read().decode())").stdout
+    return {(s.labels["port"], s.labels["endpoint"], s.labels["scope"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "pyproxy_endpoint_new_connections"
+            for s in family.samples if s.labels["service"] == "ns/web"}
+
+
+def test_new_connections_per_endpoint_on_metrics_and_services(
+        env: tuple[Cluster, str, Path]) -> None:
+    c, sock, _ = env
+    scope = {"pod-a": "node", "pod-b": "cluster"}  # pod-b's node-b is not in the snapshot
+    series = {pod: ("http", f"{c.pods[pod].ip4}:8080", scope[pod]) for pod in scope}
+    before = new_connections(c)
+    landed = tally(c.lab.connect(c.client, VIP, 80, count=20, parallel=5))
+    assert set(landed) <= set(scope), landed
+    expected = {series[pod]: before.get(series[pod], 0) + n for pod, n in landed.items()}
+    # the daemon reads the kernel at most once a second: a scrape may see the previous read
+    deadline = time.monotonic() + 10
+    while (now := new_connections(c)) != {**before, **expected}:
+        assert time.monotonic() < deadline, (before, landed, now)
+        time.sleep(0.3)
+    code, text = cli(sock, "services", "ns/web", "-o", "wide")
+    assert code == 0 and "NEW-CONNECTIONS" in text, text
+    for (_, endpoint, where), count in now.items():
+        assert f"{endpoint}={int(count)}({where})" in text, text
+    entry = cli_json(sock, "services", "ns/web")[0]
+    assert sum(x["count"] for x in entry["newConnections"]) == sum(now.values())

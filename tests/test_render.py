@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from builders import ep, make_node, make_service, make_slice
 
 from pyproxy.model import IPFamily
 from pyproxy.proxier import SKELETON, NodeConfig, fragments
-from pyproxy.render import Fragment, Item, Kind
+from pyproxy.render import BASE_CHAIN_RULES, Fragment, Item, Kind
 from pyproxy.ruleset import Change, DesiredState, full_commands, incremental_commands
 from pyproxy.snapshot import build_state
 
@@ -176,6 +177,54 @@ def test_protocols_get_their_own_maps() -> None:
     assert not elements(items, "endpoints-udp")  # slice port is "http"/TCP: no endpoints
     items = frag(spec(ports=[{"name": "http", "port": 53, "protocol": "SCTP"}]), [])
     assert "10.96.0.10 . sctp . 53" in elements(items, "no-endpoint-services")
+
+
+# --- counting new connections -----------------------------------------------------------------
+
+
+def skeleton_of(config: NodeConfig, family: IPFamily) -> set[Item]:
+    return set(fragments(build_state(NODES), config, family)[SKELETON].items)
+
+
+def test_new_connections_are_counted_after_dnat_in_dynamic_sets() -> None:
+    items = skeleton_of(CONFIG, IPFamily.IPv4)
+    sets = {i.container: i.value for i in items if i.kind is Kind.SET
+            and i.container.startswith("new-connections-")}
+    assert sorted(sets) == [f"new-connections-{n}" for n in range(8)]
+    assert all(v.startswith("set type ipv4_addr . inet_proto . inet_service . ipv4_addr . "
+                            "inet_service; size 131072; flags dynamic;") for v in sets.values())
+    rules = chains(items)["count-new-connections"]
+    assert len(rules) == 3 * 8
+    assert rules[3] == (
+        "meta l4proto tcp ip daddr & 0.0.0.7 == 0.0.0.3 update @new-connections-3 { ct original "
+        "ip daddr . meta l4proto . ct original proto-dst . ip daddr . th dport counter }")
+    assert rules[8].startswith("meta l4proto udp ip daddr & 0.0.0.7 == 0.0.0.0 ")
+    # reached from every hook after DNAT, by the first packet of a DNATed connection only
+    jump = "ct status & (dnat | confirmed) == dnat jump count-new-connections"
+    for chain in ("filter-input", "filter-forward", "filter-output-post-dnat"):
+        assert BASE_CHAIN_RULES[chain][-1] == jump
+    assert not any(jump in r for c in ("filter-prerouting", "filter-output", "nat-prerouting",
+                                       "nat-output", "nat-postrouting")
+                   for r in BASE_CHAIN_RULES[c])
+
+
+def test_new_connection_counters_in_ipv6_and_without_the_feature() -> None:
+    six = NodeConfig("node-a", node_ips=("fd00:50::1",))
+    rules = chains(skeleton_of(six, IPFamily.IPv6))["count-new-connections"]
+    assert rules[5].startswith("meta l4proto tcp ip6 daddr & ::7 == ::5 update "
+                               "@new-connections-5 { ct original ip6 daddr . meta l4proto")
+    off = skeleton_of(replace(CONFIG, count_connections=False), IPFamily.IPv4)
+    assert chains(off)["count-new-connections"] == [""]  # the base chains still jump to it
+    assert not any(i.container.startswith("new-connections-") for i in off)
+
+
+def test_a_full_sync_does_not_flush_the_counters() -> None:
+    state = DesiredState()
+    state.set(SKELETON, fragments(build_state(NODES), CONFIG, IPFamily.IPv4)[SKELETON])
+    text = full_commands("ip", state).text()
+    assert "add set ip pyproxy new-connections-0 {" in text
+    assert "flush set ip pyproxy new-connections" not in text
+    assert "flush set ip pyproxy hairpin" in text  # the others are
 
 
 # --- the slot store ---------------------------------------------------------------------------
