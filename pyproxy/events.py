@@ -18,9 +18,12 @@ from typing import Any
 
 import structlog
 
+from pyproxy.apirequest import request
+
 log = structlog.get_logger("pyproxy.events")
 
 EVENTS_NAMESPACE = "default"  # where Events about cluster-scoped objects (Nodes) go
+EVENTS_PATH = f"/apis/events.k8s.io/v1/namespaces/{EVENTS_NAMESPACE}/events"
 REPORTING_CONTROLLER = "pyproxy.io/pyproxy"
 ATTEMPTS = 5
 
@@ -55,14 +58,11 @@ def record_start(api_client: Any, node_name: str, stop: threading.Event,
     """Record the start Event in the background."""
 
     def run() -> None:
-        from kubernetes import client
-
         body = start_event(node_name)
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                # One expression, so tests/test_shipping.py sees which call the role needs.
-                client.EventsV1Api(api_client).create_namespaced_event(
-                    EVENTS_NAMESPACE, body, _request_timeout=10)  # type: ignore[arg-type]
+                response = request(api_client, "POST", EVENTS_PATH, body=body, timeout=10)
+                response.release_conn()
                 log.info("event recorded", reason=body["reason"], regarding=node_name)
                 return
             except Exception as err:

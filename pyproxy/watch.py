@@ -34,6 +34,7 @@ from typing import Any
 
 import structlog
 
+from pyproxy.apirequest import request
 from pyproxy.gcutil import gc_paused
 
 log = structlog.get_logger("pyproxy.watch")
@@ -56,37 +57,43 @@ class Resource:
     """One watched resource: how to call the client for it."""
 
     kind: str
-    # (api_client) → the client's list function for all namespaces
+    # (api_client) → a function taking list/watch options (limit, watch, resource_version…)
+    # and returning the raw response
     list_function: Callable[[Any], Callable[..., Any]]
     label_selector: str | None = None
     field_selector: str | None = None
 
 
-def services_resource() -> Resource:
-    from kubernetes import client
+def collection(path: str) -> Callable[[Any], Callable[..., Any]]:
+    """The list function of a collection path, e.g. "/api/v1/services" (all namespaces):
+    a GET through the client's ApiClient (pyproxy/apirequest.py says why not CoreV1Api)."""
 
+    def bind(api_client: Any) -> Callable[..., Any]:
+        def list_or_watch(_preload_content: bool = False, _request_timeout: Any = None,
+                          **options: Any) -> Any:
+            return request(api_client, "GET", path, query=options, timeout=_request_timeout)
+        return list_or_watch
+    return bind
+
+
+def services_resource() -> Resource:
     return Resource(
-        "Service", lambda api: client.CoreV1Api(api).list_service_for_all_namespaces,
+        "Service", collection("/api/v1/services"),
         # Services another proxy handles are not ours (as kube-proxy's informer).
         label_selector="!service.kubernetes.io/service-proxy-name",
     )
 
 
 def endpoint_slices_resource() -> Resource:
-    from kubernetes import client
-
     return Resource(
-        "EndpointSlice",
-        lambda api: client.DiscoveryV1Api(api).list_endpoint_slice_for_all_namespaces,
+        "EndpointSlice", collection("/apis/discovery.k8s.io/v1/endpointslices"),
         label_selector="!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name",
     )
 
 
 def nodes_resource(name: str | None = None) -> Resource:
-    from kubernetes import client
-
     return Resource(
-        "Node", lambda api: client.CoreV1Api(api).list_node,
+        "Node", collection("/api/v1/nodes"),
         field_selector=f"metadata.name={name}" if name else None,
     )
 
@@ -97,12 +104,9 @@ def service_cidrs_resource() -> Resource:
     answers 404: that reads as "none known", an empty list and a watch that stays quiet,
     instead of an error retried forever. Each watch asks again (every 5 to 10 minutes), so
     an upgraded server's ServiceCIDRs arrive without a restart."""
-    from kubernetes import client
-
+    servicecidrs = collection("/apis/networking.k8s.io/v1/servicecidrs")
     return Resource(
-        "ServiceCIDR",
-        lambda api: _NotServedIsEmpty("ServiceCIDR",
-                                      client.NetworkingV1Api(api).list_service_cidr))
+        "ServiceCIDR", lambda api: _NotServedIsEmpty("ServiceCIDR", servicecidrs(api)))
 
 
 @dataclass(frozen=True)

@@ -101,9 +101,24 @@ def web_service(kind: str = "ClusterIP", **spec: Any) -> dict[str, Any]:
     }
 
 
+def fresh_web(node: Node) -> None:
+    """The web Service and no pods, whatever an earlier test left behind."""
+    from kubernetes.client.exceptions import ApiException
+
+    for pod in node.kube.core.list_namespaced_pod(NAMESPACE).items:
+        node.kube.delete_pod(NAMESPACE, pod.metadata.name)
+    try:
+        node.kube.core.delete_namespaced_service("web", NAMESPACE)
+    except ApiException as err:
+        if err.status != 404:
+            raise
+    wait_for(lambda: not node.kube.core.list_namespaced_pod(NAMESPACE).items, 20, "pods gone")
+    node.kube.core.create_namespaced_service(NAMESPACE, web_service())
+
+
 def test_pods_become_endpoints_and_traffic_follows_their_state(node: Node) -> None:
     kube, ns = node.kube, NAMESPACE
-    kube.core.create_namespaced_service(ns, web_service())
+    fresh_web(node)
     # No pods yet: the service exists with no endpoints, so connections are refused.
     node.eventually_lands(VIP4, {"refused"}, what="a service without endpoints rejects")
     for name in ("pod-a", "pod-b"):
@@ -136,6 +151,7 @@ def test_pods_become_endpoints_and_traffic_follows_their_state(node: Node) -> No
 
 def test_service_type_changes(node: Node) -> None:
     kube, ns = node.kube, NAMESPACE
+    fresh_web(node)
     kube.pod(ns, "pod-c", "node-b", node.pod_ips("pod-c"), APP)
     node.eventually_lands(VIP4, {"pod-c"}, what="pod-c serves the ClusterIP")
     assert "pod-c" not in node.connect(node.cluster.node_ip4, NODE_PORT, count=3)
@@ -227,7 +243,7 @@ def test_apiserver_killed_and_history_compacted(node: Node) -> None:
     is down, so the daemon's watches resume into a real 410 Gone and list again; the change
     made after the restart arrives."""
     kube, ns, plane = node.kube, NAMESPACE, node.plane
-    kube.core.create_namespaced_service(ns, web_service())
+    fresh_web(node)
     kube.pod(ns, "pod-a", "node-b", node.pod_ips("pod-a"), APP)
     node.eventually_lands(VIP4, {"pod-a"}, what="pod-a serves")
     before = node.daemon.watches()

@@ -176,10 +176,7 @@ def test_validation_rejects_a_broken_manifest(how: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # RBAC: exactly what the daemon's API calls need
 
-# The one call outside the reflectors: pyproxy/events.py records the start Event (as
-# kube-proxy's recorder, through events.k8s.io/v1), which needs exactly this.
-KNOWN_CALLS = {"events.py: EventsV1Api": ("events.k8s.io", "events", "create"),
-               "events.py: create_namespaced_event": ("events.k8s.io", "events", "create")}
+
 
 
 class _FakeHTTPResponse:
@@ -256,11 +253,14 @@ def daemon_api_calls(factories_too: bool = True,
         def __getattr__(self, name: str) -> Any:
             return lambda *args, **kwargs: None
 
+    from pyproxy.events import record_start
+
     stop = threading.Event()
     api = RecordingApiClient(stop)
     source = ApiSource(api, Proxier(), "node-a", stop,  # type: ignore[arg-type]
                        **source_options)
     source.start()
+    record_start(api, "node-a", stop).join(10)  # what `pyproxy run` records at start
     source.watch_all_nodes()
     factories = [f for name, f in vars(watch).items()
                  if callable(f) and getattr(f, "__module__", None) == watch.__name__
@@ -321,11 +321,12 @@ def role_rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 
 
 def test_cluster_role_grants_exactly_what_the_daemon_uses(objects: dict[str, Any]) -> None:
-    outside = {re.sub(r":\d+:", ":", call) for call in api_calls_outside_reflectors()}
-    assert outside == set(KNOWN_CALLS), (
-        "pyproxy calls the Kubernetes API outside the reflectors; teach "
-        "daemon_api_calls() or KNOWN_CALLS about it and update manifests/01-rbac.yaml")
-    used = daemon_api_calls() | set(KNOWN_CALLS.values())
+    assert not api_calls_outside_reflectors(), (
+        "pyproxy calls the Kubernetes API through a generated API class; go through "
+        "pyproxy/apirequest.py, teach daemon_api_calls() about it and update "
+        "manifests/01-rbac.yaml")
+    used = daemon_api_calls()
+    assert ("events.k8s.io", "events", "create") in used  # the start Event is recorded
     expected: dict[tuple[str, str], set[str]] = {}
     for group, resource, verb in used:
         expected.setdefault((group, resource), set()).add(verb)
@@ -346,7 +347,8 @@ def test_the_daemon_reads_service_cidrs_unless_the_gate_is_off(
     assert {(*cidrs, "list"), (*cidrs, "watch")} <= daemon_api_calls(factories_too=False)
     assert {(g, r) for g, r, _ in daemon_api_calls(factories_too=False,
                                                     service_cidrs=False)} == {
-        ("", "services"), ("discovery.k8s.io", "endpointslices"), ("", "nodes")}
+        ("", "services"), ("discovery.k8s.io", "endpointslices"), ("", "nodes"),
+        ("events.k8s.io", "events")}
     assert role_rules(objects["ClusterRole"])[cidrs] == {"get", "list", "watch"}
 
 
