@@ -15,7 +15,14 @@ from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy, call_in_netns, libnft_in
 
-from pyproxy.connections import ConnectionCounters, CountingContext, Kernel, Ledger, Series
+from pyproxy.connections import (
+    ConnectionCounters,
+    CountingContext,
+    Kernel,
+    Ledger,
+    Series,
+    endpoint_part,
+)
 from pyproxy.nlsets import KernelCounters, netlink_socket
 from pyproxy.proxier import NodeConfig
 from pyproxy.snapshot import build_state
@@ -165,7 +172,7 @@ def test_node_port_hairpin_ipv6_and_affinity_are_counted(cluster: Cluster, node:
     add(cluster.lab.connect(cluster.client, cluster.node_ip4, NODEPORT, count=10, parallel=5))
     add(cluster.lab.connect(cluster.client, VIP6, 80, count=10, parallel=5), v6=True)
     # from a pod back to itself through its own service (masqueraded), and with affinity
-    add(cluster.lab.connect(cluster.pods["pod-b"].ns, VIP, 80, count=4), )
+    add(cluster.lab.connect(cluster.pods["pod-b"].ns, VIP, 80, count=4))
     add(cluster.lab.connect(cluster.pods["pod-a"].ns, STICKY_VIP, 80, count=5),
         service="ns/sticky")
     assert node.totals() == expected
@@ -199,7 +206,7 @@ def test_an_endpoint_removed_and_added_again_never_goes_backwards(cluster: Clust
     assert node.totals()[a] == first["pod-a"]
     node.clock.now += 61
     assert node.totals()[a] == first["pod-a"]  # banked: the element was collected
-    assert not [k for k in node.raw() if k.endswith(_endpoint_bytes(cluster, "pod-a"))]
+    assert not [k for k in node.raw() if k.endswith(endpoint_part(cluster.pods["pod-a"].ip4, 8080))]
 
     # pod-a comes back: a new element counts from zero, on top of what was banked
     node.apply([web(), pods(cluster, ["pod-a", "pod-b"])])
@@ -209,8 +216,3 @@ def test_an_endpoint_removed_and_added_again_never_goes_backwards(cluster: Clust
     assert after[b] == first["pod-b"] + second.get("pod-b", 0)
     assert all(after[s] >= n for s, n in before.items())
 
-
-def _endpoint_bytes(cluster: Cluster, pod: str) -> bytes:
-    from pyproxy.connections import endpoint_part
-
-    return endpoint_part(cluster.pods[pod].ip4, 8080)
