@@ -16,9 +16,12 @@ lenient decoding for v1alpha1), but a typo'd field silently keeping its default 
 mistake that surfaces months later as a traffic problem.
 
 Durations are in seconds (float) throughout; in the file and in flags they are Go duration
-strings (`30s`, `1m0s`, `500ms`), parsed by `parse_duration`. `reference_markdown()` renders
-docs/configuration.md from the tables below, so the document cannot drift from the code
-(`python -m pyproxy.config > docs/configuration.md` regenerates it).
+strings (`30s`, `1m0s`, `500ms`), parsed by `parse_duration`.
+
+Each setting is one row of `_TABLE` (type, checks, what it does, where it is applied, its
+file fields, its flag); the file's fields, the flags, the checks and docs/configuration.md
+(`reference_markdown()`; `python -m pyproxy.config > docs/configuration.md` regenerates it)
+are made from the rows, so none of them can drift from the others.
 """
 
 from __future__ import annotations
@@ -144,80 +147,50 @@ def _decimal(value: int, scale: int) -> str:
 class ProxyConfig:
     """Everything `pyproxy run` is configured with. Defaults are kube-proxy's for nftables
     mode; durations are in seconds. Build it with `load_config` / `apply_flags`, which validate;
-    constructing it directly (tests, tools) skips validation."""
+    constructing it directly (tests, tools) skips validation. What each setting does, its
+    file fields, its flag and where it is applied: its row in `_TABLE`, in this order."""
 
     hostname_override: str | None = None
-    """The Node's name; None: the OS hostname. `node_name()` lowercases either, as kube-proxy."""
     bind_address: str = DEFAULT_BIND_ADDRESS
-    """Overrides the primary node IP of its family (kube-proxy binds no socket to it)."""
     healthz_bind_address: str | None = f"0.0.0.0:{HEALTHZ_PORT}"
-    """IP:port of /healthz and /livez; None: not served."""
     metrics_bind_address: str | None = f"127.0.0.1:{METRICS_PORT}"
-    """IP:port of /metrics; None: not served."""
     bind_address_hard_fail: bool = False
-    """Exit when the healthz or metrics server cannot bind, instead of retrying."""
 
     cluster_cidrs: tuple[str, ...] = ()
-    """Pod CIDRs, at most one per family (detect-local mode ClusterCIDR)."""
     detect_local_mode: LocalMode = LocalMode.CLUSTER_CIDR
-    """How traffic from local pods is told apart from other traffic."""
     bridge_interface: str = ""
-    """The pod bridge (detect-local mode BridgeInterface)."""
     interface_name_prefix: str = ""
-    """The pod interface name prefix (detect-local mode InterfaceNamePrefix)."""
     nodeport_addresses: tuple[str, ...] = ("primary",)
-    """CIDRs and keywords (`primary`, `all`) of the node addresses that accept NodePorts."""
 
     masquerade_bit: int = 14
-    """The fwmark bit that marks packets for masquerading, 0..31."""
     masquerade_all: bool = False
-    """Masquerade all traffic to ClusterIPs, not only traffic from outside the pod network."""
 
     sync_period: float = 30.0
-    """Retry delay after a failed sync; the health timeout is twice this."""
     min_sync_period: float = 1.0
-    """Shortest gap from the end of one sync to the start of the next (batches changes)."""
     full_sync_period: float = 3600.0
-    """pyproxy's own: a full resync at least this often (kube-proxy hard-codes one hour)."""
     config_sync_period: float = 900.0
-    """Informer resync period: accepted, not applied (see `_NOT_APPLIED`)."""
 
     conntrack_max_per_core: int = 32768
-    """nf_conntrack_max = max(this * CPUs, conntrack_min); 0 leaves the limit alone."""
     conntrack_min: int = 131072
     conntrack_tcp_established_timeout: float = 86400.0
-    """nf_conntrack_tcp_timeout_established; 0 leaves it alone."""
     conntrack_tcp_close_wait_timeout: float = 3600.0
-    """nf_conntrack_tcp_timeout_close_wait; 0 leaves it alone."""
     conntrack_tcp_be_liberal: bool = False
-    """Set nf_conntrack_tcp_be_liberal (out-of-window packets are not marked INVALID)."""
     conntrack_udp_timeout: float = 0.0
-    """nf_conntrack_udp_timeout; 0 leaves it alone."""
     conntrack_udp_stream_timeout: float = 0.0
-    """nf_conntrack_udp_timeout_stream; 0 leaves it alone."""
 
     kubeconfig: str | None = None
-    """kubeconfig file; None: the in-cluster service account."""
     master: str | None = None
-    """API server URL, overriding the kubeconfig's."""
     qps: float = 5.0
-    """Requests per second of the API client's token bucket (0: client-go's default, 5)."""
     burst: int = 10
-    """Requests the API client may make at once before qps applies (0: client-go's, 10)."""
 
     logging_format: LogFormat = LogFormat.TEXT
     verbosity: int = 0
     oom_score_adj: int = -999
-    """The process's oom_score_adj, -1000..1000."""
     feature_gates: Mapping[str, bool] = field(
         default_factory=lambda: MappingProxyType({}), hash=False)
-    """Recorded as given; only those in APPLIED_FEATURE_GATES change anything
-    (MultiCIDRServiceAllocator=false: no ServiceCIDR watch, as kube-proxy)."""
 
     debug_socket: str | None = "/run/pyproxy/pyproxy.sock"
-    """Unix socket for `pyproxy debug`; None: not served."""
     snapshot: str | None = None
-    """A cluster snapshot file to proxy instead of watching the API server."""
 
     file_notes: tuple[str, ...] = ()
     """What reading the file found worth saying: ignored fields, the mode's consequences."""
@@ -282,12 +255,6 @@ class ProxyConfig:
 
 # Feature gates pyproxy reads; any other is accepted and changes nothing.
 APPLIED_FEATURE_GATES = frozenset({"MultiCIDRServiceAllocator"})
-# Settings accepted (type checked, kept) that change nothing, and why.
-_NOT_APPLIED = {
-    "config_sync_period": "pyproxy's watches do not re-deliver objects they already delivered; "
-                          "kube-proxy's informer resync re-sends its cache to handlers that "
-                          "ignore unchanged objects",
-}
 
 
 def _unapplied_notes(config: ProxyConfig) -> Iterator[str]:
@@ -609,42 +576,244 @@ def _identity(value: Any) -> Any:
     return value
 
 
-# Every ProxyConfig setting and the conversion (with its checks) from the decoded value.
-_SETTINGS: Mapping[str, Callable[[Any], Any]] = {
-    "hostname_override": _text_or_none,
-    "bind_address": _ip,
-    "healthz_bind_address": partial(_host_port, default_port=HEALTHZ_PORT),
-    "metrics_bind_address": partial(_host_port, default_port=METRICS_PORT),
-    "bind_address_hard_fail": _identity,
-    "cluster_cidrs": _cluster_cidrs,
-    "detect_local_mode": _local_mode,
-    "bridge_interface": _interface,
-    "interface_name_prefix": _interface,
-    "nodeport_addresses": _nodeport_addresses,
-    "masquerade_bit": partial(_in_range, 0, 31),
-    "masquerade_all": _identity,
-    "sync_period": _positive_duration,
-    "min_sync_period": _not_negative_duration,
-    "full_sync_period": _positive_duration,
-    "config_sync_period": _positive_duration,
-    "conntrack_max_per_core": partial(_in_range, 0, 2**31 - 1),
-    "conntrack_min": partial(_in_range, 0, 2**31 - 1),
-    "conntrack_tcp_established_timeout": _not_negative_duration,
-    "conntrack_tcp_close_wait_timeout": _not_negative_duration,
-    "conntrack_tcp_be_liberal": _identity,
-    "conntrack_udp_timeout": _not_negative_duration,
-    "conntrack_udp_stream_timeout": _not_negative_duration,
-    "kubeconfig": _text_or_none,
-    "master": _text_or_none,
-    "qps": _not_negative,
-    "burst": partial(_in_range, 0, 2**31 - 1),
-    "logging_format": _log_format,
-    "verbosity": _identity,
-    "oom_score_adj": partial(_in_range, -1000, 1000),
-    "feature_gates": _gates,
-    "debug_socket": _text_or_none,
-    "snapshot": _text_or_none,
-}
+# ---------------------------------------------------------------------------------------------
+# The settings: one row each
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    """One ProxyConfig setting and everything said about it: its type, the conversion (with
+    its checks) from a decoded value, what it does, where `pyproxy run` applies it, the file
+    fields and the flag that set it. The file fields, the flags, the checks and
+    docs/configuration.md are all made from these rows."""
+
+    attr: str
+    type: _Type
+    convert: Callable[[Any], Any]
+    doc: str = ""
+    """What it does (a setting without a file field: its flag's help)."""
+    applied_by: str = "—"
+    """Where `pyproxy run` applies it (tests/test_applied_settings.py shows each one is)."""
+    paths: tuple[str, ...] = ()
+    """The file fields that set it; `iptables.*` and `nftables.*` are read per `mode`."""
+    flag: str | None = None
+    flag_help: str = ""
+    own: bool = False
+    """pyproxy's own flag, not kube-proxy's."""
+    short: str | None = None
+    zero_is_unset: bool = False
+    """kube-proxy's defaulting replaces the file's zero value ("", 0, 0s) with the default."""
+    partly: bool = False
+    """Only some values change anything (the doc says which)."""
+    default_text: str | None = None
+    """The default as the document shows it, where the value itself would not say it."""
+    not_applied: str = ""
+    """Accepted, not applied: why."""
+
+    @property
+    def description(self) -> str:
+        return self.doc or self.flag_help
+
+
+_TABLE: tuple[_Setting, ...] = (
+    _Setting("hostname_override", _Type.STRING, _text_or_none,
+             "the Node's name; empty: the OS hostname (lowercased)",
+             applied_by="run.py: the Node to watch and serve (`ProxyConfig.node_name`)",
+             paths=("hostnameOverride",),
+             flag="hostname-override", flag_help="the Node's name, instead of the OS hostname",
+             default_text="OS hostname, lowercased"),
+    _Setting("bind_address", _Type.STRING, _ip,
+             "overrides the node's primary IP for its family; no socket is bound to it",
+             applied_by="run.py: the node IPs (`ProxyConfig.node_config`)",
+             paths=("bindAddress",),
+             flag="bind-address", flag_help="overrides the node's primary IP for its family",
+             zero_is_unset=True),
+    _Setting("healthz_bind_address", _Type.STRING, partial(_host_port, default_port=HEALTHZ_PORT),
+             "IP:port of /healthz and /livez ([::]:10256 when bindAddress is IPv6); a bare IP "
+             "gets port 10256",
+             applied_by="run.py: the health server (health.py)",
+             paths=("healthzBindAddress",),
+             flag="healthz-bind-address",
+             flag_help="IP:port of /healthz and /livez; empty disables",
+             zero_is_unset=True, default_text=f"`0.0.0.0:{HEALTHZ_PORT}`"),
+    _Setting("metrics_bind_address", _Type.STRING, partial(_host_port, default_port=METRICS_PORT),
+             "IP:port of /metrics ([::1]:10249 when bindAddress is IPv6); a bare IP gets port "
+             "10249",
+             applied_by="run.py: the metrics server (metrics.py)",
+             paths=("metricsBindAddress",),
+             flag="metrics-bind-address", flag_help="IP:port of /metrics; empty disables",
+             zero_is_unset=True, default_text=f"`127.0.0.1:{METRICS_PORT}`"),
+    _Setting("bind_address_hard_fail", _Type.BOOL, _identity,
+             "exit if the healthz or metrics server cannot bind",
+             applied_by="run.py: a server that cannot bind",
+             paths=("bindAddressHardFail",),
+             flag="bind-address-hard-fail",
+             flag_help="exit if the healthz or metrics server cannot bind"),
+    _Setting("cluster_cidrs", _Type.STRING, _cluster_cidrs,
+             "pod CIDRs, comma-separated, one per family, for detectLocalMode ClusterCIDR",
+             applied_by="`NodeConfig` → render.py (local traffic)",
+             paths=("clusterCIDR",),
+             flag="cluster-cidr", flag_help="pod CIDRs, comma-separated, one per family",
+             default_text="empty"),
+    _Setting("detect_local_mode", _Type.STRING, _local_mode,
+             "ClusterCIDR, NodeCIDR (the Node's podCIDRs), BridgeInterface or InterfaceNamePrefix",
+             applied_by="`NodeConfig` → render.py (local traffic)",
+             paths=("detectLocalMode",),
+             flag="detect-local-mode",
+             flag_help="ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix"),
+    _Setting("bridge_interface", _Type.STRING, _interface,
+             "pod bridge, for detectLocalMode BridgeInterface",
+             applied_by="`NodeConfig` → render.py (local traffic)",
+             paths=("detectLocal.bridgeInterface",),
+             flag="pod-bridge-interface",
+             flag_help="pod bridge, for --detect-local-mode BridgeInterface"),
+    _Setting("interface_name_prefix", _Type.STRING, _interface,
+             "pod interface name prefix, for detectLocalMode InterfaceNamePrefix",
+             applied_by="`NodeConfig` → render.py (local traffic)",
+             paths=("detectLocal.interfaceNamePrefix",),
+             flag="pod-interface-name-prefix",
+             flag_help="pod interface name prefix, for --detect-local-mode InterfaceNamePrefix"),
+    _Setting("nodeport_addresses", _Type.STRINGS, _nodeport_addresses,
+             "CIDRs, `primary` (the node's primary IPs) or `all`, of node addresses accepting "
+             "NodePorts",
+             applied_by="`NodeConfig` → render.py (NodePort addresses)",
+             paths=("nodePortAddresses",),
+             flag="nodeport-addresses",
+             flag_help="comma-separated CIDRs, primary or all: node addresses accepting NodePorts"),
+    _Setting("masquerade_bit", _Type.INT32, partial(_in_range, 0, 31),
+             "fwmark bit for masquerading, 0..31",
+             applied_by="`NodeConfig` → render.py (the masquerade mark)",
+             paths=("iptables.masqueradeBit", "nftables.masqueradeBit")),
+    _Setting("masquerade_all", _Type.BOOL, _identity,
+             "masquerade all ClusterIP traffic",
+             applied_by="`NodeConfig` → render.py (masquerading)",
+             paths=("iptables.masqueradeAll", "nftables.masqueradeAll"),
+             flag="masquerade-all", flag_help="masquerade all ClusterIP traffic"),
+    _Setting("sync_period", _Type.DURATION, _positive_duration,
+             "retry delay after a failed sync; health timeout is twice this",
+             applied_by="run.py: sync timing (runner.py retries, health.py timeout)",
+             paths=("iptables.syncPeriod", "nftables.syncPeriod"),
+             flag="sync-period", flag_help="retry delay after a failed sync",
+             zero_is_unset=True),
+    _Setting("min_sync_period", _Type.DURATION, _not_negative_duration,
+             "minimum gap between syncs",
+             applied_by="run.py: sync timing (runner.py)",
+             paths=("iptables.minSyncPeriod", "nftables.minSyncPeriod"),
+             flag="min-sync-period", flag_help="minimum gap between syncs",
+             zero_is_unset=True),
+    _Setting("full_sync_period", _Type.DURATION, _positive_duration,
+             applied_by="run.py: sync timing (daemon.py)",
+             flag="full-sync-period", flag_help="full resync at least this often", own=True),
+    _Setting("config_sync_period", _Type.DURATION, _positive_duration,
+             "informer resync period",
+             applied_by="—",
+             paths=("configSyncPeriod",),
+             flag="config-sync-period", flag_help="informer resync period; accepted, not applied",
+             zero_is_unset=True,
+             not_applied=("pyproxy's watches do not re-deliver objects they already delivered; "
+             "kube-proxy's informer resync re-sends its cache to handlers that ignore unchanged "
+             "objects")),
+    _Setting("conntrack_max_per_core", _Type.INT32, partial(_in_range, 0, 2**31 - 1),
+             "at start nf_conntrack_max = max(maxPerCore × CPUs, min), and the conntrack hash "
+             "size raised to a quarter of it; 0 leaves both alone. Global: set only from the "
+             "initial network namespace (elsewhere reported and skipped)",
+             applied_by="host.py, at start",
+             paths=("conntrack.maxPerCore",),
+             flag="conntrack-max-per-core",
+             flag_help="nf_conntrack_max per CPU; 0 leaves the limit alone"),
+    _Setting("conntrack_min", _Type.INT32, partial(_in_range, 0, 2**31 - 1),
+             "lower bound of nf_conntrack_max",
+             applied_by="host.py, at start",
+             paths=("conntrack.min",),
+             flag="conntrack-min", flag_help="lower bound of nf_conntrack_max"),
+    _Setting("conntrack_tcp_established_timeout", _Type.DURATION, _not_negative_duration,
+             "nf_conntrack_tcp_timeout_established at start; 0s leaves it alone",
+             applied_by="host.py, at start",
+             paths=("conntrack.tcpEstablishedTimeout",),
+             flag="conntrack-tcp-timeout-established", flag_help="0 leaves the sysctl alone"),
+    _Setting("conntrack_tcp_close_wait_timeout", _Type.DURATION, _not_negative_duration,
+             "nf_conntrack_tcp_timeout_close_wait at start; 0s leaves it alone",
+             applied_by="host.py, at start",
+             paths=("conntrack.tcpCloseWaitTimeout",),
+             flag="conntrack-tcp-timeout-close-wait", flag_help="0 leaves the sysctl alone"),
+    _Setting("conntrack_tcp_be_liberal", _Type.BOOL, _identity,
+             "nf_conntrack_tcp_be_liberal = 1 at start (false leaves it alone)",
+             applied_by="host.py, at start",
+             paths=("conntrack.tcpBeLiberal",),
+             flag="conntrack-tcp-be-liberal", flag_help="set nf_conntrack_tcp_be_liberal"),
+    _Setting("conntrack_udp_timeout", _Type.DURATION, _not_negative_duration,
+             "nf_conntrack_udp_timeout at start; 0s leaves it alone",
+             applied_by="host.py, at start",
+             paths=("conntrack.udpTimeout",),
+             flag="conntrack-udp-timeout", flag_help="0 leaves the sysctl alone"),
+    _Setting("conntrack_udp_stream_timeout", _Type.DURATION, _not_negative_duration,
+             "nf_conntrack_udp_timeout_stream at start; 0s leaves it alone",
+             applied_by="host.py, at start",
+             paths=("conntrack.udpStreamTimeout",),
+             flag="conntrack-udp-timeout-stream", flag_help="0 leaves the sysctl alone"),
+    _Setting("kubeconfig", _Type.STRING, _text_or_none,
+             "kubeconfig file; empty: the in-cluster service account",
+             applied_by="run.py: the API client",
+             paths=("clientConnection.kubeconfig",),
+             flag="kubeconfig", flag_help="kubeconfig file",
+             default_text="in-cluster"),
+    _Setting("master", _Type.STRING, _text_or_none,
+             applied_by="run.py: the API client",
+             flag="master", flag_help="API server URL, overriding the kubeconfig's",
+             default_text="from kubeconfig"),
+    _Setting("qps", _Type.NUMBER, _not_negative,
+             "API client requests per second (a token bucket every request waits on, as "
+             "client-go's)",
+             applied_by="run.py: the API client's token bucket (ratelimit.py)",
+             paths=("clientConnection.qps",),
+             flag="kube-api-qps", flag_help="API client requests per second",
+             zero_is_unset=True),
+    _Setting("burst", _Type.INT32, partial(_in_range, 0, 2**31 - 1),
+             "API client requests at once before qps applies",
+             applied_by="run.py: the API client's token bucket (ratelimit.py)",
+             paths=("clientConnection.burst",),
+             flag="kube-api-burst", flag_help="API client burst",
+             zero_is_unset=True),
+    _Setting("logging_format", _Type.STRING, _log_format,
+             "`text` or `json`",
+             applied_by="logs.py",
+             paths=("logging.format",),
+             flag="logging-format", flag_help="text or json"),
+    _Setting("verbosity", _Type.UINT32, _identity,
+             "log verbosity (as klog's -v)",
+             applied_by="logs.py",
+             paths=("logging.verbosity",),
+             flag="v", flag_help="log verbosity", short="-v"),
+    _Setting("oom_score_adj", _Type.INT32, partial(_in_range, -1000, 1000),
+             "written to /proc/self/oom_score_adj at start",
+             applied_by="host.py, at start",
+             paths=("oomScoreAdj",),
+             flag="oom-score-adj", flag_help="the process's oom_score_adj"),
+    _Setting("feature_gates", _Type.GATES, _gates,
+             "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; any "
+             "other gate is accepted, not applied (a warning at start)",
+             applied_by="run.py: the ServiceCIDR watch (watch.py)",
+             paths=("featureGates",),
+             flag="feature-gates",
+             flag_help="Name=true|false,...; merged over the file's featureGates; only "
+             "MultiCIDRServiceAllocator is applied",
+             partly=True),
+    _Setting("debug_socket", _Type.STRING, _text_or_none,
+             applied_by="run.py: the debug server (debug.py, live.py)",
+             flag="debug-socket", flag_help="unix socket for pyproxy debug; empty disables",
+             own=True),
+    _Setting("snapshot", _Type.STRING, _text_or_none,
+             applied_by="run.py: the snapshot source (sources.py)",
+             flag="snapshot",
+             flag_help="proxy the cluster state in this snapshot file instead of watching the API "
+             "server", own=True,
+             default_text="unset: watch the API server"),
+
+)
+_SETTINGS: Mapping[str, Callable[[Any], Any]] = {s.attr: s.convert for s in _TABLE}
+_DEFAULT_TEXT = {s.attr: s.default_text for s in _TABLE if s.default_text}
+# Settings accepted (type checked, kept) that change nothing, and why.
+_NOT_APPLIED = {s.attr: s.not_applied for s in _TABLE if s.not_applied}
 
 
 def _setting(attr: str, value: Any, name: str) -> Any:
@@ -683,21 +852,23 @@ _WINDOWS_ONLY = "Windows (winkernel mode) only"
 _KLOG_ONLY = "klog output routing; pyproxy logs through structlog"
 _CLIENT = "the Python client always speaks JSON"
 
-_FIELDS: tuple[_Field, ...] = (
-    _Field("featureGates", _Type.GATES, "feature_gates",
-           "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; any "
-           "other gate is accepted, not applied (a warning at start)", partly=True),
-    _Field("clientConnection.kubeconfig", _Type.STRING, "kubeconfig",
-           "kubeconfig file; empty: the in-cluster service account"),
+
+def _section(path: str) -> str:
+    """The mode section a field belongs to (read only when `mode` selects it), or ""."""
+    first = path.split(".", 1)[0]
+    return first if first in (_IPT, _NFT) else ""
+
+
+# The fields of the settings, from their rows.
+_SETTING_FIELDS = tuple(
+    _Field(path, s.type, s.attr, s.doc, section=_section(path), zero_is_unset=s.zero_is_unset,
+           partly=s.partly)
+    for s in _TABLE for path in s.paths)
+# The fields pyproxy checks (`mode`) or accepts and ignores, and why.
+_OTHER_FIELDS: tuple[_Field, ...] = (
+    _Field(_MODE, _Type.STRING, None, "must be empty or `nftables`: pyproxy only does nftables"),
     _Field("clientConnection.acceptContentTypes", _Type.STRING, None, _CLIENT),
     _Field("clientConnection.contentType", _Type.STRING, None, _CLIENT),
-    _Field("clientConnection.qps", _Type.NUMBER, "qps",
-           "API client requests per second (a token bucket every request waits on, as "
-           "client-go's)", zero_is_unset=True),
-    _Field("clientConnection.burst", _Type.INT32, "burst",
-           "API client requests at once before qps applies", zero_is_unset=True),
-    _Field("logging.format", _Type.STRING, "logging_format", "`text` or `json`"),
-    _Field("logging.verbosity", _Type.UINT32, "verbosity", "log verbosity (as klog's -v)"),
     _Field("logging.flushFrequency", _Type.FLUSH, None, "pyproxy does not buffer logs"),
     _Field("logging.vmodule", _Type.VMODULE, None, "per-file verbosity is a klog feature"),
     _Field("logging.options.text.splitStream", _Type.BOOL, None, _KLOG_ONLY),
@@ -705,33 +876,11 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("logging.options.json.splitStream", _Type.BOOL, None, _KLOG_ONLY),
     _Field("logging.options.json.infoBufferSize", _Type.QUANTITY, None, _KLOG_ONLY),
     _Field("logging.sanitization", _Type.BOOL, None, "removed from Kubernetes logging"),
-    _Field("hostnameOverride", _Type.STRING, "hostname_override",
-           "the Node's name; empty: the OS hostname (lowercased)"),
-    _Field("bindAddress", _Type.STRING, "bind_address",
-           "overrides the node's primary IP for its family; no socket is bound to it",
-           zero_is_unset=True),
-    _Field("healthzBindAddress", _Type.STRING, "healthz_bind_address",
-           "IP:port of /healthz and /livez ([::]:10256 when bindAddress is IPv6); a bare IP "
-           "gets port 10256", zero_is_unset=True),
-    _Field("metricsBindAddress", _Type.STRING, "metrics_bind_address",
-           "IP:port of /metrics ([::1]:10249 when bindAddress is IPv6); a bare IP gets "
-           "port 10249", zero_is_unset=True),
-    _Field("bindAddressHardFail", _Type.BOOL, "bind_address_hard_fail",
-           "exit if the healthz or metrics server cannot bind"),
     _Field("enableProfiling", _Type.BOOL, None, "pyproxy serves no pprof"),
     _Field("showHiddenMetricsForVersion", _Type.STRING, None, "pyproxy hides no metrics"),
-    _Field(_MODE, _Type.STRING, None, "must be empty or `nftables`: pyproxy only does nftables"),
-    _Field("iptables.masqueradeBit", _Type.INT32, "masquerade_bit",
-           "fwmark bit for masquerading, 0..31", section=_IPT),
-    _Field("iptables.masqueradeAll", _Type.BOOL, "masquerade_all",
-           "masquerade all ClusterIP traffic", section=_IPT),
     _Field("iptables.localhostNodePorts", _Type.BOOL, None,
            "localhost NodePorts need route_localnet, which nftables mode never sets"),
     _Field("iptables.snatNodeInternalIP", _Type.BOOL, None, "iptables mode only"),
-    _Field("iptables.syncPeriod", _Type.DURATION, "sync_period", "retry delay after a failed "
-           "sync; health timeout is twice this", section=_IPT, zero_is_unset=True),
-    _Field("iptables.minSyncPeriod", _Type.DURATION, "min_sync_period",
-           "minimum gap between syncs", section=_IPT, zero_is_unset=True),
     _Field("ipvs.syncPeriod", _Type.DURATION, None, _IPVS_ONLY),
     _Field("ipvs.minSyncPeriod", _Type.DURATION, None, _IPVS_ONLY),
     _Field("ipvs.scheduler", _Type.STRING, None, _IPVS_ONLY),
@@ -740,56 +889,17 @@ _FIELDS: tuple[_Field, ...] = (
     _Field("ipvs.tcpTimeout", _Type.DURATION, None, _IPVS_ONLY),
     _Field("ipvs.tcpFinTimeout", _Type.DURATION, None, _IPVS_ONLY),
     _Field("ipvs.udpTimeout", _Type.DURATION, None, _IPVS_ONLY),
-    _Field("nftables.masqueradeBit", _Type.INT32, "masquerade_bit",
-           "fwmark bit for masquerading, 0..31", section=_NFT),
-    _Field("nftables.masqueradeAll", _Type.BOOL, "masquerade_all",
-           "masquerade all ClusterIP traffic", section=_NFT),
-    _Field("nftables.syncPeriod", _Type.DURATION, "sync_period", "retry delay after a failed "
-           "sync; health timeout is twice this", section=_NFT, zero_is_unset=True),
-    _Field("nftables.minSyncPeriod", _Type.DURATION, "min_sync_period",
-           "minimum gap between syncs", section=_NFT, zero_is_unset=True),
     _Field("winkernel.networkName", _Type.STRING, None, _WINDOWS_ONLY),
     _Field("winkernel.sourceVip", _Type.STRING, None, _WINDOWS_ONLY),
     _Field("winkernel.enableDSR", _Type.BOOL, None, _WINDOWS_ONLY),
     _Field("winkernel.rootHnsEndpointName", _Type.STRING, None, _WINDOWS_ONLY),
     _Field("winkernel.forwardHealthCheckVip", _Type.BOOL, None, _WINDOWS_ONLY),
-    _Field("detectLocalMode", _Type.STRING, "detect_local_mode",
-           "ClusterCIDR, NodeCIDR (the Node's podCIDRs), BridgeInterface or InterfaceNamePrefix"),
-    _Field("detectLocal.bridgeInterface", _Type.STRING, "bridge_interface",
-           "pod bridge, for detectLocalMode BridgeInterface"),
-    _Field("detectLocal.interfaceNamePrefix", _Type.STRING, "interface_name_prefix",
-           "pod interface name prefix, for detectLocalMode InterfaceNamePrefix"),
-    _Field("clusterCIDR", _Type.STRING, "cluster_cidrs",
-           "pod CIDRs, comma-separated, one per family, for detectLocalMode ClusterCIDR"),
-    _Field("nodePortAddresses", _Type.STRINGS, "nodeport_addresses",
-           "CIDRs, `primary` (the node's primary IPs) or `all`, of node addresses accepting "
-           "NodePorts"),
-    _Field("oomScoreAdj", _Type.INT32, "oom_score_adj",
-           "written to /proc/self/oom_score_adj at start"),
-    _Field("conntrack.maxPerCore", _Type.INT32, "conntrack_max_per_core",
-           "at start nf_conntrack_max = max(maxPerCore × CPUs, min), and the conntrack hash "
-           "size raised to a quarter of it; 0 leaves both alone. Global: set only from the "
-           "initial network namespace (elsewhere reported and skipped)"),
-    _Field("conntrack.min", _Type.INT32, "conntrack_min", "lower bound of nf_conntrack_max"),
-    _Field("conntrack.tcpEstablishedTimeout", _Type.DURATION,
-           "conntrack_tcp_established_timeout",
-           "nf_conntrack_tcp_timeout_established at start; 0s leaves it alone"),
-    _Field("conntrack.tcpCloseWaitTimeout", _Type.DURATION,
-           "conntrack_tcp_close_wait_timeout",
-           "nf_conntrack_tcp_timeout_close_wait at start; 0s leaves it alone"),
-    _Field("conntrack.tcpBeLiberal", _Type.BOOL, "conntrack_tcp_be_liberal",
-           "nf_conntrack_tcp_be_liberal = 1 at start (false leaves it alone)"),
-    _Field("conntrack.udpTimeout", _Type.DURATION, "conntrack_udp_timeout",
-           "nf_conntrack_udp_timeout at start; 0s leaves it alone"),
-    _Field("conntrack.udpStreamTimeout", _Type.DURATION, "conntrack_udp_stream_timeout",
-           "nf_conntrack_udp_timeout_stream at start; 0s leaves it alone"),
-    _Field("configSyncPeriod", _Type.DURATION, "config_sync_period",
-           "informer resync period", zero_is_unset=True),
     _Field("portRange", _Type.STRING, None, "configured the userspace proxy, removed in 1.26"),
     _Field("udpIdleTimeout", _Type.DURATION, None, "userspace proxy only, removed in 1.26"),
     _Field("resourceContainer", _Type.STRING, None, "long removed from kube-proxy"),
     _Field("windowsRunAsService", _Type.BOOL, None, _WINDOWS_ONLY),
 )
+_FIELDS: tuple[_Field, ...] = (*_OTHER_FIELDS[:1], *_SETTING_FIELDS, *_OTHER_FIELDS[1:])
 
 
 def _tree(fields: Sequence[_Field]) -> dict[str, Any]:
@@ -988,61 +1098,8 @@ _FLAGS: tuple[_Flag, ...] = (
     _Flag("config", _Type.STRING, None,
           "KubeProxyConfiguration file (YAML or JSON); flags given explicitly override it"),
     _Flag("proxy-mode", _Type.STRING, None, "must be nftables (or empty)"),
-    _Flag("hostname-override", _Type.STRING, "hostname_override",
-          "the Node's name, instead of the OS hostname"),
-    _Flag("bind-address", _Type.STRING, "bind_address",
-          "overrides the node's primary IP for its family"),
-    _Flag("bind-address-hard-fail", _Type.BOOL, "bind_address_hard_fail",
-          "exit if the healthz or metrics server cannot bind"),
-    _Flag("healthz-bind-address", _Type.STRING, "healthz_bind_address",
-          "IP:port of /healthz and /livez; empty disables"),
-    _Flag("metrics-bind-address", _Type.STRING, "metrics_bind_address",
-          "IP:port of /metrics; empty disables"),
-    _Flag("cluster-cidr", _Type.STRING, "cluster_cidrs",
-          "pod CIDRs, comma-separated, one per family"),
-    _Flag("detect-local-mode", _Type.STRING, "detect_local_mode",
-          "ClusterCIDR, NodeCIDR, BridgeInterface or InterfaceNamePrefix"),
-    _Flag("pod-bridge-interface", _Type.STRING, "bridge_interface",
-          "pod bridge, for --detect-local-mode BridgeInterface"),
-    _Flag("pod-interface-name-prefix", _Type.STRING, "interface_name_prefix",
-          "pod interface name prefix, for --detect-local-mode InterfaceNamePrefix"),
-    _Flag("nodeport-addresses", _Type.STRINGS, "nodeport_addresses",
-          "comma-separated CIDRs, primary or all: node addresses accepting NodePorts"),
-    _Flag("masquerade-all", _Type.BOOL, "masquerade_all", "masquerade all ClusterIP traffic"),
-    _Flag("sync-period", _Type.DURATION, "sync_period", "retry delay after a failed sync"),
-    _Flag("min-sync-period", _Type.DURATION, "min_sync_period", "minimum gap between syncs"),
-    _Flag("config-sync-period", _Type.DURATION, "config_sync_period",
-          "informer resync period; accepted, not applied"),
-    _Flag("conntrack-max-per-core", _Type.INT32, "conntrack_max_per_core",
-          "nf_conntrack_max per CPU; 0 leaves the limit alone"),
-    _Flag("conntrack-min", _Type.INT32, "conntrack_min", "lower bound of nf_conntrack_max"),
-    _Flag("conntrack-tcp-timeout-established", _Type.DURATION,
-          "conntrack_tcp_established_timeout", "0 leaves the sysctl alone"),
-    _Flag("conntrack-tcp-timeout-close-wait", _Type.DURATION,
-          "conntrack_tcp_close_wait_timeout", "0 leaves the sysctl alone"),
-    _Flag("conntrack-tcp-be-liberal", _Type.BOOL, "conntrack_tcp_be_liberal",
-          "set nf_conntrack_tcp_be_liberal"),
-    _Flag("conntrack-udp-timeout", _Type.DURATION, "conntrack_udp_timeout",
-          "0 leaves the sysctl alone"),
-    _Flag("conntrack-udp-timeout-stream", _Type.DURATION, "conntrack_udp_stream_timeout",
-          "0 leaves the sysctl alone"),
-    _Flag("kubeconfig", _Type.STRING, "kubeconfig", "kubeconfig file"),
-    _Flag("master", _Type.STRING, "master", "API server URL, overriding the kubeconfig's"),
-    _Flag("kube-api-qps", _Type.NUMBER, "qps", "API client requests per second"),
-    _Flag("kube-api-burst", _Type.INT32, "burst", "API client burst"),
-    _Flag("oom-score-adj", _Type.INT32, "oom_score_adj", "the process's oom_score_adj"),
-    _Flag("feature-gates", _Type.GATES, "feature_gates",
-          "Name=true|false,...; merged over the file's featureGates; only "
-          "MultiCIDRServiceAllocator is applied"),
-    _Flag("v", _Type.UINT32, "verbosity", "log verbosity", short="-v"),
-    _Flag("logging-format", _Type.STRING, "logging_format", "text or json"),
-    _Flag("full-sync-period", _Type.DURATION, "full_sync_period",
-          "full resync at least this often", own=True),
-    _Flag("snapshot", _Type.STRING, "snapshot",
-          "proxy the cluster state in this snapshot file instead of watching the API server",
-          own=True),
-    _Flag("debug-socket", _Type.STRING, "debug_socket",
-          "unix socket for pyproxy debug; empty disables", own=True),
+    *(_Flag(s.flag, s.type, s.attr, s.flag_help, own=s.own, short=s.short)
+      for s in _TABLE if s.flag),
 )
 
 _METAVARS = {
@@ -1116,17 +1173,6 @@ def from_args(args: argparse.Namespace) -> ProxyConfig:
 
 # ---------------------------------------------------------------------------------------------
 # Reference documentation (docs/configuration.md is this function's output)
-
-
-_DEFAULT_TEXT = {
-    "hostname_override": "OS hostname, lowercased",
-    "healthz_bind_address": f"`0.0.0.0:{HEALTHZ_PORT}`",
-    "metrics_bind_address": f"`127.0.0.1:{METRICS_PORT}`",
-    "kubeconfig": "in-cluster",
-    "master": "from kubeconfig",
-    "snapshot": "unset: watch the API server",
-    "cluster_cidrs": "empty",
-}
 
 
 def _default_text(attr: str | None) -> str:
@@ -1206,9 +1252,30 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
 """
 
 
+def _setting_applies(setting: _Setting) -> str:
+    if setting.not_applied:
+        return f"accepted, not applied: {setting.description} ({setting.not_applied})"
+    return f"{'partly' if setting.partly else 'yes'}: {setting.description}"
+
+
+def _settings_section() -> list[str]:
+    lines = ["## Settings", "",
+             "One row per setting: the file fields and the flag that set it, its default, what "
+             "it does", "and where `pyproxy run` applies it (tests/test_applied_settings.py "
+             "shows that each one", "called applied changes what the daemon does).", "",
+             _row("setting", "file fields", "flag", "default", "applies", "applied by"),
+             _row(*["---"] * 6)]
+    for setting in _TABLE:
+        flag = f"`--{setting.flag}`" if setting.flag else "—"
+        lines.append(_row(f"`{setting.attr}`", ", ".join(f"`{p}`" for p in setting.paths) or "—",
+                          flag, _default_text(setting.attr), _setting_applies(setting),
+                          setting.applied_by))
+    return [*lines, ""]
+
+
 def reference_markdown() -> str:
-    """docs/configuration.md: every file field and every flag, with defaults."""
-    lines = [_DOC_INTRO, f"## File fields (`{KIND}`)", "",
+    """docs/configuration.md: every setting, every file field and every flag, with defaults."""
+    lines = [_DOC_INTRO, *_settings_section(), f"## File fields (`{KIND}`)", "",
              _row("field", "type", "setting", "flag", "default", "applies"),
              _row(*["---"] * 6),
              _row(f"`{_API_VERSION}`", "string", "—", "—", "—", f"required: `{API_VERSION}`"),

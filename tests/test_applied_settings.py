@@ -314,24 +314,20 @@ def test_an_applied_setting_changes_what_the_daemon_does(attr: str, tmp_path: Pa
 
 def documented() -> tuple[set[str], set[str]]:
     """(settings docs/configuration.md calls applied, those it calls accepted, not applied),
-    from its two tables: file fields (field, type, setting, flag, default, applies) and flags
-    (flag, setting, default, meaning). A setting both applied and not (configSyncPeriod in
-    both tables) counts as not applied."""
+    from its table of settings (setting, file fields, flag, default, applies, applied by)."""
     applied, unapplied = set(), set()
+    in_settings = False
     for line in reference_markdown().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        if len(cells) == 6:
-            setting, says = cells[2], cells[5]
-        elif len(cells) == 4:
-            setting, says = cells[1], cells[3]
-        else:
+        if line.startswith("#"):
+            in_settings = line == "## Settings"
+        if not in_settings or len(cells) != 6 or not cells[0].startswith("`"):
             continue
-        if not (setting.startswith("`") and setting.endswith("`")) or setting == "`setting`":
-            continue
-        if "accepted, not applied" in says.split(":")[0] or says.endswith("not applied"):
-            unapplied.add(setting.strip("`"))
-        elif len(cells) == 4 or says.startswith(("yes:", "partly:", "when mode")):
-            applied.add(setting.strip("`"))  # a flag's meaning is what it does
+        setting, says = cells[0].strip("`"), cells[4]
+        if says.startswith("accepted, not applied"):
+            unapplied.add(setting)
+        elif says.startswith(("yes:", "partly:")):
+            applied.add(setting)
     return applied, unapplied
 
 

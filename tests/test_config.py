@@ -991,6 +991,17 @@ class TestReferenceDoc:
                 if option.startswith("--") and option != "--help":
                     assert f"`{option}`" in text
 
+    def test_one_row_per_setting_in_the_order_of_proxyconfig(self) -> None:
+        """config._TABLE describes every ProxyConfig setting once, in the class's order,
+        and every file field and flag with a setting comes from its row."""
+        settings = [f.name for f in dataclasses.fields(ProxyConfig) if f.name != "file_notes"]
+        assert [s.attr for s in config._TABLE] == settings
+        for row in config._TABLE:
+            assert row.description and row.applied_by, row.attr
+            assert [f.path for f in config._FIELDS if f.attr == row.attr] == list(row.paths)
+            assert [f.name for f in config._FLAGS if f.attr == row.attr] == \
+                ([row.flag] if row.flag else [])
+
     def test_every_setting_is_documented(self) -> None:
         """Every ProxyConfig setting is reachable from the file or a flag."""
         reachable = ({s.attr for s in config._FIELDS} | {f.attr for f in config._FLAGS})
