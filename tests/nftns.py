@@ -23,7 +23,7 @@ _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
 
 
-def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
+def call_in_netns(netns: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
     """Run fn on a short-lived thread that entered the namespace: sockets it creates (a
     libnftables context, a listening server) stay in that namespace afterwards. Threads that
     fn starts inherit the namespace; the test's own threads never leave the root one."""
@@ -45,7 +45,7 @@ def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
 
     thread = threading.Thread(target=enter_and_call, daemon=True)
     thread.start()
-    thread.join(30)
+    thread.join(timeout)
     if "error" in made:
         raise made["error"]
     return made["result"]  # type: ignore[no-any-return]

@@ -179,10 +179,25 @@ def test_service_type_changes(node: Node) -> None:
     for ip, port in ((VIP4, 80), (LB_IP, 80), (node.cluster.node_ip4, NODE_PORT)):
         wait_for(lambda ip=ip, port=port: "pod-c" not in node.connect(ip, port, count=5), 20,
                  f"{ip}:{port} no longer proxied")
-    ruleset = node.cluster.lab.nft_list(node.cluster.node)
+    ruleset = without_connection_counters(node.cluster.lab.nft_list(node.cluster.node))
     assert VIP4 not in ruleset and LB_IP not in ruleset
     kube.core.delete_namespaced_service("web", ns)
     kube.delete_pod(ns, "pod-c")
+
+
+def without_connection_counters(ruleset: str) -> str:
+    """The ruleset without the per-endpoint connection counters' dynamic sets: the kernel
+    fills those, and keeps a gone endpoint's element until pyproxy has banked its count."""
+    kept, skipping = [], False
+    for line in ruleset.splitlines():
+        if line.strip().startswith("set new-connections-"):
+            skipping = True
+        elif skipping and line.strip() == "}":
+            skipping = False
+            continue
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
 
 
 def test_runs_with_the_manifests_identity(node: Node) -> None:
