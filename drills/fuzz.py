@@ -22,7 +22,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
-from drills.scenarios import Expectation
+from drills.inputs import Expectation
 from pyproxy.convert import parse_cidr_sloppy, parse_ip_sloppy
 
 Obj = dict[str, Any]

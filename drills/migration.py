@@ -56,7 +56,7 @@ from controlplane import (  # noqa: E402
 )
 from netlab import ConnResult, NetlabError  # noqa: E402
 
-from drills.scenarios import NODE, PYPROXY, Daemon, DrillError, Env, Result, until  # noqa: E402
+from drills.harness import NODE, PYPROXY, Daemon, DrillError, Env, Result, until  # noqa: E402
 
 NAMESPACE = "migration"
 SELECTOR = {"app": "migration"}

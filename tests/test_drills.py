@@ -109,13 +109,13 @@ class TestTableFaults:
         passed(d.input_case(env, label, snap))
 
     # Still open (docs/drills.md, "Bugs found"): each case asserts the right behaviour and
-    # must still fail; once fixed, it moves to drills.scenarios.REGRESSIONS. One test over
+    # must still fail; once fixed, it moves to drills.inputs.REGRESSIONS. One test over
     # all of them (none open today) rather than a parametrization that is empty and skipped.
     def test_known_bugs_still_fail(self, env: d.Env, snap: d.SnapshotBench) -> None:
         for label in d.KNOWN_BUGS:
             result = d.input_case(env, label, snap)
             print(result.summary())
-            assert not result.ok, f"{label!r} is fixed: move it to drills.scenarios.REGRESSIONS"
+            assert not result.ok, f"{label!r} is fixed: move it to drills.inputs.REGRESSIONS"
 
 
 def test_generated_bad_input(env: d.Env) -> None:
