@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import waits
 import yaml
 from apiemu import ApiEmulator
 from builders import ep, make_node, make_service, make_slice
@@ -51,15 +52,9 @@ class DrillError(AssertionError):
 
 def until(check: Callable[[], object], timeout: float, what: str,
           interval: float = 0.05) -> float:
-    """Poll check() until it is true; returns the seconds it took. Bounded by timeout."""
-    start = time.monotonic()
-    while True:
-        with contextlib.suppress(DebugError):
-            if check():
-                return time.monotonic() - start
-        if time.monotonic() - start > timeout:
-            raise DrillError(f"not reached within {timeout:g}s: {what}")
-        time.sleep(interval)
+    """Poll check() until it is true (a daemon not answering yet counts as not yet); returns
+    the seconds it took. Bounded by timeout: DrillError."""
+    return waits.until(check, timeout, what, interval, ignore=(DebugError,), error=DrillError)
 
 
 # ---------------------------------------------------------------------------------------------

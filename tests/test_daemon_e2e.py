@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from apiemu import ApiEmulator
 from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from netlab import Cluster, ConnResult, Lab, requires_netns, tally
 from nftns import call_in_netns
+from waits import eventually, synced
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -57,16 +58,6 @@ def cleanup_tables(cluster: Cluster) -> None:
     for family in ("ip", "ip6"):
         cluster.node.run(["nft", "delete", "table", family, "pyproxy"], check=False)
     cluster.lab.flush_conntrack(cluster.node)
-
-
-def eventually(check: Callable[[], bool], timeout: float = 15.0, what: str = "") -> float:
-    """Poll until check() holds; returns how long it took."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not reached within {timeout}s: {what}")
-        time.sleep(0.1)
-    return time.monotonic() - start
 
 
 def backends(cluster: Cluster, count: int = 30) -> set[str]:
@@ -166,10 +157,13 @@ def test_api_mode_end_to_end(cluster: Cluster, emulator: ApiEmulator, tmp_path: 
 
         # restart under a continuous probe: no connection fails
         probe = Probe(cluster)
-        time.sleep(0.5)
+        time.sleep(0.5)  # connections through the old daemon's rules
         stop_daemon(cluster, daemon)
-        daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), name="pyproxy-api-2")
-        time.sleep(2.5)
+        sock = str(tmp_path / "debug.sock")
+        daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), "--debug-socket", sock,
+                              name="pyproxy-api-2")
+        synced(sock)  # the new daemon's first sync
+        time.sleep(1.0)  # connections through its rules
         results = probe.finish()
         assert len(results) >= 40
         assert tally(results) == {"pod-b": len(results)}, tally(results)

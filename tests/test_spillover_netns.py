@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 import yaml
 from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
+from waits import eventually
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -92,14 +92,6 @@ def landed(cluster: Cluster, vip: str) -> set[str]:
     chance with probability 2^-29)."""
     results = cluster.lab.connect(cluster.client, vip, 80, count=30, parallel=10, timeout=0.5)
     return set(tally(results))
-
-
-def eventually(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout}s: {what}")
-        time.sleep(0.2)
 
 
 def test_connections_spill_over_while_a_level_is_short_and_return(

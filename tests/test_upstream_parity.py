@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import yaml
 from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
+from waits import eventually
 
 from pyproxy.model import IPFamily
 from pyproxy.proxier import NodeConfig
@@ -61,14 +61,6 @@ def test_addresses_written_with_leading_zeros_carry_traffic(cluster: Cluster) ->
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODEPORT = 30080
 SECOND_IP = "192.168.50.100"  # a secondary address of the node: never the interface's primary
-
-
-def eventually(check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout}s: {what}")
-        time.sleep(0.1)
 
 
 def node_port_cluster(cluster: Cluster, internal_ip: str) -> list[dict[str, Any]]:
