@@ -23,10 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.model import ServiceKey
-from pyproxy.proxier import NodeConfig
-from pyproxy.render import LocalMode
-from pyproxy.snapshot import ClusterState, build_state
+from pyproxy.model import ClusterState, LocalMode, NodeConfig, ServiceKey
+from pyproxy.snapshot import build_state
 
 Obj = dict[str, Any]
 

@@ -26,10 +26,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pyproxy.explain import select_all
-from pyproxy.model import IPFamily, ServiceKey, ServicePort, ServicePortName, TrafficPolicy
+from pyproxy.model import (
+    ClusterState,
+    IPFamily,
+    ServiceKey,
+    ServicePort,
+    ServicePortName,
+    TrafficPolicy,
+)
 from pyproxy.render import endpoint_base_name, service_base_name
-from pyproxy.snapshot import ClusterState
+from pyproxy.topology import select_all
 
 T = "ip kube-proxy"
 MASQ = "0x00004000"

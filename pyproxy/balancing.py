@@ -14,18 +14,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from math import gcd
 
-from pyproxy.model import DEFAULT_HASH_SEED, Endpoint, ServicePort
-
-
-class Algorithm(StrEnum):
-    RANDOM = "random"
-    ROUND_ROBIN = "round-robin"
-    SOURCE_HASH = "source-hash"
-    MAGLEV = "maglev"
-
+from pyproxy.model import DEFAULT_HASH_SEED, Algorithm, Endpoint, ServicePort
 
 # Slots for weighted random / round robin / source hash: enough for weight ratios up to
 # this many, few enough that a change touches a small number of elements.

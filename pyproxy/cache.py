@@ -18,10 +18,16 @@ from pyproxy.convert import (
     convert_service,
     convert_service_cidr,
 )
-from pyproxy.model import Node, ServiceKey, ServicePort, Skipped, SliceEndpoints
-from pyproxy.snapshot import ClusterState, all_cidrs
-
-ObjectKey = tuple[str, str]  # (namespace, name)
+from pyproxy.model import (
+    ClusterState,
+    Node,
+    ObjectKey,
+    ServiceKey,
+    ServicePort,
+    Skipped,
+    SliceEndpoints,
+    all_cidrs,
+)
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,10 @@ from pyproxy.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.explain import explain_report, format_table
 from pyproxy.formats import format_history, format_services, format_status, format_trace
 from pyproxy.live import service_key
-from pyproxy.model import IPFamily, Node, ServiceKey, override_ips
+from pyproxy.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
 from pyproxy.nft import Applier, NftError
-from pyproxy.proxier import (
-    FamilyProxier,
-    NodeConfig,
-    desired_state,
-    node_families,
-    render_script,
-)
-from pyproxy.render import TABLE, LocalMode
+from pyproxy.proxier import FamilyProxier, desired_state, node_families, render_script
+from pyproxy.render import TABLE, render_config
 from pyproxy.snapshot import SnapshotError, load_snapshot
 
 EXIT_OK = 0
@@ -362,7 +356,7 @@ def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
         ipaddress.ip_address(args.src)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    answer = trace(desired_state(state, config, family), config.render_config(family),
+    answer = trace(desired_state(state, config, family), render_config(config, family),
                    args.src, dst, port, proto, from_node=args.from_node, sport=args.sport)
     return answer.as_dict()
 

@@ -44,9 +44,7 @@ from typing import Any
 
 import yaml
 
-from pyproxy.model import override_ips
-from pyproxy.proxier import NodeConfig
-from pyproxy.render import LocalMode
+from pyproxy.model import LocalMode, NodeConfig, override_ips
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"

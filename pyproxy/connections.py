@@ -38,9 +38,8 @@ from typing import NamedTuple
 
 import structlog
 
-from pyproxy.explain import PortSelection
 from pyproxy.model import IPFamily, Node, Protocol, ip_family
-from pyproxy.topology import NodeLabels, endpoint_scope
+from pyproxy.topology import NodeLabels, PortSelection, endpoint_scope
 
 log = structlog.get_logger("pyproxy.connections")
 

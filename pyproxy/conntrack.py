@@ -33,6 +33,7 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pyproxy.model import (
+    ClusterState,
     Endpoint,
     IPFamily,
     Protocol,
@@ -41,7 +42,6 @@ from pyproxy.model import (
     ServicePortName,
     ip_family,
 )
-from pyproxy.snapshot import ClusterState
 
 IPPROTO_UDP = socket.IPPROTO_UDP
 IPPROTO_TCP = socket.IPPROTO_TCP

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from pyproxy.cache import Checkout, ClusterCache, ObjectKey
-from pyproxy.model import ServiceKey, ServicePort, Skipped
+from pyproxy.cache import Checkout, ClusterCache
+from pyproxy.model import ObjectKey, ServiceKey, ServicePort, Skipped
 from pyproxy.nft import NftError, SyncResult
 from pyproxy.proxier import FamilyProxier
 

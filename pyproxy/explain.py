@@ -18,37 +18,19 @@ ranges; traffic to an address in them that is no ClusterIP is dropped ([]: none 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from pyproxy.balancing import MAGLEV_TABLE_SIZE, Algorithm, effective_weights
-from pyproxy.model import Endpoint, IPFamily, ServiceKey, ServicePort, ip_family
-from pyproxy.snapshot import ClusterState
-from pyproxy.topology import Selection, select_endpoints
-
-
-@dataclass(frozen=True, slots=True)
-class PortSelection:
-    port: ServicePort
-    family: IPFamily
-    selection: Selection
-
-
-def select_all(
-    state: ClusterState, node_name: str, services: Iterable[ServiceKey] | None = None
-) -> Iterator[PortSelection]:
-    """Endpoint selection for every service port and family (or only those of `services`),
-    in a stable order."""
-    node = state.node(node_name)
-    labels = state.node_labels()
-    ports = state.ports if services is None else [
-        port for key in sorted(set(services)) for port in state.ports_of(key)]
-    for port in ports:
-        for family in port.families():
-            endpoints = state.endpoints(port.name, family)
-            selection = select_endpoints(port, family, endpoints, node, labels)
-            yield PortSelection(port, family, selection)
+from pyproxy.balancing import MAGLEV_TABLE_SIZE, effective_weights
+from pyproxy.model import (
+    Algorithm,
+    ClusterState,
+    Endpoint,
+    ServiceKey,
+    ServicePort,
+    ip_family,
+)
+from pyproxy.topology import PortSelection, Selection, select_all
 
 
 def explain_report(

@@ -17,6 +17,7 @@ from pyproxy.health import ProxyHealth
 from pyproxy.model import ServiceKey, ip_family
 from pyproxy.nft import inject_faults, pending_faults
 from pyproxy.proxier import FamilyProxier
+from pyproxy.render import render_config
 from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.trace import trace
 
@@ -68,7 +69,7 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
     family = ip_family(dst)
     for proxier in proxiers:
         if proxier.family is family:
-            cfg = proxier.config.render_config(family)
+            cfg = render_config(proxier.config, family)
             sport = int(query["sport"]) if query.get("sport") else None
             result = trace(proxier.applier.state, cfg, src, dst, port, proto,
                            from_node=query.get("from_node") == "1", sport=sport)

@@ -14,9 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pyproxy.connections import Series
-from pyproxy.explain import PortSelection
 from pyproxy.model import TrafficPolicy
-from pyproxy.topology import TOPOLOGY_NONE
+from pyproxy.topology import TOPOLOGY_NONE, PortSelection
 
 # Upstream's buckets for sync durations: exponential from 1 ms.
 _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))

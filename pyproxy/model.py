@@ -8,9 +8,10 @@ against missing fields or wrong types again.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from ipaddress import ip_address, ip_network
 from itertools import pairwise
 
 
@@ -333,3 +334,153 @@ def is_valid_ip(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and enums the whole flow shares
+
+ObjectKey = tuple[str, str]  # (namespace, name) of an API object
+
+
+class LocalMode(StrEnum):
+    """kube-proxy's detect-local modes: how to tell pod traffic from other traffic."""
+
+    NONE = "None"
+    CLUSTER_CIDR = "ClusterCIDR"
+    NODE_CIDR = "NodeCIDR"
+    BRIDGE_INTERFACE = "BridgeInterface"
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
+
+
+class Algorithm(StrEnum):
+    RANDOM = "random"
+    ROUND_ROBIN = "round-robin"
+    SOURCE_HASH = "source-hash"
+    MAGLEV = "maglev"
+
+
+# ---------------------------------------------------------------------------------------------
+# This node's configuration
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How this node proxies (the parts of kube-proxy's configuration that shape rules)."""
+
+    node_name: str
+    node_ips: tuple[str, ...] = ()
+    cluster_cidrs: tuple[str, ...] = ()
+    local_mode: LocalMode = LocalMode.CLUSTER_CIDR
+    # Interface name or prefix for the interface detect-local modes; pod CIDRs for NodeCIDR.
+    local_interface: str = ""
+    node_cidrs: tuple[str, ...] = ()
+    # CIDRs or "primary" (this node's primary addresses); empty: every local address.
+    nodeport_addresses: tuple[str, ...] = ("primary",)
+    masquerade_bit: int = 14
+    masquerade_all: bool = False
+    # New connections counted per endpoint in the kernel (metrics, `services -o wide`).
+    count_connections: bool = True
+
+    def local_mode_for(self, family: IPFamily) -> LocalMode:
+        return self.local_mode if self.local_value(family) else LocalMode.NONE
+
+    def local_value(self, family: IPFamily) -> str:
+        if self.local_mode is LocalMode.CLUSTER_CIDR:
+            return _first_of(self.cluster_cidrs, family)
+        if self.local_mode is LocalMode.NODE_CIDR:
+            return _first_of(self.node_cidrs, family)
+        if self.local_mode in (LocalMode.BRIDGE_INTERFACE, LocalMode.INTERFACE_NAME_PREFIX):
+            return self.local_interface
+        return ""
+
+    def nodeport_ips(self, family: IPFamily) -> tuple[str, ...] | None:
+        """Node addresses accepting NodePorts, or None for "every local address"."""
+        mine = [ip for ip in self.node_ips if ip_family(ip) is family]
+        if not self.nodeport_addresses:
+            return None
+        chosen: list[str] = []
+        for entry in self.nodeport_addresses:
+            if entry == "primary":
+                chosen.extend(mine[:1])
+                continue
+            net = ip_network(entry, strict=False)
+            if net.version != (4 if family is IPFamily.IPv4 else 6):
+                continue
+            if net.prefixlen == 0:
+                return None  # match-all for this family
+            chosen.extend(ip for ip in mine if ip_address(ip) in net)
+        # No known address: fall back to every local address rather than to no NodePorts.
+        return tuple(dict.fromkeys(chosen)) if chosen else None
+
+
+def _first_of(cidrs: Sequence[str], family: IPFamily) -> str:
+    return next((str(ip_network(c, strict=False)) for c in cidrs if ip_family(c) is family), "")
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster state: what the proxy knows, from the watches or a snapshot file
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What the proxy knows about the cluster. The daemon's cache hands out a view over its
+    live dictionaries; a snapshot file gives a fixed one."""
+
+    nodes: Mapping[str, Node] = field(default_factory=dict)
+    ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
+    slices: Mapping[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
+    skipped: tuple[Skipped, ...] = ()
+    # Every CIDR of every ServiceCIDR object (both families, sorted, each once): addresses in
+    # them that are no ClusterIP are dropped. Empty: none known (or the API does not serve
+    # them), and nothing is dropped.
+    service_cidrs: tuple[str, ...] = ()
+
+    @property
+    def ports(self) -> tuple[ServicePort, ...]:
+        """Every service port, ordered by service then by port."""
+        return tuple(port for key in sorted(self.ports_by_service)
+                     for port in self.ports_by_service[key])
+
+    def node(self, name: str) -> Node:
+        """This node's object; a node missing from the state has no labels."""
+        return self.nodes.get(name) or Node(name)
+
+    def ports_of(self, service: ServiceKey) -> tuple[ServicePort, ...]:
+        return self.ports_by_service.get(service, ())
+
+    def node_labels(self) -> dict[str, Mapping[str, str]]:
+        return {name: node.labels for name, node in self.nodes.items()}
+
+    def endpoints(self, port: ServicePortName, family: IPFamily) -> tuple[Endpoint, ...]:
+        return merge_slices(self.slices.get(port.service, ()), port, family)
+
+
+def merge_slices(
+    slices: Iterable[SliceEndpoints], port: ServicePortName, family: IPFamily
+) -> tuple[Endpoint, ...]:
+    """The endpoints of one service port and family, from all of the Service's slices.
+
+    Matching is by port name and protocol (the number comes from the slice: the target port is
+    already resolved there). A duplicated `IP:port` counts once; when copies disagree a
+    non-terminating one wins (a pod IP reused while the old pod terminates). The result is
+    sorted by `IP:port` so that diffs and rule order are stable.
+    """
+    service = port.service
+    lists = [piece.endpoints_numbered(number) for piece in slices
+             if piece.family is family and piece.service == service
+             for number in piece.numbers_for(port)]
+    if len(lists) == 1:
+        return lists[0]  # one slice declares the port: already sorted and unique
+    chosen: dict[str, Endpoint] = {}
+    for endpoints in lists:
+        for ep in endpoints:
+            old = chosen.get(ep.key)
+            if old is None or (old.terminating and not ep.terminating):
+                chosen[ep.key] = ep
+    return tuple(chosen[key] for key in sorted(chosen))
+
+
+def all_cidrs(cidrs: Iterable[str]) -> tuple[str, ...]:
+    """The CIDRs of several ServiceCIDRs as ClusterState holds them: each once, in a stable
+    order (the same objects always render the same set)."""
+    return tuple(sorted(set(cidrs)))

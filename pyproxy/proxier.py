@@ -5,88 +5,20 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from ipaddress import ip_address, ip_network
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from pyproxy.explain import PortSelection, select_all
 from pyproxy.gcutil import gc_paused, trim_heap
-from pyproxy.model import IPFamily, ServiceKey, ServicePortName, ip_family
-from pyproxy.render import Fragment, LocalMode, RenderConfig, render_service, skeleton
+from pyproxy.model import ClusterState, IPFamily, NodeConfig, ServiceKey, ServicePortName, ip_family
+from pyproxy.render import Fragment, render_config, render_service, skeleton
 from pyproxy.ruleset import Change, DesiredState, full_commands
-from pyproxy.snapshot import ClusterState
+from pyproxy.topology import PortSelection, select_all
 
 if TYPE_CHECKING:
     from pyproxy.nft import Kernel, SyncResult
 
 SKELETON = "skeleton"
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """How this node proxies (the parts of kube-proxy's configuration that shape rules)."""
-
-    node_name: str
-    node_ips: tuple[str, ...] = ()
-    cluster_cidrs: tuple[str, ...] = ()
-    local_mode: LocalMode = LocalMode.CLUSTER_CIDR
-    # Interface name or prefix for the interface detect-local modes; pod CIDRs for NodeCIDR.
-    local_interface: str = ""
-    node_cidrs: tuple[str, ...] = ()
-    # CIDRs or "primary" (this node's primary addresses); empty: every local address.
-    nodeport_addresses: tuple[str, ...] = ("primary",)
-    masquerade_bit: int = 14
-    masquerade_all: bool = False
-    # New connections counted per endpoint in the kernel (metrics, `services -o wide`).
-    count_connections: bool = True
-
-    def render_config(self, family: IPFamily) -> RenderConfig:
-        return RenderConfig(
-            family=family,
-            local_mode=self._mode(family),
-            local_value=self._local_value(family),
-            nodeport_ips=self._nodeport_ips(family),
-            node_ips=tuple(ip for ip in self.node_ips if ip_family(ip) is family),
-            masquerade_bit=self.masquerade_bit,
-            masquerade_all=self.masquerade_all,
-            count_connections=self.count_connections,
-        )
-
-    def _mode(self, family: IPFamily) -> LocalMode:
-        return self.local_mode if self._local_value(family) else LocalMode.NONE
-
-    def _local_value(self, family: IPFamily) -> str:
-        if self.local_mode is LocalMode.CLUSTER_CIDR:
-            return _first_of(self.cluster_cidrs, family)
-        if self.local_mode is LocalMode.NODE_CIDR:
-            return _first_of(self.node_cidrs, family)
-        if self.local_mode in (LocalMode.BRIDGE_INTERFACE, LocalMode.INTERFACE_NAME_PREFIX):
-            return self.local_interface
-        return ""
-
-    def _nodeport_ips(self, family: IPFamily) -> tuple[str, ...] | None:
-        """Node addresses accepting NodePorts, or None for "every local address"."""
-        mine = [ip for ip in self.node_ips if ip_family(ip) is family]
-        if not self.nodeport_addresses:
-            return None
-        chosen: list[str] = []
-        for entry in self.nodeport_addresses:
-            if entry == "primary":
-                chosen.extend(mine[:1])
-                continue
-            net = ip_network(entry, strict=False)
-            if net.version != (4 if family is IPFamily.IPv4 else 6):
-                continue
-            if net.prefixlen == 0:
-                return None  # match-all for this family
-            chosen.extend(ip for ip in mine if ip_address(ip) in net)
-        # No known address: fall back to every local address rather than to no NodePorts.
-        return tuple(dict.fromkeys(chosen)) if chosen else None
-
-
-def _first_of(cidrs: Sequence[str], family: IPFamily) -> str:
-    return next((str(ip_network(c, strict=False)) for c in cidrs if ip_family(c) is family), "")
 
 
 def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ...]:
@@ -123,7 +55,7 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
     receives the seconds spent selecting and those spent rendering (not in the consumer)."""
-    cfg = config.render_config(family)
+    cfg = render_config(config, family)
     clock = time.perf_counter
     selecting, rendering = 0.0, 0.0
     started = clock()

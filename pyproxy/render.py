@@ -40,15 +40,17 @@ from enum import StrEnum
 from ipaddress import collapse_addresses, ip_address, ip_network
 from typing import Any, NamedTuple
 
-from pyproxy.balancing import (
+from pyproxy.balancing import Balancing, balancing_of, effective_weights, slots, weighted_slots
+from pyproxy.model import (
     Algorithm,
-    Balancing,
-    balancing_of,
-    effective_weights,
-    slots,
-    weighted_slots,
+    Endpoint,
+    IPFamily,
+    LocalMode,
+    NodeConfig,
+    ServicePort,
+    TrafficPolicy,
+    ip_family,
 )
-from pyproxy.model import Endpoint, IPFamily, ServicePort, TrafficPolicy, ip_family
 from pyproxy.topology import Selection
 
 TABLE = "pyproxy"
@@ -93,16 +95,6 @@ def nodeport_endpoints_map(proto: str) -> str:
 
 def connections_set(shard: int) -> str:
     return f"new-connections-{shard}"
-
-
-class LocalMode(StrEnum):
-    """kube-proxy's detect-local modes: how to tell pod traffic from other traffic."""
-
-    NONE = "None"
-    CLUSTER_CIDR = "ClusterCIDR"
-    NODE_CIDR = "NodeCIDR"
-    BRIDGE_INTERFACE = "BridgeInterface"
-    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
 
 
 @dataclass(frozen=True)
@@ -150,6 +142,20 @@ class RenderConfig:
         if self.local_mode is LocalMode.INTERFACE_NAME_PREFIX and self.local_value:
             return f'iifname {op}"{self.local_value}*"'
         return None
+
+
+def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
+    """What rendering needs of this node's configuration, for one family."""
+    return RenderConfig(
+        family=family,
+        local_mode=node.local_mode_for(family),
+        local_value=node.local_value(family),
+        nodeport_ips=node.nodeport_ips(family),
+        node_ips=tuple(ip for ip in node.node_ips if ip_family(ip) is family),
+        masquerade_bit=node.masquerade_bit,
+        masquerade_all=node.masquerade_all,
+        count_connections=node.count_connections,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,21 +26,28 @@ from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, ud
 from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
 from pyproxy.debug import DebugServer
 from pyproxy.events import record_start
-from pyproxy.explain import PortSelection
 from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.host import Outcome, apply_host_settings
 from pyproxy.live import counting_context, handlers
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, Node, ServiceKey, ip_family, override_ips
+from pyproxy.model import (
+    ClusterState,
+    IPFamily,
+    Node,
+    NodeConfig,
+    ServiceKey,
+    ip_family,
+    override_ips,
+)
 from pyproxy.nft import OWN_SOCKETS
 from pyproxy.nftevents import NftMonitor
 from pyproxy.nlsets import KernelCounters
-from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.proxier import FamilyProxier
 from pyproxy.ratelimit import TokenBucket, limit_requests
 from pyproxy.runner import BoundedFrequencyRunner
-from pyproxy.snapshot import ClusterState
 from pyproxy.sources import ApiSource, SnapshotSource
+from pyproxy.topology import PortSelection
 
 log = structlog.get_logger("pyproxy")
 

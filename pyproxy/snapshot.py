@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,56 +20,20 @@ from pyproxy.convert import (
     convert_service,
     convert_service_cidr,
 )
-from pyproxy.endpoints import merge_slices
 from pyproxy.gcutil import gc_paused
 from pyproxy.model import (
-    Endpoint,
-    IPFamily,
+    ClusterState,
     Node,
     ServiceKey,
     ServicePort,
-    ServicePortName,
     Skipped,
     SliceEndpoints,
+    all_cidrs,
 )
 
 
 class SnapshotError(ValueError):
     """The snapshot as a whole cannot be read (not YAML/JSON, not objects)."""
-
-
-@dataclass(frozen=True)
-class ClusterState:
-    """What the proxy knows about the cluster. The daemon's cache hands out a view over its
-    live dictionaries; a snapshot file gives a fixed one."""
-
-    nodes: Mapping[str, Node] = field(default_factory=dict)
-    ports_by_service: Mapping[ServiceKey, tuple[ServicePort, ...]] = field(default_factory=dict)
-    slices: Mapping[ServiceKey, tuple[SliceEndpoints, ...]] = field(default_factory=dict)
-    skipped: tuple[Skipped, ...] = ()
-    # Every CIDR of every ServiceCIDR object (both families, sorted, each once): addresses in
-    # them that are no ClusterIP are dropped. Empty: none known (or the API does not serve
-    # them), and nothing is dropped.
-    service_cidrs: tuple[str, ...] = ()
-
-    @property
-    def ports(self) -> tuple[ServicePort, ...]:
-        """Every service port, ordered by service then by port."""
-        return tuple(port for key in sorted(self.ports_by_service)
-                     for port in self.ports_by_service[key])
-
-    def node(self, name: str) -> Node:
-        """This node's object; a node missing from the state has no labels."""
-        return self.nodes.get(name) or Node(name)
-
-    def ports_of(self, service: ServiceKey) -> tuple[ServicePort, ...]:
-        return self.ports_by_service.get(service, ())
-
-    def node_labels(self) -> dict[str, Mapping[str, str]]:
-        return {name: node.labels for name, node in self.nodes.items()}
-
-    def endpoints(self, port: ServicePortName, family: IPFamily) -> tuple[Endpoint, ...]:
-        return merge_slices(self.slices.get(port.service, ()), port, family)
 
 
 def parse_snapshot(text: str) -> ClusterState:
@@ -144,12 +107,6 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
         skipped=tuple(skipped),
         service_cidrs=all_cidrs(service_cidrs),
     )
-
-
-def all_cidrs(cidrs: Iterable[str]) -> tuple[str, ...]:
-    """The CIDRs of several ServiceCIDRs as ClusterState holds them: each once, in a stable
-    order (the same objects always render the same set)."""
-    return tuple(sorted(set(cidrs)))
 
 
 def _name_of(obj: Any) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from pyproxy.daemon import Proxier
+from pyproxy.model import ObjectKey
 from pyproxy.snapshot import SnapshotError, parse_objects
 from pyproxy.watch import (
     MIN_WATCH_TIMEOUT,
@@ -29,7 +30,6 @@ from pyproxy.watch import (
 
 log = structlog.get_logger("pyproxy.sources")
 
-ObjectKey = tuple[str, str]
 
 
 @dataclass

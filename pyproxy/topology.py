@@ -17,7 +17,7 @@ endpoint on an unknown Node is reached only at "all". Node-local lists never wid
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from pyproxy.model import (
@@ -27,9 +27,11 @@ from pyproxy.model import (
     LABEL_ZONE,
     MAX_TOPOLOGY_MIN_ENDPOINTS,
     TOPOLOGY_KEY_ANY,
+    ClusterState,
     Endpoint,
     IPFamily,
     Node,
+    ServiceKey,
     ServicePort,
     TrafficPolicy,
 )
@@ -479,3 +481,26 @@ def _union(a: Iterable[Endpoint], b: Iterable[Endpoint]) -> tuple[Endpoint, ...]
     for ep in b:
         merged.setdefault(ep.key, ep)
     return tuple(merged[key] for key in sorted(merged))
+
+
+@dataclass(frozen=True, slots=True)
+class PortSelection:
+    port: ServicePort
+    family: IPFamily
+    selection: Selection
+
+
+def select_all(
+    state: ClusterState, node_name: str, services: Iterable[ServiceKey] | None = None
+) -> Iterator[PortSelection]:
+    """Endpoint selection for every service port and family (or only those of `services`),
+    in a stable order."""
+    node = state.node(node_name)
+    labels = state.node_labels()
+    ports = state.ports if services is None else [
+        port for key in sorted(set(services)) for port in state.ports_of(key)]
+    for port in ports:
+        for family in port.families():
+            endpoints = state.endpoints(port.name, family)
+            selection = select_endpoints(port, family, endpoints, node, labels)
+            yield PortSelection(port, family, selection)

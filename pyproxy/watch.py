@@ -36,10 +36,10 @@ import structlog
 
 from pyproxy.apirequest import request
 from pyproxy.gcutil import gc_paused
+from pyproxy.model import ObjectKey
 
 log = structlog.get_logger("pyproxy.watch")
 
-ObjectKey = tuple[str, str]
 # Objects per list page (client-go's default chunk size).
 LIST_PAGE_SIZE = 500
 # client-go's reflector asks for timeoutSeconds = minWatchTimeout × (1 + rand), 5 to 10 min.

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pyproxy.model import IPFamily
+from pyproxy.model import IPFamily, NodeConfig
 from pyproxy.nft import OWN_SOCKETS, LibNftables, OwnSockets
-from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.proxier import FamilyProxier
 from pyproxy.snapshot import build_state
 
 _CLONE_NEWNET = 0x40000000

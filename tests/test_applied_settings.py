@@ -34,9 +34,8 @@ from pyproxy.health import ProxyHealth
 from pyproxy.host import apply_host_settings
 from pyproxy.logs import setup_logging
 from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, Node
+from pyproxy.model import IPFamily, LocalMode, Node
 from pyproxy.proxier import render_script
-from pyproxy.render import LocalMode
 from pyproxy.runner import BoundedFrequencyRunner
 from pyproxy.snapshot import build_state
 from pyproxy.sources import SnapshotSource

@@ -13,9 +13,9 @@ from fakes import FakeKernel, FakeNft
 from pyproxy.cache import ClusterCache
 from pyproxy.daemon import REPAIR_REASON, Proxier
 from pyproxy.live import trace_in
-from pyproxy.model import IPFamily
+from pyproxy.model import IPFamily, NodeConfig
 from pyproxy.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
-from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.proxier import FamilyProxier
 
 VIP = "10.96.0.10"
 

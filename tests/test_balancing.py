@@ -15,15 +15,14 @@ from nftns import NodeProxy
 
 from pyproxy.balancing import (
     MAGLEV_TABLE_SIZE,
-    Algorithm,
     effective_weights,
     maglev_table,
     slots,
     weighted_slots,
 )
 from pyproxy.convert import convert_service
-from pyproxy.model import Endpoint, IPFamily, ServicePort, Skipped
-from pyproxy.proxier import NodeConfig
+from pyproxy.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
+from pyproxy.render import render_config
 from pyproxy.trace import trace
 
 # --- pure ----------------------------------------------------------------------------------
@@ -187,7 +186,7 @@ def test_source_hash_is_stable_per_client_and_trace_names_it(cluster: Cluster,
     counts = tally(cluster.lab.connect(cluster.client, VIP, 80, count=20, parallel=5))
     assert len(counts) == 1, counts
     state = proxy.proxiers[0].applier.state
-    cfg = proxy.proxiers[0].config.render_config(IPFamily.IPv4)
+    cfg = render_config(proxy.proxiers[0].config, IPFamily.IPv4)
     answer = trace(state, cfg, cluster.client_ip4, VIP, 80, "tcp")
     (endpoint, probability), = answer.candidates
     assert probability == 1.0
@@ -203,7 +202,7 @@ def test_maglev_moves_only_the_removed_endpoints_clients(cluster: Cluster,
     assert "timeout" not in before.values() and len(set(before.values())) == 10
     # trace predicts each flow's endpoint from the client address and port
     state = proxy.proxiers[0].applier.state
-    cfg = proxy.proxiers[0].config.render_config(IPFamily.IPv4)
+    cfg = render_config(proxy.proxiers[0].config, IPFamily.IPv4)
     ip_of = {cluster.pods[p].ip4: p for p in PODS}
     for sport in list(before)[:20]:
         answer = trace(state, cfg, cluster.client_ip4, VIP, 53, "udp", sport=sport)

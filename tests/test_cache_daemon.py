@@ -13,9 +13,9 @@ from structlog.testing import capture_logs
 
 from pyproxy.cache import ClusterCache
 from pyproxy.daemon import REPAIR_REASON, Proxier
-from pyproxy.model import IPFamily, ServiceKey
+from pyproxy.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.nft import Applier, NftError
-from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.proxier import FamilyProxier
 from pyproxy.render import Fragment, Item, Kind
 from pyproxy.ruleset import Shape
 from pyproxy.runner import BoundedFrequencyRunner

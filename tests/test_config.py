@@ -29,8 +29,8 @@ from pyproxy.config import (
     load_config,
     parse_duration,
 )
-from pyproxy.model import IPFamily
-from pyproxy.render import LocalMode
+from pyproxy.model import IPFamily, LocalMode
+from pyproxy.render import render_config
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -900,7 +900,7 @@ class TestNodeConfig:
             LocalMode.INTERFACE_NAME_PREFIX, "veth")
         assert node.nodeport_addresses == ("192.168.50.0/24", "primary")
         assert (node.masquerade_bit, node.masquerade_all) == (5, True)
-        rendered = node.render_config(IPFamily.IPv4)
+        rendered = render_config(node, IPFamily.IPv4)
         assert rendered.local_match() == 'iifname "veth*"'
         assert rendered.mark == "0x00000020"
 
@@ -921,7 +921,7 @@ class TestNodeConfig:
         node = ProxyConfig(detect_local_mode=LocalMode.NODE_CIDR).node_config(
             "n", ["10.0.0.5"], ["10.244.3.0/24", "fd00:10:244:3::/64"])
         assert node.node_cidrs == ("10.244.3.0/24", "fd00:10:244:3::/64")
-        assert node.render_config(IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
+        assert render_config(node, IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
 
     @pytest.mark.parametrize(("addresses", "expected"), [
         pytest.param(("all",), (), id="all is every local address"),
@@ -954,7 +954,7 @@ class TestNodeConfig:
     def test_primary_nodeport_follows_bind_address(self) -> None:
         """With nodePortAddresses [primary], NodePorts listen on the bindAddress."""
         node = ProxyConfig(bind_address="10.0.0.6").node_config("n", ["10.0.0.5", "10.0.0.6"])
-        assert node.render_config(IPFamily.IPv4).nodeport_ips == ("10.0.0.6",)
+        assert render_config(node, IPFamily.IPv4).nodeport_ips == ("10.0.0.6",)
 
 
 class TestNodeName:

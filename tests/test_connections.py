@@ -25,7 +25,6 @@ from pyproxy.connections import (
     node_port_part,
     service_part,
 )
-from pyproxy.explain import select_all
 from pyproxy.formats import format_services
 from pyproxy.live import with_connections
 from pyproxy.metrics import Metrics
@@ -33,7 +32,7 @@ from pyproxy.model import Endpoint, IPFamily, Node
 from pyproxy.nlsets import DumpParser, dump_request, shard_of
 from pyproxy.render import CONNECTION_SHARDS, connection_shard
 from pyproxy.snapshot import build_state
-from pyproxy.topology import endpoint_scope
+from pyproxy.topology import endpoint_scope, select_all
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 A1, B1, C1 = "10.244.1.5", "10.244.2.6", "10.244.3.7"

@@ -23,8 +23,8 @@ from pyproxy.connections import (
     Series,
     endpoint_part,
 )
+from pyproxy.model import NodeConfig
 from pyproxy.nlsets import KernelCounters, netlink_socket
-from pyproxy.proxier import NodeConfig
 from pyproxy.snapshot import build_state
 
 pytestmark = [pytest.mark.netns, requires_netns]

@@ -21,8 +21,8 @@ from pyproxy.conntrack import (
     stale,
     udp_targets,
 )
-from pyproxy.model import IPFamily, Protocol, ServicePortName
-from pyproxy.snapshot import ClusterState, build_state
+from pyproxy.model import ClusterState, IPFamily, Protocol, ServicePortName
+from pyproxy.snapshot import build_state
 
 NODE_IP = "192.168.50.1"
 NODE_IP6 = "fd00:50::1"

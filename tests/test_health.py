@@ -30,8 +30,8 @@ from pyproxy.health import (
     parse_host_port,
 )
 from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, Node, ServiceKey
-from pyproxy.proxier import FamilyProxier, NodeConfig
+from pyproxy.model import IPFamily, Node, NodeConfig, ServiceKey
+from pyproxy.proxier import FamilyProxier
 from pyproxy.run import DaemonObserver
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6

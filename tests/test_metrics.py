@@ -17,13 +17,13 @@ from prometheus_client import generate_latest
 
 from pyproxy.cache import Checkout, ClusterCache
 from pyproxy.daemon import Proxier, SyncRecord
-from pyproxy.explain import PortSelection
 from pyproxy.health import ProxyHealth, ServiceHealth
 from pyproxy.metrics import Metrics
-from pyproxy.model import ANNOTATION_TRIGGER_TIME, IPFamily, ServiceKey
+from pyproxy.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
 from pyproxy.nft import NftError
-from pyproxy.proxier import FamilyProxier, NodeConfig, select_and_render
+from pyproxy.proxier import FamilyProxier, select_and_render
 from pyproxy.run import DaemonObserver, current_selections
+from pyproxy.topology import PortSelection
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 NODE = NodeConfig("node-a", node_ips=("192.168.50.1",))

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from netlab import Lab, Netns, requires_netns
 from nftns import libnft_in
 
-from pyproxy.model import IPFamily, ServiceKey
+from pyproxy.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.nft import LibNftables, listing_shape
-from pyproxy.proxier import FamilyProxier, NodeConfig, render_script
+from pyproxy.proxier import FamilyProxier, render_script
 from pyproxy.snapshot import build_state
 
 pytestmark = [pytest.mark.netns, requires_netns]

@@ -19,10 +19,10 @@ from pyproxy.convert import convert_node
 from pyproxy.daemon import Proxier
 from pyproxy.health import ProxyHealth, ServiceHealth
 from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, Node, Skipped
+from pyproxy.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
 from pyproxy.nft import Applier
-from pyproxy.proxier import FamilyProxier, NodeConfig
-from pyproxy.render import LocalMode
+from pyproxy.proxier import FamilyProxier
+from pyproxy.render import render_config
 from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
 
 Obj = dict[str, Any]
@@ -95,7 +95,7 @@ def test_node_cidr_mode_takes_the_nodes_pod_cidrs() -> None:
     node = Node("node-a", pod_cidrs=("10.244.3.0/24",))
     config = node_config_for(ProxyConfig(detect_local_mode=LocalMode.NODE_CIDR), "node-a", node,
                              ("192.168.50.1",))
-    assert config.render_config(IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
+    assert render_config(config, IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
 
 
 # --- offline: pyproxy render ---------------------------------------------------------------

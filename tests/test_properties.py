@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyproxy.convert import convert_endpoint_slice, convert_service
-from pyproxy.explain import select_all
 from pyproxy.model import Skipped
 from pyproxy.snapshot import build_state
+from pyproxy.topology import select_all
 
 NODES = ["node-a", "node-b", "node-c"]
 ZONES = ["zone-1", "zone-2"]

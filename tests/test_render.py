@@ -10,8 +10,8 @@ from typing import Any
 
 from builders import ep, make_node, make_service, make_slice
 
-from pyproxy.model import IPFamily
-from pyproxy.proxier import SKELETON, NodeConfig, fragments
+from pyproxy.model import IPFamily, NodeConfig
+from pyproxy.proxier import SKELETON, fragments
 from pyproxy.render import BASE_CHAIN_RULES, Fragment, Item, Kind
 from pyproxy.ruleset import Change, DesiredState, full_commands, incremental_commands
 from pyproxy.snapshot import build_state

@@ -19,9 +19,9 @@ from pyproxy.cache import ClusterCache
 from pyproxy.convert import convert_service_cidr
 from pyproxy.daemon import Proxier
 from pyproxy.explain import explain_report, format_table
-from pyproxy.model import IPFamily, Skipped
-from pyproxy.proxier import SKELETON, FamilyProxier, NodeConfig, desired_state, fragments
-from pyproxy.render import Kind
+from pyproxy.model import IPFamily, NodeConfig, Skipped
+from pyproxy.proxier import SKELETON, FamilyProxier, desired_state, fragments
+from pyproxy.render import Kind, render_config
 from pyproxy.snapshot import build_state
 from pyproxy.trace import trace
 from pyproxy.watch import Reflector, service_cidrs_resource
@@ -184,7 +184,7 @@ Traced = Callable[..., Any]
 
 def tracer(*extra: dict[str, Any]) -> Traced:
     state = desired_state(build_state(objects(*extra)), CONFIG, IPFamily.IPv4)
-    cfg = CONFIG.render_config(IPFamily.IPv4)
+    cfg = render_config(CONFIG, IPFamily.IPv4)
     return lambda dst, port=80, **kw: trace(state, cfg, "192.168.50.2", dst, port, "tcp", **kw)
 
 

@@ -13,8 +13,8 @@ from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns
 
 from pyproxy import staging
-from pyproxy.model import IPFamily
-from pyproxy.proxier import NodeConfig, desired_state
+from pyproxy.model import IPFamily, NodeConfig
+from pyproxy.proxier import desired_state
 from pyproxy.render import BASE_CHAINS
 from pyproxy.ruleset import full_commands
 from pyproxy.snapshot import build_state

@@ -16,8 +16,7 @@ from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
 from waits import eventually
 
-from pyproxy.model import IPFamily
-from pyproxy.proxier import NodeConfig
+from pyproxy.model import IPFamily, NodeConfig
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
