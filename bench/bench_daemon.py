@@ -46,7 +46,7 @@ from apiemu import ApiEmulator  # noqa: E402
 from nftns import call_in_netns  # noqa: E402
 from synth import NODE_IP, Cluster  # noqa: E402
 
-from pyproxy import debug  # noqa: E402
+from pyproxy.serve import debug  # noqa: E402
 
 PYPROXY = os.path.join(REPO, ".venv", "bin", "pyproxy")
 

@@ -36,7 +36,7 @@ from netlab import Cluster, Lab  # noqa: E402
 from nftns import NodeProxy  # noqa: E402
 from synth import Cluster as Synthetic  # noqa: E402
 
-from pyproxy.model import IPFamily, NodeConfig  # noqa: E402
+from pyproxy.core.model import IPFamily, NodeConfig  # noqa: E402
 
 VIP = "10.96.0.10"  # synth's ClusterIPs start at 10.96.0.16
 TARGET_RATIO = 1.1

@@ -21,10 +21,10 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from synth import NODE_CONFIG, Cluster  # noqa: E402
 
-from pyproxy.convert import convert_endpoint_slice, convert_service  # noqa: E402
-from pyproxy.model import IPFamily, ServiceKey  # noqa: E402
-from pyproxy.proxier import FamilyProxier  # noqa: E402
-from pyproxy.snapshot import build_state  # noqa: E402
+from pyproxy.cluster.snapshot import build_state  # noqa: E402
+from pyproxy.core.convert import convert_endpoint_slice, convert_service  # noqa: E402
+from pyproxy.core.model import IPFamily, ServiceKey  # noqa: E402
+from pyproxy.sync.proxier import FamilyProxier  # noqa: E402
 
 
 def measure(args: argparse.Namespace) -> None:

@@ -157,14 +157,14 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
     from synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
 
-    import pyproxy.proxier as proxier_mod
-    from pyproxy.model import IPFamily
-    from pyproxy.nft import LibNftables, SyncResult
-    from pyproxy.proxier import FamilyProxier
+    import pyproxy.sync.proxier as proxier_mod
+    from pyproxy.cluster.snapshot import build_state
+    from pyproxy.core.model import IPFamily
+    from pyproxy.kernel.nft import LibNftables, SyncResult
     from pyproxy.render import TABLE
-    from pyproxy.ruleset import Change as RChange
-    from pyproxy.ruleset import DesiredState
-    from pyproxy.snapshot import build_state
+    from pyproxy.render.ruleset import Change as RChange
+    from pyproxy.render.ruleset import DesiredState
+    from pyproxy.sync.proxier import FamilyProxier
 
     prof = Profiler(args.profile)
     gcc = GcClock()
@@ -351,7 +351,7 @@ def big_service_changes(args: argparse.Namespace, proxier: Any, state: Any,
     Returns the final state (the checks compare the mirror with it)."""
     from synth import big_service_objects
 
-    from pyproxy.snapshot import build_state
+    from pyproxy.cluster.snapshot import build_state
 
     def with_service(count: int, generation: int) -> Any:
         sub = build_state(big_service_objects(count, generation))
@@ -395,7 +395,7 @@ def worker_baseline(args: argparse.Namespace) -> dict[str, Any]:
     from synth import CLUSTER_CIDR, THIS_NODE, Cluster, apply_change, plan_changes
     from upstream_layout import cold_chunks, render_services, update
 
-    from pyproxy.snapshot import build_state
+    from pyproxy.cluster.snapshot import build_state
 
     nft = nftables.Nftables()
     nft.set_echo_output(False)

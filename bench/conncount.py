@@ -88,11 +88,11 @@ def with_and_without(cluster: Any, node_config: Any, seed: int) -> dict[str, Any
     import nftables
     from synth import apply_change, plan_changes
 
-    from pyproxy.model import IPFamily
-    from pyproxy.nft import LibNftables
-    from pyproxy.proxier import FamilyProxier
+    from pyproxy.cluster.snapshot import build_state
+    from pyproxy.core.model import IPFamily
+    from pyproxy.kernel.nft import LibNftables
     from pyproxy.render import TABLE
-    from pyproxy.snapshot import build_state
+    from pyproxy.sync.proxier import FamilyProxier
 
     state = build_state(list(cluster.objects()))
     names = {True: f"ppxbench-{os.getpid()}-counting", False: f"ppxbench-{os.getpid()}-not"}
@@ -155,11 +155,11 @@ def measure_reads(proxier: Any, state: Any, node_config: Any, node_ip: str,
                   rss: Callable[[], dict[str, float]]) -> dict[str, Any]:
     from prometheus_client import generate_latest
 
-    from pyproxy.connections import ConnectionCounters, CountingContext, Kernel
-    from pyproxy.metrics import Metrics
-    from pyproxy.model import IPFamily
-    from pyproxy.nlsets import KernelCounters
+    from pyproxy.core.model import IPFamily
+    from pyproxy.kernel.nlsets import KernelCounters
     from pyproxy.render import CONNECTION_SHARDS, TABLE, connections_set
+    from pyproxy.serve.connections import ConnectionCounters, CountingContext, Kernel
+    from pyproxy.serve.metrics import Metrics
 
     by_shard: dict[int, list[str]] = {n: [] for n in range(CONNECTION_SHARDS)}
     for shard, element in _elements(proxier, node_ip):

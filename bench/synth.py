@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.model import ClusterState, LocalMode, NodeConfig, ServiceKey
-from pyproxy.snapshot import build_state
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import ClusterState, LocalMode, NodeConfig, ServiceKey
 
 Obj = dict[str, Any]
 

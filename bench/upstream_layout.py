@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pyproxy.model import (
+from pyproxy.core.model import (
     ClusterState,
     IPFamily,
     ServiceKey,
@@ -34,8 +34,8 @@ from pyproxy.model import (
     ServicePortName,
     TrafficPolicy,
 )
+from pyproxy.core.topology import select_all
 from pyproxy.render import endpoint_base_name, service_base_name
-from pyproxy.topology import select_all
 
 T = "ip kube-proxy"
 MASQ = "0x00004000"

@@ -52,7 +52,7 @@ from cluster import (
 )
 from lab import PREFIX, Lab, LabError, Locked, list_netns, probe, single_instance, sweep
 
-from pyproxy.debug import DebugError, ask
+from pyproxy.serve.debug import DebugError, ask
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROXY = Path(sys.executable).parent / "pyproxy"

@@ -193,7 +193,7 @@ def reflector_read_timeout(env: Env, read_timeout: float = 2.0) -> Result:
     """The reflector alone (in the node namespace) with a short read_timeout: a stalled watch
     is abandoned after read_timeout and a new one resumes from the last position (no relist:
     only 410 Gone lists again); the change made meanwhile arrives once the server streams."""
-    from pyproxy.watch import Reflector, endpoint_slices_resource
+    from pyproxy.cluster.watch import Reflector, endpoint_slices_resource
 
     r = Result("stalled-watch (reflector)", f"Reflector(read_timeout={read_timeout:g}) on a "
                "silent watch, change made while stalled")

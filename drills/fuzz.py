@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from drills.inputs import Expectation
-from pyproxy.convert import parse_cidr_sloppy, parse_ip_sloppy
+from pyproxy.core.convert import parse_cidr_sloppy, parse_ip_sloppy
 
 Obj = dict[str, Any]
 
@@ -533,8 +533,8 @@ def generate(count: int, seed_value: int,
 def disagreements(objects: list[Obj], broken: list[str | None]) -> list[tuple[str, Obj]]:
     """Objects on which pyproxy's converter and the oracle disagree (what the drill then
     reports as a failure): for developing the generator, and for the report."""
-    import pyproxy.convert as convert
-    from pyproxy.model import Skipped
+    import pyproxy.core.convert as convert
+    from pyproxy.core.model import Skipped
 
     out = []
     for obj, kind in zip(objects, broken, strict=True):

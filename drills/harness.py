@@ -34,7 +34,7 @@ from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, ConnResult, NetlabError, tally
 from nftns import call_in_netns
 
-from pyproxy.debug import DebugError, ask
+from pyproxy.serve.debug import DebugError, ask
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"

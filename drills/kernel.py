@@ -23,8 +23,8 @@ from drills.harness import (
     write_snapshot,
 )
 from drills.tamper import TAMPERS
-from pyproxy.daemon import REPAIR_REASON
-from pyproxy.nft import STALE_CHAIN_GRACE
+from pyproxy.kernel.nft import STALE_CHAIN_GRACE
+from pyproxy.sync.daemon import REPAIR_REASON
 
 
 def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,

@@ -19,7 +19,7 @@ def security(env: Env) -> Result:
     r = Result("security", "debug socket permissions, health server surface, metrics bind "
                "address")
     from pyproxy.config import ProxyConfig
-    from pyproxy.debug import DebugServer
+    from pyproxy.serve.debug import DebugServer
 
     defaults = ProxyConfig()
     r.check(defaults.metrics_bind_address == "127.0.0.1:10249",

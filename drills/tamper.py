@@ -16,8 +16,8 @@ from drills.harness import (
     snapshot_bench,
     until,
 )
-from pyproxy.daemon import REPAIR_REASON
-from pyproxy.nft import STALE_CHAIN_GRACE
+from pyproxy.kernel.nft import STALE_CHAIN_GRACE
+from pyproxy.sync.daemon import REPAIR_REASON
 
 TAMPERS = {
     "table ip pyproxy deleted": ["delete table ip pyproxy"],

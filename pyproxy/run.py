@@ -19,19 +19,12 @@ from typing import Any
 
 import structlog
 
-from pyproxy.cache import Checkout, ClusterCache
+from pyproxy.cluster.cache import Checkout, ClusterCache
+from pyproxy.cluster.events import record_start
+from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
+from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.config import ProxyConfig
-from pyproxy.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
-from pyproxy.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
-from pyproxy.daemon import REPAIR_REASON, Proxier, SyncRecord
-from pyproxy.debug import DebugServer
-from pyproxy.events import record_start
-from pyproxy.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
-from pyproxy.host import Outcome, apply_host_settings
-from pyproxy.live import counting_context, handlers
-from pyproxy.logs import setup_logging
-from pyproxy.metrics import Metrics
-from pyproxy.model import (
+from pyproxy.core.model import (
     ClusterState,
     IPFamily,
     Node,
@@ -40,14 +33,21 @@ from pyproxy.model import (
     ip_family,
     override_ips,
 )
-from pyproxy.nft import OWN_SOCKETS
-from pyproxy.nftevents import NftMonitor
-from pyproxy.nlsets import KernelCounters
-from pyproxy.proxier import FamilyProxier
-from pyproxy.ratelimit import TokenBucket, limit_requests
-from pyproxy.runner import BoundedFrequencyRunner
-from pyproxy.sources import ApiSource, SnapshotSource
-from pyproxy.topology import PortSelection
+from pyproxy.core.topology import PortSelection
+from pyproxy.kernel.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
+from pyproxy.kernel.host import Outcome, apply_host_settings
+from pyproxy.kernel.nft import OWN_SOCKETS
+from pyproxy.kernel.nftevents import NftMonitor
+from pyproxy.kernel.nlsets import KernelCounters
+from pyproxy.logs import setup_logging
+from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
+from pyproxy.serve.debug import DebugServer
+from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.serve.live import counting_context, handlers
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.daemon import REPAIR_REASON, Proxier, SyncRecord
+from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.runner import BoundedFrequencyRunner
 
 log = structlog.get_logger("pyproxy")
 
@@ -81,7 +81,7 @@ class ConntrackWorker:
         self.pending.put((family, allowed))
 
     def _run(self) -> None:
-        from pyproxy.netlink import ConntrackCleaner
+        from pyproxy.kernel.netlink import ConntrackCleaner
 
         cleaner = ConntrackCleaner()
         while True:
@@ -308,7 +308,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     stop = stop or threading.Event()
     node_name = config.node_name()
     if node_ips is None:
-        from pyproxy.netlink import primary_addresses
+        from pyproxy.kernel.netlink import primary_addresses
 
         node_ips = primary_addresses()
     # Until the Node object is known (its initial list completes before the first sync), the
@@ -405,7 +405,7 @@ class _MetricsServer:
     def __init__(self, address: str, metrics: Metrics) -> None:
         from prometheus_client import start_http_server
 
-        from pyproxy.health import parse_host_port
+        from pyproxy.serve.health import parse_host_port
 
         host, port, _ = parse_host_port(address)
         self.server, self.thread = start_http_server(port, host, registry=metrics.registry)

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pyproxy.nft import NftError, parse_elements, table_block
+from pyproxy.kernel.nft import NftError, parse_elements, table_block
 
 _REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
 

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pyproxy.model import IPFamily, NodeConfig
-from pyproxy.nft import OWN_SOCKETS, LibNftables, OwnSockets
-from pyproxy.proxier import FamilyProxier
-from pyproxy.snapshot import build_state
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.kernel.nft import OWN_SOCKETS, LibNftables, OwnSockets
+from pyproxy.sync.proxier import FamilyProxier
 
 _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")

@@ -27,18 +27,18 @@ import structlog
 from builders import ep, make_node, make_service, make_slice
 
 from pyproxy import run
-from pyproxy.cache import ClusterCache
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.cluster.sources import SnapshotSource
 from pyproxy.config import ProxyConfig, reference_markdown
-from pyproxy.daemon import Proxier
-from pyproxy.health import ProxyHealth
-from pyproxy.host import apply_host_settings
+from pyproxy.core.model import IPFamily, LocalMode, Node
+from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
-from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, LocalMode, Node
-from pyproxy.proxier import render_script
-from pyproxy.runner import BoundedFrequencyRunner
-from pyproxy.snapshot import build_state
-from pyproxy.sources import SnapshotSource
+from pyproxy.serve.health import ProxyHealth
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.proxier import render_script
+from pyproxy.sync.runner import BoundedFrequencyRunner
 
 Configs = Callable[[Path], tuple[ProxyConfig, ProxyConfig]]
 Probe = Callable[[ProxyConfig, Path], Any]

@@ -10,12 +10,12 @@ import pytest
 from builders import ep, make_service, make_slice
 from fakes import FakeKernel, FakeNft
 
-from pyproxy.cache import ClusterCache
-from pyproxy.daemon import REPAIR_REASON, Proxier
-from pyproxy.live import trace_in
-from pyproxy.model import IPFamily, NodeConfig
-from pyproxy.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
-from pyproxy.proxier import FamilyProxier
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.kernel.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
+from pyproxy.serve.live import trace_in
+from pyproxy.sync.daemon import REPAIR_REASON, Proxier
+from pyproxy.sync.proxier import FamilyProxier
 
 VIP = "10.96.0.10"
 

@@ -13,17 +13,17 @@ from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
 
-from pyproxy.balancing import (
+from pyproxy.core.balancing import (
     MAGLEV_TABLE_SIZE,
     effective_weights,
     maglev_table,
     slots,
     weighted_slots,
 )
-from pyproxy.convert import convert_service
-from pyproxy.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
+from pyproxy.core.convert import convert_service
+from pyproxy.core.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
 from pyproxy.render import render_config
-from pyproxy.trace import trace
+from pyproxy.render.trace import trace
 
 # --- pure ----------------------------------------------------------------------------------
 

@@ -11,14 +11,14 @@ from builders import ep, make_node, make_service, make_slice
 from fakes import FakeClock, FakeNft
 from structlog.testing import capture_logs
 
-from pyproxy.cache import ClusterCache
-from pyproxy.daemon import REPAIR_REASON, Proxier
-from pyproxy.model import IPFamily, NodeConfig, ServiceKey
-from pyproxy.nft import Applier, NftError
-from pyproxy.proxier import FamilyProxier
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.kernel.nft import Applier, NftError
 from pyproxy.render import Fragment, Item, Kind
-from pyproxy.ruleset import Shape
-from pyproxy.runner import BoundedFrequencyRunner
+from pyproxy.render.ruleset import Shape
+from pyproxy.sync.daemon import REPAIR_REASON, Proxier
+from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.runner import BoundedFrequencyRunner
 
 WEB = ServiceKey("ns", "web")
 

@@ -29,7 +29,7 @@ from pyproxy.config import (
     load_config,
     parse_duration,
 )
-from pyproxy.model import IPFamily, LocalMode
+from pyproxy.core.model import IPFamily, LocalMode
 from pyproxy.render import render_config
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"

@@ -13,7 +13,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
 
-from pyproxy.connections import (
+from pyproxy.cli.formats import format_services
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import Endpoint, IPFamily, Node
+from pyproxy.core.topology import endpoint_scope, select_all
+from pyproxy.kernel.nlsets import DumpParser, dump_request, shard_of
+from pyproxy.render import CONNECTION_SHARDS, connection_shard
+from pyproxy.serve.connections import (
     ConnectionCounters,
     CountingContext,
     Kernel,
@@ -25,14 +31,8 @@ from pyproxy.connections import (
     node_port_part,
     service_part,
 )
-from pyproxy.formats import format_services
-from pyproxy.live import with_connections
-from pyproxy.metrics import Metrics
-from pyproxy.model import Endpoint, IPFamily, Node
-from pyproxy.nlsets import DumpParser, dump_request, shard_of
-from pyproxy.render import CONNECTION_SHARDS, connection_shard
-from pyproxy.snapshot import build_state
-from pyproxy.topology import endpoint_scope, select_all
+from pyproxy.serve.live import with_connections
+from pyproxy.serve.metrics import Metrics
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 A1, B1, C1 = "10.244.1.5", "10.244.2.6", "10.244.3.7"

@@ -15,7 +15,10 @@ from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy, call_in_netns, libnft_in
 
-from pyproxy.connections import (
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import NodeConfig
+from pyproxy.kernel.nlsets import KernelCounters, netlink_socket
+from pyproxy.serve.connections import (
     ConnectionCounters,
     CountingContext,
     Kernel,
@@ -23,9 +26,6 @@ from pyproxy.connections import (
     Series,
     endpoint_part,
 )
-from pyproxy.model import NodeConfig
-from pyproxy.nlsets import KernelCounters, netlink_socket
-from pyproxy.snapshot import build_state
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -9,7 +9,9 @@ from typing import Any
 import pytest
 from builders import ep, make_service, make_slice, terminating
 
-from pyproxy.conntrack import (
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortName
+from pyproxy.kernel.conntrack import (
     IPPROTO_TCP,
     IPPROTO_UDP,
     Allowed,
@@ -21,8 +23,6 @@ from pyproxy.conntrack import (
     stale,
     udp_targets,
 )
-from pyproxy.model import ClusterState, IPFamily, Protocol, ServicePortName
-from pyproxy.snapshot import build_state
 
 NODE_IP = "192.168.50.1"
 NODE_IP6 = "fd00:50::1"

@@ -10,14 +10,14 @@ import pytest
 from builders import ep, make_node, make_service, make_slice, terminating
 from structlog.testing import capture_logs
 
-from pyproxy.convert import (
+from pyproxy.core.convert import (
     convert_endpoint_slice,
     convert_node,
     convert_service,
     parse_cidr_sloppy,
     parse_ip_sloppy,
 )
-from pyproxy.model import (
+from pyproxy.core.model import (
     IPFamily,
     Protocol,
     ServicePort,

@@ -15,8 +15,8 @@ from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
 
-from pyproxy.model import NodeConfig
-from pyproxy.nft import NftError
+from pyproxy.core.model import NodeConfig
+from pyproxy.kernel.nft import NftError
 from pyproxy.render import Fragment, Item, Kind
 
 pytestmark = [pytest.mark.netns, requires_netns]

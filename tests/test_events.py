@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from pyproxy.events import start_event
+from pyproxy.cluster.events import start_event
 
 
 def test_start_event_is_kube_proxys_with_our_names() -> None:

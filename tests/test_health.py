@@ -19,20 +19,20 @@ import pytest
 from builders import ep, make_node, make_service, make_slice
 from fakes import FakeNft
 
-from pyproxy.cache import Checkout, ClusterCache
-from pyproxy.convert import convert_node
-from pyproxy.daemon import Proxier, SyncRecord
-from pyproxy.health import (
+from pyproxy.cluster.cache import Checkout, ClusterCache
+from pyproxy.core.convert import convert_node
+from pyproxy.core.model import IPFamily, Node, NodeConfig, ServiceKey
+from pyproxy.run import DaemonObserver
+from pyproxy.serve.health import (
     HealthServer,
     ProxyHealth,
     ServiceHealth,
     ServiceHealthServers,
     parse_host_port,
 )
-from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, Node, NodeConfig, ServiceKey
-from pyproxy.proxier import FamilyProxier
-from pyproxy.run import DaemonObserver
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.daemon import Proxier, SyncRecord
+from pyproxy.sync.proxier import FamilyProxier
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 WEB = ServiceKey("ns", "web")

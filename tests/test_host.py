@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pyproxy.config import ProxyConfig
-from pyproxy.host import (
+from pyproxy.kernel.host import (
     Outcome,
     Sysctl,
     apply_conntrack,

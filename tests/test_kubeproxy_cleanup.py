@@ -14,7 +14,7 @@ import pytest
 from netlab import Lab, requires_netns
 from nftns import libnft_in
 
-from pyproxy import kubeproxy_cleanup as kc
+from pyproxy.cli import kubeproxy_cleanup as kc
 
 # iptables mode (kube-proxy v1.37) next to the kubelet's chains and kube-router's network
 # policy chains, as `iptables -t nat -S` / `-t filter -S` print them.

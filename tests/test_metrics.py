@@ -15,15 +15,15 @@ from builders import ep, make_node, make_service, make_slice
 from fakes import FakeNft
 from prometheus_client import generate_latest
 
-from pyproxy.cache import Checkout, ClusterCache
-from pyproxy.daemon import Proxier, SyncRecord
-from pyproxy.health import ProxyHealth, ServiceHealth
-from pyproxy.metrics import Metrics
-from pyproxy.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
-from pyproxy.nft import NftError
-from pyproxy.proxier import FamilyProxier, select_and_render
+from pyproxy.cluster.cache import Checkout, ClusterCache
+from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.topology import PortSelection
+from pyproxy.kernel.nft import NftError
 from pyproxy.run import DaemonObserver, current_selections
-from pyproxy.topology import PortSelection
+from pyproxy.serve.health import ProxyHealth, ServiceHealth
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.daemon import Proxier, SyncRecord
+from pyproxy.sync.proxier import FamilyProxier, select_and_render
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 NODE = NodeConfig("node-a", node_ips=("192.168.50.1",))

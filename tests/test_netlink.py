@@ -14,9 +14,10 @@ import pytest
 from builders import ep, make_service, make_slice
 from netlab import Cluster, ConnResult, Lab, requires_netns
 
-from pyproxy.conntrack import IPPROTO_UDP, ConntrackEntry, allowed_map, stale, udp_targets
-from pyproxy.model import IPFamily
-from pyproxy.netlink import (
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import IPFamily
+from pyproxy.kernel.conntrack import IPPROTO_UDP, ConntrackEntry, allowed_map, stale, udp_targets
+from pyproxy.kernel.netlink import (
     IFA_F_DADFAILED,
     IFA_F_DEPRECATED,
     IFA_F_SECONDARY,
@@ -31,7 +32,6 @@ from pyproxy.netlink import (
     local_addresses,
     primary_addresses,
 )
-from pyproxy.snapshot import build_state
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from netlab import Lab, Netns, requires_netns
 from nftns import libnft_in
 
-from pyproxy.model import IPFamily, NodeConfig, ServiceKey
-from pyproxy.nft import LibNftables, listing_shape
-from pyproxy.proxier import FamilyProxier, render_script
-from pyproxy.snapshot import build_state
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.kernel.nft import LibNftables, listing_shape
+from pyproxy.sync.proxier import FamilyProxier, render_script
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -113,7 +113,7 @@ def test_every_rendered_ruleset_is_accepted_by_nft_check(ns: Netns,
 def test_example_snapshot_renders_and_loads(ns: Netns) -> None:
     from pathlib import Path
 
-    from pyproxy.snapshot import load_snapshot
+    from pyproxy.cluster.snapshot import load_snapshot
 
     state = load_snapshot(Path(__file__).parent.parent / "examples" / "cluster.yaml")
     ns.run(["nft", "-f", "-"], input=render_script(state, CONFIG,
@@ -215,7 +215,7 @@ def example_state() -> Any:
     """The example cluster, and a service for each balancing algorithm and weights."""
     from pathlib import Path
 
-    from pyproxy.snapshot import parse_objects
+    from pyproxy.cluster.snapshot import parse_objects
 
     text = (Path(__file__).parent.parent / "examples" / "cluster.yaml").read_text()
     objs = parse_objects(text)

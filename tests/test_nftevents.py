@@ -14,8 +14,8 @@ import pytest
 from netlab import Lab, Netns, requires_netns
 from nftns import call_in_netns, libnft_in
 
-from pyproxy.nft import OwnSockets
-from pyproxy.nftevents import (
+from pyproxy.kernel.nft import OwnSockets
+from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
     BPF_LD_W_ABS,
     BPF_RET_K,

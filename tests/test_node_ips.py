@@ -12,18 +12,18 @@ import yaml
 from builders import make_node, make_service
 from fakes import FakeNft
 
-from pyproxy.cache import ClusterCache
 from pyproxy.cli import main
+from pyproxy.cluster.cache import ClusterCache
 from pyproxy.config import ProxyConfig
-from pyproxy.convert import convert_node
-from pyproxy.daemon import Proxier
-from pyproxy.health import ProxyHealth, ServiceHealth
-from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
-from pyproxy.nft import Applier
-from pyproxy.proxier import FamilyProxier
+from pyproxy.core.convert import convert_node
+from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
+from pyproxy.kernel.nft import Applier
 from pyproxy.render import render_config
 from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
+from pyproxy.serve.health import ProxyHealth, ServiceHealth
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.proxier import FamilyProxier
 
 Obj = dict[str, Any]
 

@@ -8,10 +8,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pyproxy.convert import convert_endpoint_slice, convert_service
-from pyproxy.model import Skipped
-from pyproxy.snapshot import build_state
-from pyproxy.topology import select_all
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.convert import convert_endpoint_slice, convert_service
+from pyproxy.core.model import Skipped
+from pyproxy.core.topology import select_all
 
 NODES = ["node-a", "node-b", "node-c"]
 ZONES = ["zone-1", "zone-2"]

@@ -10,11 +10,11 @@ from typing import Any
 
 from builders import ep, make_node, make_service, make_slice
 
-from pyproxy.model import IPFamily, NodeConfig
-from pyproxy.proxier import SKELETON, fragments
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.render import BASE_CHAIN_RULES, Fragment, Item, Kind
-from pyproxy.ruleset import Change, DesiredState, full_commands, incremental_commands
-from pyproxy.snapshot import build_state
+from pyproxy.render.ruleset import Change, DesiredState, full_commands, incremental_commands
+from pyproxy.sync.proxier import SKELETON, fragments
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1",), cluster_cidrs=("10.244.0.0/16",))
 NODES = [make_node("node-a", "zone-1"), make_node("node-b", "zone-1")]

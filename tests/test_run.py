@@ -11,9 +11,9 @@ import pytest
 
 from pyproxy import run
 from pyproxy.config import ProxyConfig
-from pyproxy.health import ProxyHealth
-from pyproxy.metrics import Metrics
-from pyproxy.model import IPFamily
+from pyproxy.core.model import IPFamily
+from pyproxy.serve.health import ProxyHealth
+from pyproxy.serve.metrics import Metrics
 
 
 def free_port() -> int:

@@ -17,7 +17,7 @@ import pytest
 from fakes import FakeClock
 from structlog.testing import capture_logs
 
-from pyproxy.runner import BoundedFrequencyRunner, Intervals, RunnerStats, Schedule
+from pyproxy.sync.runner import BoundedFrequencyRunner, Intervals, RunnerStats, Schedule
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,16 @@ from apiemu import ApiEmulator
 from builders import ep, make_node, make_service, make_service_cidr, make_slice
 from fakes import FakeNft
 
-from pyproxy.cache import ClusterCache
-from pyproxy.convert import convert_service_cidr
-from pyproxy.daemon import Proxier
-from pyproxy.explain import explain_report, format_table
-from pyproxy.model import IPFamily, NodeConfig, Skipped
-from pyproxy.proxier import SKELETON, FamilyProxier, desired_state, fragments
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.cluster.watch import Reflector, service_cidrs_resource
+from pyproxy.core.convert import convert_service_cidr
+from pyproxy.core.explain import explain_report, format_table
+from pyproxy.core.model import IPFamily, NodeConfig, Skipped
 from pyproxy.render import Kind, render_config
-from pyproxy.snapshot import build_state
-from pyproxy.trace import trace
-from pyproxy.watch import Reflector, service_cidrs_resource
+from pyproxy.render.trace import trace
+from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.proxier import SKELETON, FamilyProxier, desired_state, fragments
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1", "fd00:50::1"),
                     cluster_cidrs=("10.244.0.0/16",))

@@ -5,7 +5,7 @@ Manifests are validated with the installed `kubernetes` client's models (pydanti
 `extra="forbid"`, strict types), plus a check that every key is the API's wire name (the models
 also accept their snake_case attribute names, which a real API server would drop). The
 ClusterRole is compared with the API calls the daemon really makes: an ApiSource (and every
-Resource in pyproxy/watch.py) runs against a recording API client, so a new watch fails here
+Resource in pyproxy/cluster/watch.py) runs against a recording API client, so a new watch fails here
 until the role follows.
 
 `python tests/test_shipping.py --write-lock` rewrites requirements.lock from the virtualenv.
@@ -246,14 +246,14 @@ def daemon_api_calls(factories_too: bool = True,
     """Every (group, resource, verb) the daemon's API source uses: its reflectors run against
     the recording client until each has listed and watched; plus every Resource in watch.py
     (also those the source does not start yet) unless `factories_too` is off."""
-    from pyproxy import watch
-    from pyproxy.sources import ApiSource
+    from pyproxy.cluster import watch
+    from pyproxy.cluster.sources import ApiSource
 
     class Proxier:
         def __getattr__(self, name: str) -> Any:
             return lambda *args, **kwargs: None
 
-    from pyproxy.events import record_start
+    from pyproxy.cluster.events import record_start
 
     stop = threading.Event()
     api = RecordingApiClient(stop)
@@ -266,7 +266,7 @@ def daemon_api_calls(factories_too: bool = True,
                  if callable(f) and getattr(f, "__module__", None) == watch.__name__
                  and getattr(f, "__annotations__", {}).get("return") in ("Resource",
                                                                           watch.Resource)]
-    assert factories, "no Resource factories found in pyproxy/watch.py"
+    assert factories, "no Resource factories found in pyproxy/cluster/watch.py"
     extra = [watch.Reflector(api, factory(), lambda key, obj: None, lambda: None, stop)
              for factory in factories if factories_too]
     for reflector in extra:
@@ -290,7 +290,7 @@ def api_calls_outside_reflectors(package: Path = ROOT / "pyproxy") -> list[str]:
     """Kubernetes API calls anywhere in pyproxy/ that the reflector derivation cannot see:
     any `<Something>Api(...)` object outside watch.py, and anything but list_* in it."""
     found = []
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
             if not isinstance(node, ast.Call):
@@ -323,7 +323,7 @@ def role_rules(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 def test_cluster_role_grants_exactly_what_the_daemon_uses(objects: dict[str, Any]) -> None:
     assert not api_calls_outside_reflectors(), (
         "pyproxy calls the Kubernetes API through a generated API class; go through "
-        "pyproxy/apirequest.py, teach daemon_api_calls() about it and update "
+        "pyproxy/cluster/apirequest.py, teach daemon_api_calls() about it and update "
         "manifests/01-rbac.yaml")
     used = daemon_api_calls()
     assert ("events.k8s.io", "events", "create") in used  # the start Event is recorded
@@ -355,7 +355,7 @@ def test_the_daemon_reads_service_cidrs_unless_the_gate_is_off(
 def test_a_new_watch_fails_the_rbac_test(monkeypatch: pytest.MonkeyPatch,
                                         objects: dict[str, Any]) -> None:
     """The derivation follows watch.py: a watch the role does not allow is noticed."""
-    from pyproxy import watch
+    from pyproxy.cluster import watch
 
     def pods_resource() -> watch.Resource:
         return watch.Resource("Pod", lambda api: client.CoreV1Api(api).list_pod_for_all_namespaces)
@@ -678,7 +678,7 @@ def test_make_image_builds_with_a_minimal_context(tmp_path: Path) -> None:
     assert args[:5] == ["build", "-f", "Containerfile", "-t", IMAGE]
     files = Path(f"{log}.context").read_text().split()
     assert {"./pyproject.toml", "./README.md", "./requirements.lock",
-            "./pyproxy/__init__.py", "./pyproxy/cli.py"} <= set(files)
+            "./pyproxy/__init__.py", "./pyproxy/cli/__init__.py"} <= set(files)
     assert all(f.startswith(("./pyproxy/", "./pyproject.toml", "./README.md",
                              "./requirements.lock")) for f in files), files
     assert not [f for f in files if "__pycache__" in f]
@@ -816,7 +816,7 @@ def test_make_install_and_uninstall_round_trip(tmp_path: Path) -> None:
             assert str(dest).encode() not in path.read_bytes(), path
     site = next(venv.glob("lib/python3*/site-packages"))
     assert os.readlink(site / "nftables") == "/usr/lib/python3/dist-packages/nftables"
-    assert (site / "pyproxy" / "cli.py").exists()
+    assert (site / "pyproxy" / "cli" / "__init__.py").exists()
     unit = dest / "etc/systemd/system/pyproxy.service"
     assert unit.read_text() == (SYSTEMD / "pyproxy.service").read_text()
     assert (dest / "etc/pyproxy/config.yaml").read_text() == "# mine\n"

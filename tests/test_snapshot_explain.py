@@ -13,9 +13,9 @@ import yaml
 from builders import ep, make_node, make_service, make_slice, terminating
 
 from pyproxy.cli import main
-from pyproxy.explain import explain_report, format_table
-from pyproxy.model import IPFamily, Protocol, ServiceKey, ServicePortName
-from pyproxy.snapshot import SnapshotError, build_state, parse_snapshot
+from pyproxy.cluster.snapshot import SnapshotError, build_state, parse_snapshot
+from pyproxy.core.explain import explain_report, format_table
+from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePortName
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cluster.yaml"

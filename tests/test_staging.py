@@ -1,4 +1,4 @@
-"""Staged full syncs (pyproxy/staging.py): bounded transactions that packets see as one."""
+"""Staged full syncs (pyproxy/render/staging.py): bounded transactions that packets see as one."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ import pytest
 from builders import ep, make_node, make_service, make_slice
 from netlab import Cluster, Lab, requires_netns
 
-from pyproxy import staging
-from pyproxy.model import IPFamily, NodeConfig
-from pyproxy.proxier import desired_state
-from pyproxy.render import BASE_CHAINS
-from pyproxy.ruleset import full_commands
-from pyproxy.snapshot import build_state
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.render import BASE_CHAINS, staging
+from pyproxy.render.ruleset import full_commands
+from pyproxy.sync.proxier import desired_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 from synth import Cluster as Synthetic

@@ -14,8 +14,8 @@ import yaml
 from builders import ep, make_node, make_service, make_slice, terminating
 
 from pyproxy.cli import main
-from pyproxy.snapshot import build_state
-from pyproxy.topology import Selection, parse_min_endpoints, select_all
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.topology import Selection, parse_min_endpoints, select_all
 
 NODES = [
     make_node("node-a", "zone-1", **{"topology.kubernetes.io/region": "region-1", "rack": "r1"}),

@@ -16,7 +16,7 @@ from netlab import Cluster, Lab, requires_netns, tally
 from nftns import NodeProxy
 from waits import eventually
 
-from pyproxy.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily, NodeConfig
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from apiemu import ApiEmulator
 
-from pyproxy.watch import Handler, Reflector, Resource, services_resource
+from pyproxy.cluster.watch import Handler, Reflector, Resource, services_resource
 
 
 class Recorder:
@@ -129,7 +129,7 @@ def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
 
 
 def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
-    from pyproxy.watch import nodes_resource
+    from pyproxy.cluster.watch import nodes_resource
 
     for name in ("node-a", "node-b"):
         emu.create("nodes", {"metadata": {"name": name, "labels": {"zone": name}}})

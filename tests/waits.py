@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pyproxy.debug import DebugError, ask
+from pyproxy.serve.debug import DebugError, ask
 
 
 class NotReached(AssertionError):

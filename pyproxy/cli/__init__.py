@@ -1,0 +1,405 @@
+"""The `pyproxy` command line."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pyproxy.cli.formats import format_history, format_services, format_status, format_trace
+from pyproxy.cluster.snapshot import SnapshotError, load_snapshot
+from pyproxy.config import ConfigError, add_flags, from_args
+from pyproxy.core.explain import explain_report, format_table
+from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
+from pyproxy.kernel.nft import Applier, NftError
+from pyproxy.render import TABLE, render_config
+from pyproxy.serve.debug import DEFAULT_SOCKET, DebugError, ask
+from pyproxy.serve.live import service_key
+from pyproxy.sync.proxier import FamilyProxier, desired_state, node_families, render_script
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3  # the live commands could not reach the daemon
+
+
+def _service_key(text: str) -> ServiceKey:
+    try:
+        return service_key(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pyproxy",
+        description="A Kubernetes service proxy for nftables, and the tools to see into it.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    explain = commands.add_parser(
+        "explain",
+        help="show which endpoints a node uses for each service port, and why",
+        description=(
+            "Show what a node does with every service port: the cluster and local endpoint "
+            "lists, the topology mode in force and the reasons. With -f, offline from a "
+            "cluster snapshot (Nodes, Services, EndpointSlices as `kubectl get -o yaml` "
+            "prints them) for --node; without, live from the running daemon."
+        ),
+    )
+    explain.add_argument("service_arg", nargs="?", type=_service_key, metavar="NS/NAME",
+                         help="only this service")
+    explain.add_argument("-f", "--file", help="snapshot file (YAML or JSON): offline mode")
+    explain.add_argument("--node", help="the node to explain for (offline mode)")
+    explain.add_argument(
+        "--service", type=_service_key, metavar="NS/NAME", help="only this service"
+    )
+    explain.add_argument(
+        "-o", "--output", choices=("table", "json"), default="table", help="output format"
+    )
+    _socket_flag(explain)
+    explain.set_defaults(handler=_cmd_explain)
+
+    for name, help_text in (
+        ("render", "print the complete nftables ruleset a node would get, as an nft script"),
+        ("apply", "program the rules for a node into this network namespace, once"),
+    ):
+        cmd = commands.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("-f", "--file", required=True, help="snapshot file (YAML or JSON)")
+        _node_flags(cmd)
+        cmd.set_defaults(handler=_cmd_render if name == "render" else _cmd_apply)
+
+    cleanup = commands.add_parser(
+        "cleanup", help="remove pyproxy's rules, or with --kube-proxy kube-proxy's",
+        description="Delete pyproxy's nftables tables (ip and ip6) in this network namespace. "
+                    "With --kube-proxy, delete what kube-proxy left behind instead and leave "
+                    "pyproxy's tables alone (docs/deploying.md, migrating from kube-proxy).")
+    cleanup.add_argument("--kube-proxy", action="store_true",
+                         help="remove kube-proxy's nftables tables (ip/ip6 kube-proxy) and the "
+                              "iptables chains of its iptables and ipvs modes, not pyproxy's; "
+                              "refused while pyproxy has no table here")
+    cleanup.add_argument("--force", action="store_true",
+                         help="with --kube-proxy: even where pyproxy has not programmed the "
+                              "node (it is then left without any Service rules)")
+    cleanup.set_defaults(handler=_cmd_cleanup)
+
+    _live_commands(commands)
+
+    run = commands.add_parser(
+        "run", help="run the proxy: keep this node's nftables rules in step with the cluster",
+        description=(
+            "Watch Services, EndpointSlices and this Node (or a snapshot file with "
+            "--snapshot) and keep this node's nftables rules in step, batching changes "
+            "(minSyncPeriod). Stops on SIGTERM/SIGINT and leaves the rules in place."),
+    )
+    add_flags(run)
+    run.set_defaults(handler=_cmd_run)
+    return parser
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pyproxy.run import run_daemon
+
+    try:
+        config = from_args(args)
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
+    return run_daemon(config)
+
+
+def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
+    if required:
+        cmd.add_argument("--node", "--hostname-override", dest="node", required=True,
+                         help="the node's name (as in its Node object)")
+    cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
+                     help="this node's address (repeat for dual-stack); NodePorts listen on it. "
+                          "Default: the Node object's (status.addresses, InternalIP first); "
+                          "a given address replaces the Node's of its family")
+    cmd.add_argument("--cluster-cidr", default="",
+                     help="pod CIDR(s), comma-separated: traffic from elsewhere to a ClusterIP "
+                          "is masqueraded")
+    cmd.add_argument("--detect-local-mode", default="ClusterCIDR",
+                     choices=[m.value for m in LocalMode if m is not LocalMode.NONE],
+                     help="how pod traffic is recognised (default ClusterCIDR)")
+    cmd.add_argument("--pod-interface", default="",
+                     help="bridge name or interface prefix for the interface detect-local modes")
+    cmd.add_argument("--nodeport-addresses", default="primary",
+                     help="CIDRs (comma-separated) or 'primary' of node addresses accepting "
+                          "NodePorts; empty for all local addresses (default primary)")
+    cmd.add_argument("--masquerade-all", action="store_true",
+                     help="masquerade all traffic to ClusterIPs")
+
+
+def _node_config(args: argparse.Namespace, node: Node | None = None) -> NodeConfig:
+    """The node flags over what the snapshot's Node object says: its IPs (status.addresses,
+    as kube-proxy picks them), each --node-ip replacing the one of its family, and its
+    podCIDRs (detect-local mode NodeCIDR)."""
+
+    def split(text: str) -> tuple[str, ...]:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+
+    try:
+        ips = tuple(str(ipaddress.ip_address(ip)) for ip in args.node_ip)
+        cidrs = tuple(str(ipaddress.ip_network(c, strict=False)) for c in split(args.cluster_cidr))
+        nodeport = split(args.nodeport_addresses)
+        for entry in nodeport:
+            if entry != "primary":
+                ipaddress.ip_network(entry, strict=False)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    return NodeConfig(
+        node_name=args.node, node_ips=override_ips(ips, node.host_ips if node else ()),
+        cluster_cidrs=cidrs, local_mode=LocalMode(args.detect_local_mode),
+        local_interface=args.pod_interface, node_cidrs=node.pod_cidrs if node else (),
+        nodeport_addresses=nodeport, masquerade_all=args.masquerade_all,
+    )
+
+
+class UsageError(ValueError):
+    """A flag's value is unusable."""
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    state = load_snapshot(args.file)
+    sys.stdout.write(render_script(state, _node_config(args, state.nodes.get(args.node))))
+    return EXIT_OK
+
+
+def _cmd_apply(args: argparse.Namespace) -> int:
+    state = load_snapshot(args.file)
+    config = _node_config(args, state.nodes.get(args.node))
+    for family in node_families(state, config):
+        result = FamilyProxier(family, config).sync(state, full=True)
+        print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
+              f"{result.kernel_seconds * 1000:.0f} ms")
+    for skipped in state.skipped:
+        if skipped.invalid:
+            print(f"skipped {skipped.object}: {skipped.reason}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_cleanup(args: argparse.Namespace) -> int:
+    if args.kube_proxy:
+        return _cleanup_kube_proxy(args.force)
+    if args.force:
+        raise UsageError("--force goes with --kube-proxy")
+    for family in IPFamily:
+        Applier(family.nft_family).cleanup()
+    return EXIT_OK
+
+
+def _cleanup_kube_proxy(force: bool) -> int:
+    """Only kube-proxy's leftovers: this runs on a node pyproxy programs (while it runs), and
+    deleting pyproxy's tables too would leave the node without Service rules until its next
+    sync repaired them."""
+    from pyproxy.cli.kubeproxy_cleanup import cleanup_kube_proxy, pyproxy_tables_present
+
+    if not force and not pyproxy_tables_present():
+        print("pyproxy: no pyproxy table in this network namespace: kube-proxy's rules are "
+              "the only Service rules here. Run pyproxy first and wait for its first sync "
+              "(pyproxy status), or pass --force.", file=sys.stderr)
+        return EXIT_ERROR
+    outcome = cleanup_kube_proxy()
+    for line in outcome.removed or ["nothing of kube-proxy's was left"]:
+        print(line)
+    for line in outcome.failed:
+        print(f"pyproxy: failed: {line}", file=sys.stderr)
+    return EXIT_ERROR if outcome.failed else EXIT_OK
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    service = args.service_arg or args.service
+    if args.file:
+        if not args.node:
+            raise UsageError("explain -f needs --node")
+        state = load_snapshot(args.file)
+        report = explain_report(state, args.node, service)
+        where = "in the snapshot"
+    else:
+        report = ask(args.socket, "/explain", service=service)
+        where = "known to the daemon"
+    if service is not None and not report["services"] and not report["skipped"]:
+        print(f"pyproxy: service {service} is not {where}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.output == "json":
+        _print_json(report)
+    else:
+        sys.stdout.write(format_table(report))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# Live commands: ask the running daemon over its debug socket
+
+
+def _socket_flag(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--socket", default=DEFAULT_SOCKET,
+                     help=f"the daemon's debug socket (default {DEFAULT_SOCKET})")
+
+
+def _live_commands(commands: Any) -> None:
+    status = commands.add_parser(
+        "status", help="the running daemon: sync health, last syncs, counts, API connection",
+        description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
+                    "healthy, 3 the daemon cannot be reached.")
+    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(status)
+    status.set_defaults(handler=_cmd_status)
+
+    services = commands.add_parser(
+        "services", help="each service port, its addresses and the endpoints this node uses",
+        description="The service ports the daemon programs, with the endpoints in force "
+                    "and the topology mode (kubectl-style table).")
+    services.add_argument("service", nargs="?", type=_service_key, metavar="NS/NAME")
+    services.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
+    _socket_flag(services)
+    services.set_defaults(handler=_cmd_services)
+
+    trace = commands.add_parser(
+        "trace", help="where a new connection goes through this node's rules",
+        description="Follow a new connection through the rules the node programmed: the "
+                    "service matched, the chains walked, the DNAT candidates and their odds, "
+                    "masquerade or not, reject/drop. Live from the daemon's committed state, "
+                    "or offline with -f SNAPSHOT and the node flags.")
+    trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
+    trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
+                       help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
+    trace.add_argument("--sport", type=int, metavar="PORT",
+                       help="the client's source port (Maglev hashes address and port)")
+    trace.add_argument("--verify", action="store_true",
+                       help="check every element the answer relied on against the kernel "
+                            "(live mode); exit code 1 if the kernel disagrees")
+    trace.add_argument("--from-node", action="store_true",
+                       help="the connection starts on the node itself (output hook)")
+    trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    trace.add_argument("-f", "--file", help="snapshot file: trace offline")
+    trace.add_argument("--node", "--hostname-override", dest="node",
+                       help="the node (offline mode)")
+    _node_flags(trace, required=False)
+    _socket_flag(trace)
+    trace.set_defaults(handler=_cmd_trace)
+
+    diff = commands.add_parser(
+        "diff", help="what differs between the rules committed and what the kernel holds",
+        description="Compare the rules the daemon believes it committed with the kernel's. "
+                    "Exit code 0 identical, 1 different, 3 the daemon cannot be reached.")
+    diff.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(diff)
+    diff.set_defaults(handler=_cmd_diff)
+
+    history = commands.add_parser(
+        "history", help="the last syncs: what changed, why, how long each phase took")
+    history.add_argument("-n", type=int, default=20, help="how many (default 20)")
+    history.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    _socket_flag(history)
+    history.set_defaults(handler=_cmd_history)
+
+
+def _print_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = ask(args.socket, "/status")
+    if args.output == "json":
+        _print_json(status)
+    else:
+        sys.stdout.write(format_status(status))
+    return EXIT_OK if status["healthy"] else EXIT_ERROR
+
+
+def _cmd_services(args: argparse.Namespace) -> int:
+    # new connections per endpoint: a read of the kernel's counters, for the outputs showing them
+    counts = "1" if args.output in ("wide", "json") else None
+    entries = ask(args.socket, "/services", service=args.service, connections=counts)
+    if args.output == "json":
+        _print_json(entries)
+    else:
+        sys.stdout.write(format_services(entries, wide=args.output == "wide"))
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    if args.file:
+        if not args.node:
+            raise UsageError("trace -f needs --node")
+        result = _offline_trace(args)
+    else:
+        result = ask(args.socket, "/trace", src=args.src, dst=args.dst, sport=args.sport,
+                     from_node="1" if args.from_node else None,
+                     verify="1" if args.verify else None)
+    if args.output == "json":
+        _print_json(result)
+    else:
+        sys.stdout.write(format_trace(result))
+    problems = result.get("verified")
+    if problems is not None and args.output != "json":
+        print("verified against the kernel: " + ("every element the answer used is there"
+                                                 if not problems else "; ".join(problems)))
+    return EXIT_ERROR if problems else EXIT_OK
+
+
+def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
+    from pyproxy.core.model import ip_family
+    from pyproxy.render.trace import trace
+    from pyproxy.serve.live import parse_destination
+
+    state = load_snapshot(args.file)
+    config = _node_config(args, state.nodes.get(args.node))
+    try:
+        dst, port, proto = parse_destination(args.dst)
+        family = ip_family(dst)
+        ipaddress.ip_address(args.src)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    answer = trace(desired_state(state, config, family), render_config(config, family),
+                   args.src, dst, port, proto, from_node=args.from_node, sport=args.sport)
+    return answer.as_dict()
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    result: dict[str, list[str]] = ask(args.socket, "/diff", timeout=600)
+    if args.output == "json":
+        _print_json(result)
+    else:
+        for family, lines in result.items():
+            print(f"table {family} {TABLE}: " + ("identical" if not lines else
+                                                  f"{len(lines)} difference(s)"))
+            for line in lines:
+                print(f"  {line}")
+    return EXIT_ERROR if any(result.values()) else EXIT_OK
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    records = ask(args.socket, "/history", n=args.n)
+    if args.output == "json":
+        _print_json(records)
+    else:
+        sys.stdout.write(format_history(records))
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.handler(args)
+    except (SnapshotError, NftError) as err:
+        print(f"pyproxy: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except DebugError as err:
+        print(f"pyproxy: {err}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except UsageError as err:
+        print(f"pyproxy: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        return EXIT_OK
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

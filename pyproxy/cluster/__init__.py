@@ -1,0 +1,2 @@
+"""Where the cluster state comes from: API watches and requests, a snapshot file, change
+tracking, Events."""

@@ -1,0 +1,196 @@
+"""Where the daemon learns about the cluster: the Kubernetes API, or a snapshot file. Both feed
+the same handlers (`Proxier.on_service/on_slice/on_node`), so everything after this point is
+the same code path."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from pyproxy.cluster.snapshot import SnapshotError, parse_objects
+from pyproxy.cluster.watch import (
+    MIN_WATCH_TIMEOUT,
+    WATCH_READ_TIMEOUT,
+    Reflector,
+    WatchStatus,
+    endpoint_slices_resource,
+    nodes_resource,
+    service_cidrs_resource,
+    services_resource,
+)
+from pyproxy.core.model import ObjectKey
+from pyproxy.sync.daemon import Proxier
+
+log = structlog.get_logger("pyproxy.sources")
+
+
+
+@dataclass
+class SnapshotSource:
+    """A YAML/JSON snapshot file (the format `pyproxy explain` reads), re-read when it
+    changes. The differences between two readings become add/update/delete events."""
+
+    path: str
+    proxier: Proxier
+    stop: threading.Event
+    poll_interval: float = 0.2
+    _seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    _stamp: tuple[int, int] | None = None
+    _digest: str = ""
+    loads: int = 0
+    errors: int = 0
+    last_error: str = ""
+
+    NAME = "snapshot"
+
+    def start(self) -> threading.Thread:
+        self.proxier.expect(self.NAME)
+        thread = threading.Thread(target=self.run, name="snapshot", daemon=True)
+        thread.start()
+        return thread
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.poll()
+            self.stop.wait(self.poll_interval)
+
+    def poll(self) -> bool:
+        """Read the file if it changed; returns whether events were produced."""
+        try:
+            info = os.stat(self.path)
+        except OSError as err:
+            self._fail(f"cannot read {self.path}: {err}")
+            return False
+        stamp = (info.st_mtime_ns, info.st_size)
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            with open(self.path, "rb") as fh:
+                data = fh.read()
+            digest = hashlib.sha256(data).hexdigest()
+            if digest == self._digest:
+                return False
+            objects = parse_objects(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError, SnapshotError) as err:
+            # A half-written or broken file changes nothing: the rules stay as they are.
+            self._fail(f"{self.path}: {err}")
+            return False
+        self._digest = digest
+        self._apply(objects)
+        self.loads += 1
+        if self.loads == 1:
+            self.proxier.source_synced(self.NAME)
+        return True
+
+    def _fail(self, message: str) -> None:
+        self.errors += 1
+        if message != self.last_error:
+            log.warning("snapshot not loaded", error=message)
+        self.last_error = message
+
+    def _apply(self, objects: list[Any]) -> None:
+        current: dict[tuple[str, str, str], Any] = {}
+        for obj in objects:
+            if not isinstance(obj, dict):
+                continue
+            raw_meta = obj.get("metadata")
+            meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
+            namespace = str(meta.get("namespace") or "")
+            if obj.get("kind") in ("Service", "EndpointSlice") and not namespace:
+                namespace = "default"
+            current[(str(obj.get("kind")), namespace, str(meta.get("name") or ""))] = obj
+        handlers: dict[str, Callable[[ObjectKey, Any], None]] = {
+            "Service": self.proxier.on_service,
+            "EndpointSlice": self.proxier.on_slice,
+            "Node": self.proxier.on_node,
+            "ServiceCIDR": self.proxier.on_service_cidr,
+        }
+        fingerprints = {key: repr(obj) for key, obj in current.items()}
+        for key in self._seen.keys() - current.keys():
+            if key[0] in handlers:
+                handlers[key[0]]((key[1], key[2]), None)
+        for key, obj in current.items():
+            if key[0] in handlers and self._seen.get(key) != fingerprints[key]:
+                handlers[key[0]]((key[1], key[2]), obj)
+        self._seen = fingerprints
+
+
+@dataclass
+class ApiSource:
+    """Services, EndpointSlices and this Node from the API server, through reflectors; and
+    ServiceCIDRs unless `service_cidrs` is off (featureGates MultiCIDRServiceAllocator=false,
+    as kube-proxy starts that informer only with the gate on)."""
+
+    api_client: Any
+    proxier: Proxier
+    node_name: str
+    stop: threading.Event
+    watch_timeout: int = MIN_WATCH_TIMEOUT
+    read_timeout: float = WATCH_READ_TIMEOUT
+    reflectors: list[Reflector] = field(default_factory=list)
+    service_cidrs: bool = True
+    _all_nodes: Reflector | None = None
+
+    def start(self) -> list[threading.Thread]:
+        specs = [
+            (services_resource(), self.proxier.on_service),
+            (endpoint_slices_resource(), self.proxier.on_slice),
+            (nodes_resource(self.node_name), self.proxier.on_node),
+        ]
+        threads = []
+        for resource, handler in specs:
+            self.proxier.expect(resource.kind)
+            reflector = Reflector(
+                self.api_client, resource, handler,
+                on_synced=functools.partial(self.proxier.source_synced, resource.kind),
+                stop=self.stop, watch_timeout=self.watch_timeout,
+                read_timeout=self.read_timeout)
+            self.reflectors.append(reflector)
+            threads.append(self._spawn(reflector))
+        if self.service_cidrs:
+            threads.append(self._spawn(self._service_cidrs()))
+        return threads
+
+    def _service_cidrs(self) -> Reflector:
+        """Not awaited before the first sync (kube-proxy does not wait for them either): a
+        server that refuses them (RBAC not updated) must not keep the node from being
+        programmed. Their drop rule follows in the sync after their list."""
+        reflector = Reflector(
+            self.api_client, service_cidrs_resource(), self.proxier.on_service_cidr,
+            on_synced=lambda: log.info("initial list complete", source="ServiceCIDR"),
+            stop=self.stop, watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
+        self.reflectors.append(reflector)
+        return reflector
+
+    def watch_all_nodes(self) -> None:
+        """Topology keys beyond the hostname need other nodes' labels: watch every Node (only
+        started when some service uses such keys)."""
+        if self._all_nodes is not None:
+            return
+        self._all_nodes = Reflector(
+            self.api_client, nodes_resource(None), self._other_node,
+            on_synced=lambda: self.proxier.request_sync(), stop=self.stop,
+            watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
+        self.reflectors.append(self._all_nodes)
+        self._spawn(self._all_nodes)
+
+    def _other_node(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        if key[1] != self.node_name:  # this node comes from its own watch
+            self.proxier.on_node(key, obj)
+
+    def _spawn(self, reflector: Reflector) -> threading.Thread:
+        thread = threading.Thread(target=reflector.run, name=f"watch-{reflector.resource.kind}",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def status(self) -> list[WatchStatus]:
+        return [r.status for r in self.reflectors]

@@ -1,0 +1,2 @@
+"""The kernel: libnftables and the applier, nftables change events, netlink, conntrack,
+connection counters, host settings."""

@@ -1,0 +1,233 @@
+"""UDP conntrack cleanup, planned without a kernel (upstream's newest "reconciler",
+`pkg/proxy/conntrack/cleanup.go`).
+
+UDP is connectionless, so a conntrack entry keeps its NAT decision for as long as the client
+keeps sending: after an endpoint goes away its flows stay pinned to the dead address, and a flow
+that was rejected while the service had no endpoints stays un-NATed. After a sync that changed
+a UDP service's endpoints, every UDP entry whose *original destination* is a service address
+(ClusterIP, external IP, LoadBalancer VIP) or a NodePort on this node, but whose *reply source*
+(who actually answers: the DNAT target) is not one of the service's serving endpoints, is
+deleted; the next packet of the flow is then NATed afresh.
+
+As upstream, the allowed endpoints are every *serving* endpoint of the service port, whatever
+the traffic policies, topology or terminating state say, so existing flows to an endpoint that
+still serves keep working (like TCP connections do). Service ports with no serving endpoint
+are skipped: their new traffic is rejected anyway and their entries expire.
+
+The I/O half (dumping and deleting entries through netlink) is `pyproxy.netlink`.
+
+Typical use after a sync (per family)::
+
+    current = udp_targets(state, services=checkout.services)  # or the whole state
+    if needs_cleanup(previous, current):
+        allowed = allowed_map(all_targets.values(), node_ips=local_addresses())
+        cleaner.cleanup(family, allowed)
+"""
+
+from __future__ import annotations
+
+import functools
+import ipaddress
+import socket
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from pyproxy.core.model import (
+    ClusterState,
+    Endpoint,
+    IPFamily,
+    Protocol,
+    ServiceKey,
+    ServicePort,
+    ServicePortName,
+    ip_family,
+)
+
+IPPROTO_UDP = socket.IPPROTO_UDP
+IPPROTO_TCP = socket.IPPROTO_TCP
+
+
+@dataclass(frozen=True, slots=True)
+class ConntrackEntry:
+    """The parts of one conntrack entry the planner needs (and that delete it again).
+
+    `orig_*` is the tuple as the client sent it (before DNAT); `reply_src`/`reply_sport` is
+    who answers, i.e. the DNAT target for a NATed flow, the original destination otherwise.
+    `proto` is the IP protocol number (17 for UDP). `zone` is the conntrack zone (0 = none).
+    """
+
+    proto: int
+    orig_src: str
+    orig_dst: str
+    orig_sport: int
+    orig_dport: int
+    reply_src: str
+    reply_sport: int
+    zone: int = 0
+
+    @property
+    def family(self) -> IPFamily:
+        return ip_family(self.orig_dst)
+
+    def __str__(self) -> str:
+        return (f"proto={self.proto} src={self.orig_src} dst={self.orig_dst} "
+                f"sport={self.orig_sport} dport={self.orig_dport} reply-src={self.reply_src}")
+
+
+@dataclass(frozen=True, slots=True)
+class UdpTarget:
+    """What one UDP service port allows, for one IP family: the (IP, port) pairs clients send to
+    (ClusterIP, external IPs, LoadBalancer VIPs), its NodePort (0: none) and the IPs of its
+    serving endpoints, who may answer. Only built for ports with at least one serving
+    endpoint."""
+
+    destinations: frozenset[tuple[str, int]]
+    node_port: int
+    endpoints: frozenset[str]
+
+
+TargetKey = tuple[ServicePortName, IPFamily]
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """Who may answer what: `service_ips[(IP, port)]` and `node_ports[port]` are the serving
+    endpoint IPs of the UDP service behind that destination.
+
+    `node_ips` restricts the NodePort rule to entries addressed to this node (its local
+    addresses); None matches a NodePort on any destination, as upstream does. Without it, a
+    forwarded flow that merely happens to use a NodePort number as its destination port would
+    be deleted on every cleanup.
+    """
+
+    service_ips: Mapping[tuple[str, int], frozenset[str]] = field(default_factory=dict)
+    node_ports: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    node_ips: frozenset[str] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.service_ips or self.node_ports)
+
+
+@functools.lru_cache(maxsize=65536)
+def _canon6(address: str) -> str:
+    try:
+        return ipaddress.IPv6Address(address).compressed
+    except ValueError:
+        return address
+
+
+def canonical_ip(address: str) -> str:
+    """One spelling per address, so model IPs and kernel IPs compare as strings: IPv6 is
+    compressed (RFC 5952, what inet_ntop prints); IPv4 is left as is."""
+    return _canon6(address) if ":" in address else address
+
+
+def _is_serving(ep: Endpoint) -> bool:
+    # A ready endpoint is serving; `serving` also covers terminating endpoints still serving.
+    return ep.serving or ep.ready
+
+
+def udp_target(
+    port: ServicePort, family: IPFamily, endpoints: Iterable[Endpoint]
+) -> UdpTarget | None:
+    """One service port's target for `family`, from all its endpoints of that family; None
+    for non-UDP ports, ports without an address of the family and ports without a serving
+    endpoint."""
+    if port.protocol is not Protocol.UDP:
+        return None
+    serving = frozenset(
+        canonical_ip(ep.ip) for ep in endpoints if ep.family is family and _is_serving(ep)
+    )
+    if not serving:
+        return None
+    cluster_ip = port.cluster_ip(family)
+    addresses = [
+        *([cluster_ip] if cluster_ip else []),
+        *port.external_ips_of(family),
+        *port.load_balancer_vips(family),
+    ]
+    if not addresses and not port.node_port:
+        return None
+    destinations = frozenset((canonical_ip(ip), port.port) for ip in addresses)
+    return UdpTarget(destinations, port.node_port, serving)
+
+
+def udp_targets(
+    state: ClusterState,
+    families: Collection[IPFamily] = (IPFamily.IPv4, IPFamily.IPv6),
+    services: Iterable[ServiceKey] | None = None,
+) -> dict[TargetKey, UdpTarget]:
+    """Targets of every UDP service port with a serving endpoint (of `services` only, when
+    given: a partial sync's changed services), per family. Cheap: non-UDP ports are skipped
+    before their endpoints are merged."""
+    if services is None:
+        ports: Iterable[ServicePort] = state.ports
+    else:
+        ports = [port for key in sorted(set(services)) for port in state.ports_of(key)]
+    out: dict[TargetKey, UdpTarget] = {}
+    for port in ports:
+        if port.protocol is not Protocol.UDP:
+            continue
+        for family in port.families():
+            if family not in families:
+                continue
+            target = udp_target(port, family, state.endpoints(port.name, family))
+            if target is not None:
+                out[(port.name, family)] = target
+    return out
+
+
+def allowed_map(targets: Iterable[UdpTarget], node_ips: Iterable[str] | None = None) -> Allowed:
+    """Merge targets into the lookup `stale` uses. Two ports sharing a destination (an external
+    IP claimed by two services) allow the union of their endpoints: deleting a flow that is
+    legitimately served is worse than keeping a stale one."""
+    service_ips: dict[tuple[str, int], frozenset[str]] = {}
+    node_ports: dict[int, frozenset[str]] = {}
+    for target in targets:
+        for dest in target.destinations:
+            service_ips[dest] = service_ips.get(dest, frozenset()) | target.endpoints
+        if target.node_port:
+            port = target.node_port
+            node_ports[port] = node_ports.get(port, frozenset()) | target.endpoints
+    nodes = None if node_ips is None else frozenset(canonical_ip(ip) for ip in node_ips)
+    return Allowed(service_ips, node_ports, nodes)
+
+
+def allowed_endpoints(entry: ConntrackEntry, allowed: Allowed) -> frozenset[str] | None:
+    """The endpoint IPs that may answer this entry, or None when it is none of our business
+    (not UDP, not to a service address or NodePort)."""
+    if entry.proto != IPPROTO_UDP:
+        return None
+    dst = canonical_ip(entry.orig_dst)
+    by_ip = allowed.service_ips.get((dst, entry.orig_dport))
+    if by_ip is not None:
+        return by_ip
+    by_port = allowed.node_ports.get(entry.orig_dport)
+    if by_port is not None and (allowed.node_ips is None or dst in allowed.node_ips):
+        return by_port
+    return None
+
+
+def stale(entries: Iterable[ConntrackEntry], allowed: Allowed) -> list[ConntrackEntry]:
+    """The UDP entries to delete: addressed to a service IP:port (or to a NodePort on this
+    node) but answered by an address that is not one of that service's serving endpoints,
+    i.e. pinned to a removed endpoint or to the un-NATed "no endpoints" state."""
+    out: list[ConntrackEntry] = []
+    for entry in entries:
+        permitted = allowed_endpoints(entry, allowed)
+        if permitted is not None and canonical_ip(entry.reply_src) not in permitted:
+            out.append(entry)
+    return out
+
+
+def needs_cleanup(
+    previous: Mapping[TargetKey, UdpTarget] | None, current: Mapping[TargetKey, UdpTarget]
+) -> bool:
+    """Whether a sync from `previous` to `current` can have made UDP entries stale: a UDP
+    service port (with serving endpoints now) that is new, or whose endpoints or addresses
+    changed. `current` may cover only the services a partial sync touched. Ports that lost
+    every serving endpoint do not count: cleanup skips them anyway. No previous state (the
+    first sync after a start) always needs one."""
+    if previous is None:
+        return bool(current)
+    return any(previous.get(key) != target for key, target in current.items())

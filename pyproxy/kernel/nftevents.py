@@ -1,0 +1,282 @@
+"""nftables change events: someone else changing one of our tables is noticed within
+milliseconds (and repaired by the daemon), instead of at the next periodic structure check.
+
+The kernel announces every committed change on the NFNLGRP_NFTABLES multicast group of
+NETLINK_NETFILTER: one message per object (table, chain, rule, set, element), several to a
+datagram (the kernel packs a transaction's messages together), then NFT_MSG_NEWGEN closing
+the transaction. Each message carries the netlink port id of the socket that committed it,
+so our own commits (the port ids of our libnftables contexts, `pyproxy.nft.OwnSockets`) are
+told from anybody else's.
+
+A plain socket, not pyroute2: pyroute2 0.9's nftables messages decode every attribute (every
+expression of every rule) through its asyncio core, where three attributes are needed here,
+and a socket filter is easier to attach to a socket of our own. A classic BPF program drops
+our own commits' datagrams in the kernel: a full sync at 10k services writes ~230k elements,
+whose announcements would overflow any receive buffer and cost seconds of CPU to read. (It
+cannot drop by table or message type: a datagram holds several messages, and the filter
+sees the first.) Element changes are not reported: `pyproxy diff` shows them and the next
+full sync repairs them, as before.
+
+Parsing and deciding are pure (`parse`, `Transaction`, `filter_program`); `NftMonitor` is the
+thread around the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import socket
+import struct
+import threading
+from collections.abc import Callable, Container, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from pyproxy.kernel.nft import OwnSockets
+from pyproxy.render import TABLE
+
+log = structlog.get_logger("pyproxy.nftevents")
+
+NETLINK_NETFILTER = 12
+NFNLGRP_NFTABLES = 7
+SOL_NETLINK = 270
+NETLINK_ADD_MEMBERSHIP = 1
+NFNL_SUBSYS_NFTABLES = 10
+# include/uapi/linux/netfilter/nf_tables.h
+NFT_MSG_NEWTABLE, NFT_MSG_DELTABLE = 0, 2
+NFT_MSG_NEWCHAIN, NFT_MSG_DELCHAIN = 3, 5
+NFT_MSG_NEWRULE, NFT_MSG_DELRULE = 6, 8
+NFT_MSG_NEWSET, NFT_MSG_DELSET = 9, 11
+NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM = 12, 14
+NFT_MSG_NEWGEN = 15
+NFT_MSG_NEWOBJ, NFT_MSG_DELOBJ = 18, 20
+NFT_MSG_NEWFLOWTABLE, NFT_MSG_DELFLOWTABLE = 22, 24
+FAMILIES = {2: "ip", 10: "ip6"}  # NFPROTO_IPV4, NFPROTO_IPV6: the tables we own
+
+# What each message did, and which attribute names the object (1 is always the table).
+_VERBS = {
+    NFT_MSG_NEWTABLE: ("table added or changed", 0),
+    NFT_MSG_DELTABLE: ("table deleted", 0),
+    NFT_MSG_NEWCHAIN: ("chain {} added or changed", 3),
+    NFT_MSG_DELCHAIN: ("chain {} deleted", 3),
+    NFT_MSG_NEWRULE: ("rule added to chain {}", 2),
+    NFT_MSG_DELRULE: ("rule deleted from chain {}", 2),
+    NFT_MSG_NEWSET: ("set or map {} added", 2),
+    NFT_MSG_DELSET: ("set or map {} deleted", 2),
+    NFT_MSG_NEWSETELEM: ("element added to {}", 2),
+    NFT_MSG_DELSETELEM: ("element deleted from {}", 2),
+    NFT_MSG_NEWOBJ: ("object {} added", 2),
+    NFT_MSG_DELOBJ: ("object {} deleted", 2),
+    NFT_MSG_NEWFLOWTABLE: ("flowtable {} added", 2),
+    NFT_MSG_DELFLOWTABLE: ("flowtable {} deleted", 2),
+}
+_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
+_ATTR = struct.Struct("=HH")
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One nftables change as the kernel announced it."""
+
+    msg: int  # NFT_MSG_*
+    portid: int  # the committing socket's (0: the kernel itself)
+    family: int  # NFPROTO_*
+    table: str = ""
+    name: str = ""  # the chain, set or object ("" for a table or a generation)
+
+    def describe(self) -> str:
+        verb, _ = _VERBS.get(self.msg, (f"change (message {self.msg}) to {{}}", 0))
+        return f"{FAMILIES.get(self.family, self.family)} {self.table}: {verb.format(self.name)}"
+
+
+def parse(data: bytes) -> Iterator[Message]:
+    """The nftables messages in one datagram (others, and truncated ones, are skipped)."""
+    offset = 0
+    while offset + _HEADER.size + 4 <= len(data):
+        length, kind, _flags, _seq, portid = _HEADER.unpack_from(data, offset)
+        if length < _HEADER.size + 4 or offset + length > len(data):
+            return
+        if kind >> 8 == NFNL_SUBSYS_NFTABLES:
+            family = data[offset + _HEADER.size]
+            attrs = _attributes(data, offset + _HEADER.size + 4, offset + length)
+            msg = kind & 0xFF
+            _, which = _VERBS.get(msg, ("", 0))
+            table = "" if msg == NFT_MSG_NEWGEN else attrs.get(1, "")
+            yield Message(msg, portid, family, table, attrs.get(which, "") if which else "")
+        offset += (length + 3) & ~3
+
+
+def _attributes(data: bytes, start: int, end: int) -> dict[int, str]:
+    """The string attributes wanted here (table and object names), by type."""
+    out: dict[int, str] = {}
+    while start + _ATTR.size <= end:
+        length, kind = _ATTR.unpack_from(data, start)
+        if length < _ATTR.size:
+            break
+        if kind & 0x7FFF in (1, 2, 3) and start + length <= end:
+            raw = data[start + _ATTR.size:start + length]
+            out[kind & 0x7FFF] = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+        start += (length + 3) & ~3
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Transaction:
+    """The messages of one transaction so far, those that are someone else's change to one
+    of our tables (`changes`). NFT_MSG_NEWGEN ends a transaction."""
+
+    changes: tuple[Message, ...] = ()
+
+    def feed(self, message: Message, ours: Container[int]) -> tuple[Transaction, str | None]:
+        """The transaction after `message`, and, when it ends with foreign changes to our
+        tables, what they were (for the log and /healthz)."""
+        if message.msg == NFT_MSG_NEWGEN:
+            return Transaction(), self.summary() if self.changes else None
+        if foreign(message, ours):
+            return replace(self, changes=(*self.changes, message)), None
+        return self, None
+
+    def summary(self, limit: int = 3) -> str:
+        seen = list(dict.fromkeys(m.describe() for m in self.changes))
+        more = f" (+{len(seen) - limit} more)" if len(seen) > limit else ""
+        return "; ".join(seen[:limit]) + more
+
+
+def foreign(message: Message, ours: Container[int]) -> bool:
+    """Someone else's change to one of our tables. The kernel's own messages (port id 0) and
+    element changes are not tampering the daemon repairs (the data path's dynamic sets)."""
+    return (message.table == TABLE and message.family in FAMILIES and message.portid != 0
+            and message.portid not in ours
+            and message.msg not in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM))
+
+
+# ---------------------------------------------------------------------------------------------
+# The socket filter
+
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_RET_K = 0x20, 0x15, 0x06
+SO_ATTACH_FILTER = 26  # asm-generic/socket.h
+Instruction = tuple[int, int, int, int]  # code, jump if true, jump if false, constant
+
+
+def _host32(value: int) -> int:
+    """A 32-bit header field as a BPF load sees it (big-endian) when the host stores it in
+    its own order (netlink headers are host order)."""
+    return int.from_bytes(struct.pack("=I", value), "big")
+
+
+def filter_program(ours: Iterable[int]) -> list[Instruction]:
+    """Drop the datagrams whose (first) message was committed by one of `ours`, keep the
+    rest. A datagram only ever holds messages of one transaction, hence of one committer."""
+    portids = sorted(set(ours))
+    drop = 1 + len(portids) + 1
+    program: list[Instruction] = [(BPF_LD_W_ABS, 0, 0, 12)]  # nlmsg_pid
+    for n, portid in enumerate(portids):
+        at = 1 + n
+        program.append((BPF_JEQ_K, drop - at - 1, 0, _host32(portid)))
+    return [*program, (BPF_RET_K, 0, 0, 0xFFFFFFFF), (BPF_RET_K, 0, 0, 0)]
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def attach_filter(sock: socket.socket, program: list[Instruction]) -> None:
+    code = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
+    fprog = _SockFprog(len(program), code)
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, bytes(fprog))
+
+
+# ---------------------------------------------------------------------------------------------
+# The shell
+
+
+def open_socket() -> socket.socket:
+    """A socket subscribed to the nftables group of this process's network namespace, with a
+    filter that drops everything until `NftMonitor` sets the real one (nothing unfiltered is
+    queued before)."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        attach_filter(sock, [(BPF_RET_K, 0, 0, 0)])
+        for option in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+                break
+            except OSError:
+                continue
+        sock.bind((0, 0))
+        sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class NftMonitor:
+    """Reads the change events on a thread of its own and reports, per transaction, someone
+    else's changes to our tables (`on_foreign`), and events lost to a full receive buffer
+    (`on_lost`: what happened meanwhile is unknown, the structure must be compared)."""
+
+    ours: OwnSockets
+    on_foreign: Callable[[str], None]
+    on_lost: Callable[[], None]
+    open: Callable[[], socket.socket] = open_socket
+    poll_seconds: float = 0.5  # how soon the thread notices `stop`
+    _sock: socket.socket | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, stop: threading.Event) -> bool:
+        """Subscribe (in the calling thread's namespace) and start reading. False when the
+        kernel or the privileges do not allow it: the periodic check still runs."""
+        try:
+            sock = self.open()
+        except OSError as err:
+            log.warning("nftables change events not available; tampering is found by the "
+                        "periodic check only", error=str(err))
+            return False
+        sock.settimeout(self.poll_seconds)
+        self._sock = sock
+        # Before any commit of a new context: its datagrams are dropped from the first.
+        self.ours.subscribe(self._refilter)
+        self._refilter()
+        threading.Thread(target=self._run, args=(sock, stop), name="nft-events",
+                         daemon=True).start()
+        return True
+
+    def _refilter(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):  # closed: stopping
+                    attach_filter(self._sock, filter_program(self.ours.current()))
+
+    def _run(self, sock: socket.socket, stop: threading.Event) -> None:
+        pending = Transaction()
+        try:
+            while not stop.is_set():
+                try:
+                    data = sock.recv(1 << 16)
+                except TimeoutError:
+                    continue
+                except OSError as err:
+                    if err.errno != errno.ENOBUFS:
+                        log.error("nftables change events stopped", error=str(err))
+                        return
+                    log.warning("nftables change events lost (receive buffer full)")
+                    pending = Transaction()
+                    self.on_lost()
+                    continue
+                for message in parse(data):
+                    pending, change = pending.feed(message, self.ours)
+                    if change is not None:
+                        self.on_foreign(change)
+        finally:
+            with self._lock:
+                self._sock = None
+                sock.close()

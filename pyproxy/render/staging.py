@@ -1,0 +1,135 @@
+"""A large full sync as a series of bounded transactions that packets see as one
+(make-before-break). Pure: the caller runs the scripts in order.
+
+Why: libnftables turns a script into one netlink transaction only after parsing all of it,
+and holds every parsed element meanwhile: at 10k services × 10 endpoints the full sync's
+231k elements (a 9.3 MB script) took the daemon from ~200 MiB to ~570 MiB for the length of
+that transaction. In transactions of at most `chunk` elements the peak is a chunk's worth.
+
+What a packet sees never mixes old and new:
+- fresh table (nothing of ours in the kernel): the table, its sets, maps and regular chains
+  are created first, the elements are added in chunks, and the base chains (the hooks) come
+  last, in one transaction: no packet reaches any of it before everything is there;
+- existing table: the elements are loaded into shadow copies of the sets and maps that no
+  rule references yet (`NAME-staged`), then one small transaction rewrites every chain to use
+  the copies (the switch: all old → all new), the real sets are flushed in it too; they are
+  then refilled in chunks and a last small transaction switches the rules back to them and
+  deletes the copies. Twice the kernel work of one transaction, for the names to stay what
+  every reader (trace, diff, the drills) looks for.
+
+Dynamic sets (ClientIP affinity) are never copied: their contents are the connections'
+affinity and must survive any sync.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+from pyproxy.render import BASE_CHAINS, TABLE, Kind
+from pyproxy.render.ruleset import Commands, DesiredState
+
+SHADOW_SUFFIX = "-staged"
+# Elements per transaction: ~35 MiB of libnftables memory at ~1.6 KiB a parsed element.
+DEFAULT_CHUNK = 20_000
+_REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")
+
+
+def shadow(name: str) -> str:
+    return name + SHADOW_SUFFIX
+
+
+def static_sets(state: DesiredState) -> dict[str, str]:
+    """Name → declaration of the sets and maps whose elements the store owns (not dynamic)."""
+    out: dict[str, str] = {}
+    for kind, container, entries in state.containers():
+        if kind is Kind.SET:
+            for _key, value in entries:
+                if "dynamic" not in value:
+                    out[container] = value
+    return out
+
+
+def worth_staging(state: DesiredState, existing_sets: Iterable[str], chunk: int) -> bool:
+    """Staged when the store holds more than a chunk, and no copy is left in the kernel by
+    an interrupted staged sync: rules may still use such a copy, and only the one
+    transaction (which rewrites every chain and deletes the copies at once) is safe then."""
+    return len(state) > chunk and not any(n.endswith(SHADOW_SUFFIX) for n in existing_sets)
+
+
+def scripts(family: str, state: DesiredState, cmds: Commands, table_exists: bool,
+            chunk: int = DEFAULT_CHUNK) -> Iterator[str]:
+    """The transactions of the staged form of the full sync `cmds` (what `full_commands`
+    made from `state` and the kernel's names), in order, each made when asked for (so only
+    one chunk's text exists at a time)."""
+    sets = static_sets(state)
+    if not table_exists:
+        lines = [*cmds.declare, *cmds.flush, *cmds.rules]
+        yield _script([line for line in lines if not _on_base(line)])
+        yield from _chunks(family, state, chunk, {})
+        yield _script([line for line in lines if _on_base(line)])
+        return
+    renamed = {name: shadow(name) for name in sets}
+    # The table (someone may have deleted it), the copies, and every chain the new state
+    # has (empty until the switch): the copies' verdicts must find their chains.
+    declare_shadows = [cmds.declare[0],
+                       *(_declare(family, shadow(n), sets[n]) for n in sorted(sets)),
+                       *(line for line in cmds.declare
+                         if line.startswith("add chain ") and not _on_base(line))]
+    chain_flushes = [line for line in cmds.flush if line.startswith("flush chain ")]
+    switch = [*cmds.declare, *cmds.flush, *(_renamed(line, renamed) for line in cmds.rules),
+              *cmds.delete_sets]
+    back = [*chain_flushes, *cmds.rules,
+            *(f"delete {sets[n].split(' ', 1)[0]} {family} {TABLE} {shadow(n)}"
+              for n in sorted(sets))]
+    yield _script(declare_shadows)
+    yield from _chunks(family, state, chunk, renamed)
+    yield _script(switch)
+    yield from _chunks(family, state, chunk, {})
+    yield _script(back)
+
+
+def _declare(family: str, name: str, value: str) -> str:
+    word, _, body = value.partition(" ")
+    return f"add {word} {family} {TABLE} {name} {{ {body} }}"
+
+
+def _on_base(line: str) -> bool:
+    """A command on one of the base chains (`add chain|rule`, `flush|delete chain`)."""
+    words = line.split(" ", 5)
+    return len(words) > 4 and words[1] in ("chain", "rule") and words[4] in BASE_CHAINS
+
+
+def _renamed(rule: str, renamed: dict[str, str]) -> str:
+    return _REFERENCE.sub(lambda m: "@" + renamed.get(m[1], m[1]), rule)
+
+
+def _script(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def _chunks(family: str, state: DesiredState, chunk: int,
+            renamed: dict[str, str]) -> Iterator[str]:
+    """`add element` transactions of at most `chunk` elements, in container order."""
+    lines: list[str] = []
+    size = 0
+    for kind, container, entries in state.containers():
+        if kind is not Kind.ELEMENT:
+            continue
+        name = renamed.get(container, container)
+        batch: list[str] = []
+        for key, value in entries:
+            batch.append(key + value)
+            size += 1
+            if size >= chunk:
+                lines.append(_add(family, name, batch))
+                yield _script(lines)
+                lines, batch, size = [], [], 0
+        if batch:
+            lines.append(_add(family, name, batch))
+    if lines:
+        yield _script(lines)
+
+
+def _add(family: str, container: str, elements: list[str]) -> str:
+    return f"add element {family} {TABLE} {container} {{ {', '.join(elements)} }}"

@@ -1,0 +1,340 @@
+"""`pyproxy trace`: where a new connection goes through the rules this node programmed,
+computed from the committed state (the slot store), not from the kernel.
+
+Like upstream's test tracer, this walks only the rule shapes `pyproxy.render` emits, so the two
+change together (tests compare its answers with real packets).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from ipaddress import ip_address, ip_network
+
+from pyproxy.core.balancing import flow_key, hash_index
+from pyproxy.render import (
+    CLUSTER_IPS_SET,
+    FIREWALL_ALLOW_SET,
+    FIREWALL_IPS_SET,
+    NO_ENDPOINT_NODEPORTS_MAP,
+    NO_ENDPOINT_SERVICES_MAP,
+    NODEPORT_IPS_SET,
+    SERVICE_CIDRS_SET,
+    SERVICE_IPS_MAP,
+    SERVICE_NODEPORTS_MAP,
+    Kind,
+    RenderConfig,
+)
+from pyproxy.render.ruleset import DesiredState
+
+_INDEX = re.compile(
+    r"dnat ip6? to .+? \. (?:numgen (?P<ng>random|inc) mod (?P<n1>\d+)"
+    r"|jhash (?P<hk>.+?) mod (?P<n2>\d+) seed (?P<seed>0x[0-9a-f]+))"
+    r"(?: offset (?P<off>\d+))? map @(?P<map>\S+)$")
+_DNAT = re.compile(r"dnat ip6? to \[?([0-9a-fA-F.:]+?)\]?:(\d+)$")
+_COMMENT = re.compile(r'comment "([^"]*)"')
+
+
+@dataclass
+class Trace:
+    """The answer. `verdict`: DNAT, REJECT, DROP or NONE (pyproxy does not touch it)."""
+
+    src: str
+    dst: str
+    port: int
+    protocol: str
+    verdict: str = "NONE"
+    service: str | None = None
+    steps: list[str] = field(default_factory=list)
+    # (endpoint "IP:port", probability)
+    candidates: list[tuple[str, float]] = field(default_factory=list)
+    masquerade: bool = False
+    # Every element the answer relied on, (set or map, "key" + "value" as nft prints it),
+    # so that `--verify` can check them against the kernel.
+    consulted: list[tuple[str, str]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "src": self.src, "dst": f"{self.dst}:{self.port}/{self.protocol}",
+            "verdict": self.verdict, "service": self.service, "steps": self.steps,
+            "candidates": [{"endpoint": ep, "probability": round(p, 4)}
+                           for ep, p in self.candidates],
+            "masquerade": self.masquerade,
+        }
+
+
+def trace(state: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
+          protocol: str, from_node: bool = False, sport: int | None = None) -> Trace:
+    """A new connection from `src` to `dst:port/protocol`. `from_node`: sent by a process on
+    the node itself (the output hook) rather than arriving from outside or from a pod."""
+    proto = protocol.lower()
+    src, dst = str(ip_address(src)), str(ip_address(dst))
+    out = Trace(src, dst, port, proto)
+    walker = _Walker(state, cfg, out, from_node, sport)
+    if walker.firewall_drops():
+        return out
+    verdict = walker.dispatch()
+    if verdict is not None and walker.follow(verdict):
+        return out
+    walker.no_dnat()
+    return out
+
+
+@dataclass
+class _Walker:
+    state: DesiredState
+    cfg: RenderConfig
+    out: Trace
+    from_node: bool
+    sport: int | None = None
+
+    def element(self, container: str, key: str) -> str | None:
+        value = self.state.value((Kind.ELEMENT, container, key))
+        if value is not None:
+            self.out.consulted.append((container, " ".join((key + value).split())))
+        return value
+
+    def key3(self) -> str:
+        return f"{self.out.dst} . {self.out.protocol} . {self.out.port}"
+
+    def note(self, text: str) -> None:
+        self.out.steps.append(text)
+
+    def set_service(self, value: str) -> None:
+        match = _COMMENT.search(value)
+        if match and not self.out.service:
+            self.out.service = match.group(1)
+
+    # -- filter prerouting / output: LoadBalancer source ranges -------------------------------
+
+    def firewall_drops(self) -> bool:
+        if self.element(FIREWALL_IPS_SET, self.key3()) is None:
+            return False
+        prefix = f"{self.key3()} . "
+        allowed = [key[len(prefix):] for (kind, container, key), _ in self.state.slots()
+                   if kind is Kind.ELEMENT and container == FIREWALL_ALLOW_SET
+                   and key.startswith(prefix)]
+        src = ip_address(self.out.src)
+        if any(src in ip_network(a, strict=False) for a in allowed):
+            self.note(f"firewall-check: source allowed by {', '.join(allowed)}")
+            return False
+        self.note(f"firewall-check: source not in loadBalancerSourceRanges ({', '.join(allowed)})")
+        self.out.verdict = "DROP"
+        return True
+
+    # -- nat: services ---------------------------------------------------------------------------
+
+    def dispatch(self) -> str | None:
+        value = self.element(SERVICE_IPS_MAP, self.key3())
+        if value is not None:
+            self.set_service(value)
+            self.note(f"services: {self.key3()} in @{SERVICE_IPS_MAP}{value}")
+            return value.rsplit(": ", 1)[1]
+        if self.is_nodeport_address():
+            key = f"{self.out.protocol} . {self.out.port}"
+            value = self.element(SERVICE_NODEPORTS_MAP, key)
+            if value is not None:
+                self.set_service(value)
+                self.note(f"services: node port {key} in @{SERVICE_NODEPORTS_MAP}{value}")
+                return value.rsplit(": ", 1)[1]
+        self.note("services: no service address or node port matches")
+        return None
+
+    def is_nodeport_address(self) -> bool:
+        if self.cfg.nodeport_ips is None:
+            # every local address: for a trace, the node's known addresses
+            return self.out.dst in self.cfg.node_ips
+        return self.element(NODEPORT_IPS_SET, self.out.dst) is not None
+
+    def follow(self, verdict: str) -> bool:
+        """Walk the chain a dispatch verdict points to; True when it DNATs."""
+        if not verdict.startswith("goto "):
+            return False
+        chain = verdict.split(" ", 1)[1]
+        rules = self.state.value((Kind.CHAIN, chain, ""))
+        if rules is None:
+            self.note(f"{chain}: chain not found")
+            return False
+        if "update @" in rules or "goto " in rules:
+            return self.per_service_chain(chain)
+        return self.pick_chain(chain, rules.split("\n"))
+
+    def pick_chain(self, chain: str, rules: list[str]) -> bool:
+        """A shared pick chain: optional masquerade rules, then DNATs through the endpoints
+        map, each guarded by the source kind it applies to (pyproxy.render's shapes)."""
+        mark = f"meta mark set meta mark | {self.cfg.mark}"
+        for rule in rules:
+            applies, rest, why = self.condition(rule)
+            if not applies:
+                continue
+            if rest.startswith(mark):
+                self.out.masquerade = True
+                self.note(f"{chain}: masquerade ({why})")
+                rest = rest[len(mark):].strip()
+            if rest.startswith("dnat "):
+                if why == "always" and "-local-" in chain:
+                    why = "externalTrafficPolicy: Local: local endpoints, client IP preserved"
+                if why != "always":
+                    self.note(f"{chain}: {why}")
+                return self.pick(chain, rest)
+        self.note(f"{chain}: no rule DNATs this connection")
+        return False
+
+    def condition(self, rule: str) -> tuple[bool, str, str]:
+        """(does the rule apply to this source, the rest of the rule, why)."""
+        not_pods, pods = self.cfg.local_match(negate=True), self.cfg.local_match()
+        if not_pods and rule.startswith(not_pods + " "):
+            return not self.from_pod(), rule[len(not_pods) + 1:], "source is not a local pod"
+        if pods and rule.startswith(pods + " "):
+            return (self.from_pod(), rule[len(pods) + 1:],
+                    "pod traffic short-circuits to the cluster list")
+        if rule.startswith("fib saddr type local "):
+            return (self.from_node, rule[len("fib saddr type local "):],
+                    "traffic from the node itself uses the cluster list")
+        if rule.startswith("meta mark set"):
+            return True, rule, "external traffic under externalTrafficPolicy: Cluster"
+        return True, rule, "always"
+
+    def from_pod(self) -> bool:
+        value = self.cfg.local_value
+        if self.cfg.local_match() is None or "/" not in value:
+            return False  # interface-based detection cannot be decided from an address
+        return ip_address(self.out.src) in ip_network(value)
+
+    def dnat(self, targets: list[str]) -> bool:
+        if not targets:
+            return False
+        self.out.verdict = "DNAT"
+        counts: dict[str, int] = {}
+        for target in targets:
+            counts[target] = counts.get(target, 0) + 1
+        self.out.candidates = [(t, n / len(targets)) for t, n in counts.items()]
+        if any(_address(t) == self.out.src for t in counts):
+            self.note("hairpin: an endpoint reaching itself is masqueraded")
+            if len(counts) == 1:
+                self.out.masquerade = True
+        return True
+
+    def pick(self, chain: str, rule: str) -> bool:
+        match = _INDEX.search(rule)
+        if match is None:
+            self.note(f"{chain}: unrecognised rule {rule!r}")
+            return False
+        count = int(match["n1"] or match["n2"])
+        offset = int(match["off"] or 0)
+        container = match["map"]
+        if container.startswith("nodeport-"):
+            prefix = str(self.out.port)
+        else:
+            prefix = f"{self.out.dst} . {self.out.port}"
+        slots = []
+        for i in range(offset, offset + count):
+            value = self.element(container, f"{prefix} . {i}")
+            if value is not None:
+                address, target_port = value.split(": ", 1)[1].split(" . ")
+                slots.append(_endpoint(address, target_port))
+        if match["ng"]:
+            how = "at random" if match["ng"] == "random" else "in turn (round robin)"
+            self.note(f"{chain}: one of {count} slots of @{container} {how}")
+            return self.dnat(slots)
+        return self.hashed(chain, match, slots, offset, container)
+
+    def hashed(self, chain: str, match: re.Match[str], slots: list[str], offset: int,
+               container: str) -> bool:
+        count, seed = len(slots), int(match["seed"], 16)
+        with_port = " sport" in match["hk"]
+        algorithm = "Maglev" if with_port else "source hash"
+        if with_port and self.sport is None:
+            self.note(f"{chain}: {algorithm} over {count} slots of @{container}; give "
+                      "--sport to see where this flow goes")
+            return self.dnat(slots)
+        key = flow_key(ip_address(self.out.src).packed, self.sport if with_port else None)
+        slot = hash_index(key, seed, count)
+        self.note(f"{chain}: {algorithm}: jhash({match['hk']}) mod {count} seed "
+                  f"0x{seed:08x} = slot {offset + slot} of @{container}")
+        return self.dnat([slots[slot]])
+
+    def per_service_chain(self, chain: str) -> bool:
+        """Upstream-shaped chains (session affinity services): `external-…` decides the
+        masquerade and goes on to `service-…`/`local-…`, which pick an endpoint."""
+        rules = self.state.value((Kind.CHAIN, chain, ""))
+        if rules is None:
+            self.note(f"{chain}: chain not found")
+            return False
+        mark = f"meta mark set meta mark | {self.cfg.mark}"
+        local_pods = self.cfg.local_match()
+        targets: list[str] = []
+        for rule in rules.split("\n"):
+            if rule == mark:
+                self.out.masquerade = True
+                self.note(f"{chain}: external traffic: masquerade")
+            elif rule.startswith("goto "):
+                self.note(f"{chain}: {rule}")
+                return self.follow(rule)
+            elif local_pods and rule.startswith(f"{local_pods} goto ") and self.from_pod():
+                self.note(f"{chain}: pod traffic short-circuits to the cluster chain")
+                return self.follow(rule[len(local_pods) + 1:])
+            elif rule.startswith("fib saddr type local") and self.from_node:
+                if mark in rule:
+                    self.out.masquerade = True
+                if " goto " in rule:
+                    self.note(f"{chain}: traffic from the node: {rule}")
+                    return self.follow("goto " + rule.split(" goto ", 1)[1])
+            elif " daddr " in rule and mark in rule:
+                if "saddr !=" not in rule or not self.from_pod():
+                    self.out.masquerade = True
+                    self.note(f"{chain}: masquerade ({rule.split(mark)[0].strip()})")
+            elif "update @" in rule:
+                match = _DNAT.search(rule)
+                if match:
+                    targets.append(_endpoint(match.group(1), match.group(2)))
+        self.note(f"{chain}: session affinity: a returning client keeps its endpoint")
+        return self.dnat(targets)
+
+    # -- filter: no endpoints, invalid ports ------------------------------------------------------
+
+    def no_dnat(self) -> None:
+        value = self.element(NO_ENDPOINT_SERVICES_MAP, self.key3())
+        if value is None and self.is_nodeport_address():
+            value = self.element(NO_ENDPOINT_NODEPORTS_MAP,
+                                 f"{self.out.protocol} . {self.out.port}")
+        if value is not None:
+            self.set_service(value)
+            verdict = value.rsplit(": ", 1)[1]
+            self.out.verdict = "REJECT" if "reject" in verdict else "DROP"
+            why = ("no usable endpoints" if self.out.verdict == "REJECT"
+                   else "Local traffic policy and no local endpoint")
+            self.note(f"service-endpoints-check: {why}: {self.out.verdict}")
+            return
+        if self.element(CLUSTER_IPS_SET, self.out.dst) is not None:
+            self.out.verdict = "REJECT"
+            self.note("cluster-ips-check: a ClusterIP on a port no service uses: REJECT")
+            return
+        cidr = self.service_cidr()
+        if cidr is not None:
+            self.out.verdict = "DROP"
+            self.note(f"cluster-ips-check: in ServiceCIDR {cidr} but no ClusterIP: DROP")
+            return
+        self.out.verdict = "NONE"
+        self.note("not a service address: pyproxy leaves this connection alone")
+
+
+    def service_cidr(self) -> str | None:
+        """The element of @service-cidrs holding the destination (an interval set: no
+        exact-key lookup)."""
+        dst = ip_address(self.out.dst)
+        for kind, container, entries in self.state.containers():
+            if kind is Kind.ELEMENT and container == SERVICE_CIDRS_SET:
+                for key, value in entries:
+                    if dst in ip_network(key, strict=False):
+                        self.out.consulted.append((container, key + value))
+                        return key
+        return None
+
+
+def _endpoint(address: str, port: str) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _address(endpoint: str) -> str:
+    return endpoint.rsplit(":", 1)[0].strip("[]")

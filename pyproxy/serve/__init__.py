@@ -1,0 +1,1 @@
+"""What the daemon serves: health, metrics, connection counts, the debug socket and its answers."""

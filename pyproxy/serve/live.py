@@ -1,0 +1,198 @@
+"""What the daemon answers on its debug socket: status, services, explain, trace, diff and
+history, computed from the live state under the sync lock; and /fault, the drills' kernel
+fault injection (docs/drills.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from pyproxy.core.explain import explain_report, port_entry
+from pyproxy.core.model import ServiceKey, ip_family
+from pyproxy.kernel.nft import inject_faults, pending_faults
+from pyproxy.render import render_config
+from pyproxy.render.trace import trace
+from pyproxy.serve.connections import ConnectionCounters, CountingContext, Series, endpoint_family
+from pyproxy.serve.debug import Handler
+from pyproxy.serve.health import ProxyHealth
+from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.runner import BoundedFrequencyRunner
+
+from pyproxy.sync.daemon import Proxier, SyncRecord  # isort: skip
+
+log = structlog.get_logger("pyproxy.live")
+
+
+def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:
+    if record is None:
+        return None
+    out = dataclasses.asdict(record)
+    out["seconds"] = record.seconds
+    return out
+
+
+def parse_destination(text: str) -> tuple[str, int, str]:
+    """"IP:PORT/PROTO" (IPv6 as "[IP]:PORT/PROTO"; PROTO defaults to tcp)."""
+    address, _, proto = text.partition("/")
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"destination {text!r}: expected IP:PORT[/PROTO]")
+    proto = (proto or "tcp").lower()
+    if proto not in ("tcp", "udp", "sctp"):
+        raise ValueError(f"destination {text!r}: protocol must be tcp, udp or sctp")
+    return host.strip("[]"), int(port), proto
+
+
+MAX_FAULTS = 1_000_000
+
+
+def parse_fault_count(text: str) -> int:
+    """The N of `/fault?fail=N`: a whole number, 0 to MAX_FAULTS."""
+    if not text.isdigit() or int(text) > MAX_FAULTS:
+        raise ValueError(f"fail: expected a whole number 0..{MAX_FAULTS}, got {text[:40]!r}")
+    return int(text)
+
+
+def service_key(text: str) -> ServiceKey:
+    namespace, sep, name = text.partition("/")
+    if not sep or not namespace or not name:
+        raise ValueError(f"expected NAMESPACE/NAME, got {text!r}")
+    return ServiceKey(namespace, name)
+
+
+def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[str, Any]:
+    dst, port, proto = parse_destination(query.get("dst", ""))
+    src = query.get("src") or ""
+    family = ip_family(dst)
+    for proxier in proxiers:
+        if proxier.family is family:
+            cfg = render_config(proxier.config, family)
+            sport = int(query["sport"]) if query.get("sport") else None
+            result = trace(proxier.applier.state, cfg, src, dst, port, proto,
+                           from_node=query.get("from_node") == "1", sport=sport)
+            answer = result.as_dict()
+            if query.get("verify") == "1":
+                answer["verified"] = verify(proxier, result.consulted)
+            return answer
+    raise ValueError(f"this node does not proxy {family}")
+
+
+def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str]:
+    """Check every element the trace relied on against the kernel: the answer holds for
+    the kernel only if each is there with the same value. Returns the mismatches."""
+    problems = []
+    for container, element in consulted:
+        key = element.split(" : ", 1)[0].split(" comment ", 1)[0]
+        found = proxier.applier.nft.get_element(proxier.applier.family, container, key)
+        if found != element:
+            problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
+    return problems
+
+
+def counting_context(proxier: Proxier) -> CountingContext:
+    """What the connection counters' labels need, copied under the sync lock."""
+    with proxier.lock:
+        state = proxier.cache.state()
+        return CountingContext(
+            tuple(ps for p in proxier.proxiers for ps in p.selections.values()),
+            state.node(proxier.cache.node_name), state.node_labels())
+
+
+def with_connections(entries: list[dict[str, Any]],
+                     totals: Mapping[Series, int]) -> list[dict[str, Any]]:
+    """Each `services` entry with `newConnections`: per endpoint of that service port and
+    family that has counted any (endpoints gone from it too, while their count is kept)."""
+    by_port: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for series, count in sorted(totals.items()):
+        by_port.setdefault((series.service, series.port, str(endpoint_family(series))), []).append(
+            {"endpoint": series.endpoint, "scope": series.scope, "count": count})
+    return [{**e, "newConnections": by_port.get((e["service"], e["port"], e["ipFamily"]), [])}
+            for e in entries]
+
+
+def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
+             source_status: Callable[[], Any],
+             connections: ConnectionCounters | None = None) -> dict[str, Handler]:
+    def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:
+        def handle(query: Mapping[str, str]) -> tuple[int, Any]:
+            with proxier.lock:
+                return 200, fn(query)
+        return handle
+
+    def status(query: Mapping[str, str]) -> Any:
+        history = list(proxier.history)
+        ok = [r for r in history if r.error is None]
+        services, endpoints = proxier.cache.pending()
+        stats = runner.stats()
+        return {
+            "node": proxier.cache.node_name,
+            "families": [str(p.family) for p in proxier.proxiers],
+            "initialized": proxier.initialized,
+            "sources": proxier.sources(),
+            "healthy": health.healthy(),
+            "nodeEligible": health.node_eligible(),
+            "services": len(proxier.cache.services()),
+            "servicePorts": sum(len(p.selections) for p in proxier.proxiers),
+            "pendingChanges": {"services": services, "endpoints": endpoints},
+            "invalidObjects": dict(proxier.skipped_total),
+            "syncs": stats.runs, "syncFailures": stats.failures,
+            "lastSync": record_dict(history[-1] if history else None),
+            "lastFullSync": record_dict(next((r for r in reversed(ok) if r.full), None)),
+            "lastPartialSync": record_dict(next((r for r in reversed(ok) if not r.full),
+                                                None)),
+            "source": source_status(),
+        }
+
+    def services(query: Mapping[str, str]) -> Any:
+        wanted = service_key(query["service"]) if query.get("service") else None
+        entries = [port_entry(ps) for p in proxier.proxiers for ps in p.selections.values()
+                   if wanted is None or ps.port.name.service == wanted]
+        return sorted(entries, key=lambda e: (e["service"], e["port"], e["ipFamily"]))
+
+    def services_handler(query: Mapping[str, str]) -> tuple[int, Any]:
+        code, entries = locked(services)(query)
+        if query.get("connections") == "1" and connections is not None:
+            # read outside the sync lock: at 10k services it takes a fraction of a second
+            entries = with_connections(entries, connections.totals())
+        return code, entries
+
+    def explain(query: Mapping[str, str]) -> Any:
+        wanted = service_key(query["service"]) if query.get("service") else None
+        return explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
+
+    def trace_handler(query: Mapping[str, str]) -> Any:
+        return trace_in(proxier.proxiers, query)
+
+    def diff(query: Mapping[str, str]) -> Any:
+        return {p.applier.family: p.applier.diff() for p in proxier.proxiers}
+
+    def history(query: Mapping[str, str]) -> Any:
+        count = int(query.get("n") or 20)
+        return [record_dict(r) for r in list(proxier.history)[-count:]]
+
+    def fault(query: Mapping[str, str]) -> Any:
+        """Drills: `?fail=N` makes the next N transactions of each family (or only of
+        `family=ip|ip6`) fail as if the kernel refused them; 0 stops it. Answers the
+        failures still to come, per family."""
+        appliers = [p.applier for p in proxier.proxiers]
+        if query.get("family"):
+            appliers = [a for a in appliers if a.family == query["family"]]
+            if not appliers:
+                raise ValueError(f"family: this node has no {query['family'][:10]!r} table")
+        if "fail" in query:
+            count = parse_fault_count(query["fail"])
+            for applier in appliers:
+                inject_faults(applier, count)
+            log.warning("fault injection: transactions will fail", fail_next=count,
+                        families=[a.family for a in appliers])
+        return {"failNext": {p.applier.family: pending_faults(p.applier)
+                             for p in proxier.proxiers}}
+
+    return {
+        "/status": locked(status), "/services": services_handler, "/explain": locked(explain),
+        "/trace": locked(trace_handler), "/diff": locked(diff), "/history": locked(history),
+        "/fault": locked(fault),
+    }

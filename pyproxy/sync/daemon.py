@@ -1,0 +1,311 @@
+"""The sync core of `pyproxy run`: events in, one kernel transaction per family per sync out.
+
+Event handlers (API watches or the snapshot file) only record into the cache and ask the
+runner for a sync; the runner calls `Proxier.sync`, which checks the changes out, selects and
+renders only the services that changed, and commits. Nothing is written before every source
+has completed its initial list: a half-known cluster must never be programmed. The last list
+to complete asks for the first sync, which runs at once (no minSyncPeriod before it: no sync
+ran before).
+
+Someone else changing our tables is reported by the nftables change events
+(`table_changed`) or found by the periodic structure check; either makes the next sync a full
+one, the repair, and until it has succeeded `damage()` says why the kernel does not hold what
+was committed (/healthz answers 503 meanwhile).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+
+from pyproxy.cluster.cache import Checkout, ClusterCache
+from pyproxy.core.model import ObjectKey, ServiceKey, ServicePort, Skipped
+from pyproxy.kernel.nft import NftError, SyncResult
+from pyproxy.sync.proxier import FamilyProxier
+
+log = structlog.get_logger("pyproxy.sync")
+
+REPAIR_REASON = "table changed by someone else"
+
+
+@dataclass(frozen=True)
+class SyncRecord:
+    """One sync, for logs, metrics and `pyproxy history`."""
+
+    started: float  # wall clock
+    full: bool
+    reason: str
+    services_changed: int
+    endpoints_changed: int
+    render_seconds: float
+    diff_seconds: float
+    kernel_seconds: float
+    commands: int
+    error: str | None = None
+
+    @property
+    def seconds(self) -> float:
+        return self.render_seconds + self.diff_seconds + self.kernel_seconds
+
+
+class SyncObserver(Protocol):
+    """Health, metrics and conntrack cleanup hear about syncs through this."""
+
+    def queued(self) -> None: ...
+
+    def synced(self, record: SyncRecord, checkout: Checkout) -> None: ...
+
+    def failed(self, record: SyncRecord) -> None: ...
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def _annotation_notes(ports: tuple[ServicePort, ...]) -> set[str]:
+    return {note for port in ports[:1] for note in (port.topology_note, port.balancing_note)
+            if note}
+
+
+def _warn_ignored_annotations(before: tuple[ServicePort, ...],
+                              after: tuple[ServicePort, ...]) -> None:
+    """An unusable pyproxy annotation is ignored, not fatal (the service works without it).
+    Warned once when it appears, not again on every relist or unrelated update."""
+    for note in sorted(_annotation_notes(after) - _annotation_notes(before)):
+        log.warning("service annotation ignored", service=str(after[0].name.service),
+                    reason=note)
+
+
+@dataclass
+class Proxier:
+    cache: ClusterCache
+    proxiers: list[FamilyProxier]
+    full_sync_period: float = 3600.0
+    clock: Callable[[], float] = time.monotonic
+    wall_clock: Callable[[], float] = time.time
+    observers: list[SyncObserver] = field(default_factory=list)
+    request_sync: Callable[[], None] = lambda: None
+    # Called first in every sync, under the lock: brings this node's own configuration (its
+    # IPs, from its Node object) up to date, and says why the sync must be a full one (None:
+    # nothing changed).
+    reconfigure: Callable[[], str | None] = lambda: None
+    on_invalid: list[Callable[[Skipped], None]] = field(default_factory=list)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    history: deque[SyncRecord] = field(default_factory=lambda: deque(maxlen=100))
+    skipped_total: dict[str, int] = field(default_factory=dict)
+    _sources: dict[str, bool] = field(default_factory=dict)
+    # How often the table's structure is checked against what we committed (tampering).
+    verify_period: float = 30.0
+    _need_full: bool = True
+    _last_full: float = float("-inf")
+    _last_verify: float = float("-inf")
+    # Reports of someone else's changes to our tables, and how many of them a successful full
+    # sync has repaired. Kept out of `lock`: a sync holds it for seconds at 10k services,
+    # and a report must reach /healthz at once.
+    _repairs_wanted: int = 0
+    _repairs_done: int = 0
+    _damage: str = ""  # what was changed
+    _repair_error: str = ""  # why the last repair failed
+    _verify_now: bool = False
+    _synced_once: bool = False
+    _report_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # -- sources -----------------------------------------------------------------------------
+
+    def expect(self, source: str) -> None:
+        """A source whose initial list must complete before the first sync."""
+        with self.lock:
+            self._sources.setdefault(source, False)
+
+    def source_synced(self, source: str) -> None:
+        """An initial list is complete. Only the last one asks for a sync: one asked for
+        earlier would find the cluster half-known and do nothing."""
+        with self.lock:
+            self._sources[source] = True
+            complete = self.initialized
+        log.info("initial list complete", source=source)
+        if complete:
+            self.request_sync()
+
+    @property
+    def initialized(self) -> bool:
+        return bool(self._sources) and all(self._sources.values())
+
+    def sources(self) -> dict[str, bool]:
+        with self.lock:
+            return dict(self._sources)
+
+    # -- events ------------------------------------------------------------------------------
+
+    def on_service(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            before = self.cache.services().get(ServiceKey(*key), ())
+            self._record(self.cache.set_service(key, obj))
+            _warn_ignored_annotations(before, self.cache.services().get(ServiceKey(*key), ()))
+
+    def on_slice(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_slice(key, obj))
+
+    def on_node(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_node(key[1], obj))
+
+    def on_service_cidr(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+        with self.lock:
+            self._record(self.cache.set_service_cidr(key[1], obj))
+
+    def _record(self, skipped: Skipped | None) -> None:
+        if skipped is not None and skipped.invalid:
+            self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1
+            for hook in self.on_invalid:
+                hook(skipped)
+            log.warning("invalid object skipped", object=skipped.object, reason=skipped.reason)
+        if self.cache.has_pending():
+            for observer in self.observers:
+                observer.queued()
+            if self.initialized:
+                self.request_sync()
+
+    # -- our tables, changed by someone else ---------------------------------------------------
+
+    def table_changed(self, what: str) -> None:
+        """Someone else changed one of our tables (an nftables change event): repair it with
+        the next sync, which is asked for now. Before our first sync there is nothing of ours
+        to repair (that sync rewrites everything anyway)."""
+        if not self._synced_once:
+            log.info("pyproxy's table changed by someone else before the first sync", change=what)
+            return
+        log.warning("pyproxy's table was changed by someone else: repairing", change=what)
+        self._report_damage(f"{REPAIR_REASON}: {what}")
+        self.request_sync()
+
+    def events_lost(self) -> None:
+        """Change events were lost: whether someone changed our tables meanwhile is unknown,
+        so the next sync compares their structure, and is asked for now."""
+        self._verify_now = True
+        self.request_sync()
+
+    def _report_damage(self, reason: str) -> None:
+        with self._report_lock:
+            self._damage, self._repair_error = reason, ""
+            self._repairs_wanted += 1
+
+    def damage(self) -> str | None:
+        """Why the kernel does not hold what was last committed (someone else changed our
+        tables and the repair has not succeeded yet), or None."""
+        with self._report_lock:
+            if self._repairs_wanted == self._repairs_done:
+                return None
+            failed = f"; the repair failed: {self._repair_error}" if self._repair_error else ""
+            return self._damage + failed
+
+    # -- syncing -----------------------------------------------------------------------------
+
+    def force_full_sync(self) -> None:
+        with self.lock:
+            self._need_full = True
+        self.request_sync()
+
+    def sync(self) -> bool:
+        """One sync (the runner's function). Raises on failure so the runner retries; the
+        next sync after a failure is a full one. False: nothing done, an initial list is
+        still missing (the runner then starts no minSyncPeriod)."""
+        with self.lock:
+            if not self.initialized:
+                log.debug("sync skipped: waiting for the initial lists", sources=self._sources)
+                return False
+            now = self.clock()
+            full, reason = self._full_reason(now)
+            reconfigured = self.reconfigure()
+            if reconfigured is not None and not full:
+                full, reason = True, reconfigured
+            checkout = self.cache.checkout()
+            with self._report_lock:
+                repairs = self._repairs_wanted
+            if repairs != self._repairs_done and reason != "start":
+                full, reason = True, REPAIR_REASON
+            elif not full and self._verify_due(now, checkout):
+                self._last_verify, self._verify_now = now, False
+                if not all(p.applier.structure_intact() for p in self.proxiers):
+                    log.warning("pyproxy's table was changed by someone else: repairing",
+                                change="found by the structure check")
+                    self._report_damage(f"{REPAIR_REASON}: found by the structure check")
+                    repairs += 1
+                    full, reason = True, REPAIR_REASON
+            changed = None if (full or checkout.topology_changed) else checkout.services
+            if checkout.topology_changed and not full:
+                reason = "node labels changed"
+            started = self.wall_clock()
+            results: list[SyncResult] = []
+            try:
+                state = self.cache.state()
+                for proxier in self.proxiers:
+                    results.append(proxier.sync(state, changed, full=full))
+            except NftError as err:
+                self._need_full = True
+                if repairs != self._repairs_done:
+                    with self._report_lock:
+                        self._repair_error = _first_line(str(err))
+                record = self._record_sync(started, full, reason, checkout, results, str(err))
+                for observer in self.observers:
+                    observer.failed(record)
+                raise
+            if full:
+                self._need_full = False
+                self._last_full = now
+                if reason == REPAIR_REASON:
+                    # Were the store's idea of the table's shape ever to differ from nft's
+                    # listing, the next check would otherwise "repair" again and again.
+                    for proxier in self.proxiers:
+                        proxier.applier.adopt_structure()
+                with self._report_lock:
+                    self._repairs_done = repairs
+            self._synced_once = True
+            record = self._record_sync(started, full, reason, checkout, results, None)
+            for observer in self.observers:
+                observer.synced(record, checkout)
+            return True
+
+    def _verify_due(self, now: float, checkout: Checkout) -> bool:
+        """Time for the periodic structure check (on a sync with nothing else to do, so that
+        changes are not held up by it), or events were lost."""
+        idle = not checkout.services and not checkout.topology_changed
+        return self._verify_now or (idle and now - self._last_verify >= self.verify_period)
+
+    def _full_reason(self, now: float) -> tuple[bool, str]:
+        if self._need_full:
+            return True, "start or after a failure" if self.history else "start"
+        if now - self._last_full >= self.full_sync_period:
+            return True, "periodic full sync"
+        return False, "changes"
+
+    def _record_sync(self, started: float, full: bool, reason: str, checkout: Checkout,
+                     results: list[SyncResult], error: str | None) -> SyncRecord:
+        record = SyncRecord(
+            started=started, full=full, reason=reason,
+            services_changed=checkout.service_changes,
+            endpoints_changed=checkout.endpoint_changes,
+            render_seconds=sum(r.render_seconds for r in results),
+            diff_seconds=sum(r.diff_seconds for r in results),
+            kernel_seconds=sum(r.kernel_seconds for r in results),
+            commands=sum(r.commands for r in results),
+            error=error,
+        )
+        self.history.append(record)
+        if error:
+            log.error("nftables sync failed", full=full, reason=reason, error=error)
+        elif full or record.commands:
+            log.info("synced", full=full, reason=reason,
+                     services_changed=record.services_changed,
+                     endpoints_changed=record.endpoints_changed, commands=record.commands,
+                     duration_ms=round(record.seconds * 1000, 1),
+                     render_ms=round(record.render_seconds * 1000, 1),
+                     kernel_ms=round(record.kernel_seconds * 1000, 1))
+        return record

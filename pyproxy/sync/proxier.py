@@ -1,0 +1,162 @@
+"""From cluster state to per-family fragments: selection + rendering for one node."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import time
+from collections.abc import Hashable, Iterable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from pyproxy.core.model import (
+    ClusterState,
+    IPFamily,
+    NodeConfig,
+    ServiceKey,
+    ServicePortName,
+    ip_family,
+)
+from pyproxy.core.topology import PortSelection, select_all
+from pyproxy.render import Fragment, render_config, render_service, skeleton
+from pyproxy.render.ruleset import Change, DesiredState, full_commands
+from pyproxy.sync.gcutil import gc_paused, trim_heap
+
+if TYPE_CHECKING:
+    from pyproxy.kernel.nft import Kernel, SyncResult
+
+SKELETON = "skeleton"
+
+
+def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ...]:
+    """Families to program: those of the node's addresses, or of the services when the node
+    has none configured (offline rendering)."""
+    if config.node_ips:
+        return tuple(dict.fromkeys(ip_family(ip) for ip in config.node_ips))
+    seen = {fam for port in state.ports for fam in port.families()}
+    return tuple(f for f in (IPFamily.IPv4, IPFamily.IPv6) if f in seen) or (IPFamily.IPv4,)
+
+
+def fragments(state: ClusterState, config: NodeConfig, family: IPFamily,
+              services: Iterable[ServiceKey] | None = None) -> dict[Hashable, Fragment]:
+    """The skeleton and every service port's fragment (or only those of `services`)."""
+    return select_and_render(state, config, family, services)[0]
+
+
+def select_and_render(
+    state: ClusterState, config: NodeConfig, family: IPFamily,
+    services: Iterable[ServiceKey] | None = None,
+) -> tuple[dict[Hashable, Fragment], dict[ServicePortName, PortSelection]]:
+    """Fragments, and the selections they were rendered from (kept for the live CLI and the
+    metrics, so neither has to select again)."""
+    selections: dict[ServicePortName, PortSelection] = {}
+    out = dict(rendered(state, config, family, services, selections))
+    return out, selections
+
+
+def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
+             services: Iterable[ServiceKey] | None,
+             selections: dict[ServicePortName, PortSelection],
+             spent: list[float] | None = None) -> Iterator[tuple[Hashable, Fragment]]:
+    """The skeleton's and each service port's fragment, one at a time, recording the
+    selections they came from. A consumer that stores each fragment's items as it comes
+    never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
+    receives the seconds spent selecting and those spent rendering (not in the consumer)."""
+    cfg = render_config(config, family)
+    clock = time.perf_counter
+    selecting, rendering = 0.0, 0.0
+    started = clock()
+    fragment = skeleton(cfg, state.service_cidrs)
+    rendering += clock() - started
+    yield SKELETON, fragment
+    pending = select_all(state, config.node_name, services)
+    while True:
+        # Only the time in here counts: between two items the consumer runs.
+        started = clock()
+        ps = next(pending, None)
+        selected = clock()
+        selecting += selected - started
+        if ps is None:
+            break
+        if ps.family is not family:
+            continue
+        selections[ps.port.name] = ps
+        fragment = render_service(ps.port, ps.selection, cfg)
+        rendering += clock() - selected
+        yield ps.port.name, fragment
+    if spent is not None:
+        spent += (selecting, rendering)
+
+
+def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> DesiredState:
+    """Everything one family's table should hold, as a slot store (offline tools)."""
+    desired = DesiredState()
+    for owner, fragment in fragments(state, config, family).items():
+        desired.set(owner, fragment, Change())
+    return desired
+
+
+def render_script(state: ClusterState, config: NodeConfig,
+                  families: Iterable[IPFamily] | None = None) -> str:
+    """The complete nft script for the node: what `nft -f` loads into an empty namespace."""
+    return "".join(
+        full_commands(family.nft_family, desired_state(state, config, family)).text()
+        for family in (families or node_families(state, config)))
+
+
+class FamilyProxier:
+    """One family's table kept in step with successive cluster states (the one-shot `apply`,
+    tests, and the base the daemon's incremental sync builds on)."""
+
+    def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None) -> None:
+        from pyproxy.kernel.nft import Applier, LibNftables  # the I/O shell, imported where used
+
+        self.family = family
+        self.config = config
+        self.applier = Applier(family.nft_family, nft or LibNftables())
+        self._owners: dict[ServiceKey, set[ServicePortName]] = {}
+        # The selection in force per service port (what the kernel was last asked to do).
+        self.selections: dict[ServicePortName, PortSelection] = {}
+
+    def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
+             full: bool = False) -> SyncResult:
+        with gc_paused():
+            result = self._sync(state, changed, full)
+        if result.full:
+            # The store and the selections live until the next full sync: keep the cyclic
+            # GC from walking them again and again (it was most of a 10k-service sync).
+            gc.freeze()
+            trim_heap()
+        return result
+
+    def _sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None,
+              full: bool) -> SyncResult:
+        """Bring the table to `state`. With `changed`, only those services are selected and
+        rendered again (a partial sync); otherwise every service is."""
+        if changed is None:
+            services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
+        else:
+            services = set(changed)
+        removed: list[tuple[Hashable, Fragment]] = []
+        for key in services:
+            now = {p.name for p in state.ports_of(key)}
+            for gone in self._owners.get(key, set()) - now:
+                removed.append((gone, Fragment()))
+                self.selections.pop(gone, None)
+            if now:
+                self._owners[key] = now
+            else:
+                self._owners.pop(key, None)
+        selections: dict[ServicePortName, PortSelection] = {}
+        spent: list[float] = []
+        # Streamed: each fragment goes into the store as soon as it is rendered.
+        updates = itertools.chain(
+            rendered(state, self.config, self.family, None if changed is None else services,
+                     selections, spent),
+            removed)
+        result = self.applier.sync(updates, full=full)
+        self.selections.update(selections)
+        select_seconds, rendering = spent
+        render_seconds = select_seconds + rendering
+        return replace(result, render_seconds=render_seconds, select_seconds=select_seconds,
+                       diff_seconds=max(0.0, result.diff_seconds - render_seconds))
