@@ -1,4 +1,4 @@
-"""The baseline: upstream kube-proxy's nftables layout (a chain per service and per endpoint,
+"""The baseline: kube-proxy's nftables layout up to 1.35 (a chain per service and per endpoint,
 endpoint choice by an anonymous `numgen random mod N vmap { … }`), loaded the way a chunked
 loader would (500 services per transaction), and updated one service at a time by flushing
 and rewriting the service chain.
