@@ -161,7 +161,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.model import IPFamily
     from pyproxy.kernel.nft import LibNftables, SyncResult
-    from pyproxy.render import TABLE
+    from pyproxy.render.objects import TABLE
     from pyproxy.render.ruleset import Change as RChange
     from pyproxy.render.ruleset import DesiredState
     from pyproxy.sync.proxier import FamilyProxier

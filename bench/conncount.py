@@ -91,7 +91,7 @@ def with_and_without(cluster: Any, node_config: Any, seed: int) -> dict[str, Any
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.model import IPFamily
     from pyproxy.kernel.nft import LibNftables
-    from pyproxy.render import TABLE
+    from pyproxy.render.objects import TABLE
     from pyproxy.sync.proxier import FamilyProxier
 
     state = build_state(list(cluster.objects()))
@@ -132,7 +132,7 @@ def with_and_without(cluster: Any, node_config: Any, seed: int) -> dict[str, Any
 
 def _elements(proxier: Any, node_ip: str) -> Iterator[tuple[int, str]]:
     """(shard, element) for every address and reachable endpoint of every service port."""
-    from pyproxy.render import connection_shard
+    from pyproxy.render.objects import connection_shard
 
     for ps in proxier.selections.values():
         port = ps.port
@@ -157,7 +157,7 @@ def measure_reads(proxier: Any, state: Any, node_config: Any, node_ip: str,
 
     from pyproxy.core.model import IPFamily
     from pyproxy.kernel.nlsets import KernelCounters
-    from pyproxy.render import CONNECTION_SHARDS, TABLE, connections_set
+    from pyproxy.render.objects import CONNECTION_SHARDS, TABLE, connections_set
     from pyproxy.serve.connections import ConnectionCounters, CountingContext, Kernel
     from pyproxy.serve.metrics import Metrics
 

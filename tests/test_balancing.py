@@ -22,7 +22,7 @@ from pyproxy.core.balancing import (
 )
 from pyproxy.core.convert import convert_service
 from pyproxy.core.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
-from pyproxy.render import render_config
+from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 
 # --- pure ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.kernel.nft import Applier, NftError
-from pyproxy.render import Fragment, Item, Kind
+from pyproxy.render.objects import Fragment, Item, Kind
 from pyproxy.render.ruleset import Shape
 from pyproxy.sync.daemon import REPAIR_REASON, Proxier
 from pyproxy.sync.proxier import FamilyProxier

@@ -30,7 +30,7 @@ from pyproxy.config import (
     parse_duration,
 )
 from pyproxy.core.model import IPFamily, LocalMode
-from pyproxy.render import render_config
+from pyproxy.render.services import render_config
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -18,7 +18,7 @@ from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import Endpoint, IPFamily, Node
 from pyproxy.core.topology import endpoint_scope, select_all
 from pyproxy.kernel.nlsets import DumpParser, dump_request, shard_of
-from pyproxy.render import CONNECTION_SHARDS, connection_shard
+from pyproxy.render.objects import CONNECTION_SHARDS, connection_shard
 from pyproxy.serve.connections import (
     ConnectionCounters,
     CountingContext,

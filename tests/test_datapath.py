@@ -17,7 +17,7 @@ from nftns import NodeProxy
 
 from pyproxy.core.model import NodeConfig
 from pyproxy.kernel.nft import NftError
-from pyproxy.render import Fragment, Item, Kind
+from pyproxy.render.objects import Fragment, Item, Kind
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -75,3 +75,12 @@ def test_the_pure_stages_do_not_import_the_shells() -> None:
               "serve.health", "serve.metrics", "serve.debug", "serve.live", "sync.proxier",
               "sync.runner"}
     assert not _closure(PURE) & shells, sorted(_closure(PURE) & shells)
+
+
+def test_the_store_and_the_applier_take_the_vocabulary_not_the_renderer() -> None:
+    """The slot store, staging and the applier consume what rendering produces: they import
+    its vocabulary (render/objects.py), not the renderer."""
+    for module in ("render.ruleset", "render.staging", "kernel.nft"):
+        imported = _imports(_tree(module))
+        assert "pyproxy.render.services" not in imported, module
+        assert "pyproxy.render.objects" in imported, module

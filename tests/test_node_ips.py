@@ -18,7 +18,7 @@ from pyproxy.config import ProxyConfig
 from pyproxy.core.convert import convert_node
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
 from pyproxy.kernel.nft import Applier
-from pyproxy.render import render_config
+from pyproxy.render.services import render_config
 from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
 from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics

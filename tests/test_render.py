@@ -12,7 +12,7 @@ from builders import ep, make_node, make_service, make_slice
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.render import BASE_CHAIN_RULES, Fragment, Item, Kind
+from pyproxy.render.objects import BASE_CHAIN_RULES, Fragment, Item, Kind
 from pyproxy.render.ruleset import Change, DesiredState, full_commands, incremental_commands
 from pyproxy.sync.proxier import SKELETON, fragments
 

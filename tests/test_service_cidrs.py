@@ -21,7 +21,8 @@ from pyproxy.cluster.watch import Reflector, service_cidrs_resource
 from pyproxy.core.convert import convert_service_cidr
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, NodeConfig, Skipped
-from pyproxy.render import Kind, render_config
+from pyproxy.render.objects import Kind
+from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.daemon import Proxier
 from pyproxy.sync.proxier import SKELETON, FamilyProxier, desired_state, fragments

@@ -14,7 +14,8 @@ from netlab import Cluster, Lab, requires_netns
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.render import BASE_CHAINS, staging
+from pyproxy.render import staging
+from pyproxy.render.objects import BASE_CHAINS
 from pyproxy.render.ruleset import full_commands
 from pyproxy.sync.proxier import desired_state
 

@@ -15,7 +15,8 @@ from pyproxy.config import ConfigError, add_flags, from_args
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.nft import Applier, NftError
-from pyproxy.render import TABLE, render_config
+from pyproxy.render.objects import TABLE
+from pyproxy.render.services import render_config
 from pyproxy.serve.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.serve.live import service_key
 from pyproxy.sync.proxier import FamilyProxier, desired_state, node_families, render_script

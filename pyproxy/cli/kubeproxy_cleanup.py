@@ -171,7 +171,7 @@ def _clean_iptables_table(tool: str, table: str, run: Run, outcome: Outcome) -> 
 
 def pyproxy_tables_present(nft: LibNftables | None = None) -> bool:
     """Whether pyproxy has programmed this network namespace (a table of either family)."""
-    from pyproxy.render import TABLE
+    from pyproxy.render.objects import TABLE
 
     tables = nft_tables(nft or LibNftables())
     return any((family, TABLE) in tables for family in NFT_FAMILIES)

@@ -14,7 +14,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pyproxy.render import TABLE, Fragment, staging
+from pyproxy.render import staging
+from pyproxy.render.objects import TABLE, Fragment
 from pyproxy.render.ruleset import (
     Change,
     Commands,

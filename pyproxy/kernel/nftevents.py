@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from pyproxy.kernel.nft import OwnSockets
-from pyproxy.render import TABLE
+from pyproxy.render.objects import TABLE
 
 log = structlog.get_logger("pyproxy.nftevents")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pyproxy.core.model import IPFamily
 from pyproxy.kernel.nft import LibNftables, NftError
-from pyproxy.render import CONNECTION_SHARDS, TABLE, connections_set
+from pyproxy.render.objects import CONNECTION_SHARDS, TABLE, connections_set
 from pyproxy.serve.connections import element_text
 
 NETLINK_NETFILTER = 12

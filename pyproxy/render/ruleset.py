@@ -14,7 +14,7 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
-from pyproxy.render import (
+from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
     BASE_CHAINS,
     TABLE,

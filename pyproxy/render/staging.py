@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 
-from pyproxy.render import BASE_CHAINS, TABLE, Kind
+from pyproxy.render.objects import BASE_CHAINS, TABLE, Kind
 from pyproxy.render.ruleset import Commands, DesiredState
 
 SHADOW_SUFFIX = "-staged"

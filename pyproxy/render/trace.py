@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
 from pyproxy.core.balancing import flow_key, hash_index
-from pyproxy.render import (
+from pyproxy.render.objects import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,
     FIREWALL_IPS_SET,
@@ -23,9 +23,9 @@ from pyproxy.render import (
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
     Kind,
-    RenderConfig,
 )
 from pyproxy.render.ruleset import DesiredState
+from pyproxy.render.services import RenderConfig
 
 _INDEX = re.compile(
     r"dnat ip6? to .+? \. (?:numgen (?P<ng>random|inc) mod (?P<n1>\d+)"

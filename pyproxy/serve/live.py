@@ -13,7 +13,7 @@ import structlog
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
-from pyproxy.render import render_config
+from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.serve.connections import ConnectionCounters, CountingContext, Series, endpoint_family
 from pyproxy.serve.debug import Handler

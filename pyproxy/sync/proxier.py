@@ -18,8 +18,9 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import PortSelection, select_all
-from pyproxy.render import Fragment, render_config, render_service, skeleton
+from pyproxy.render.objects import Fragment
 from pyproxy.render.ruleset import Change, DesiredState, full_commands
+from pyproxy.render.services import render_config, render_service, skeleton
 from pyproxy.sync.gcutil import gc_paused, trim_heap
 
 if TYPE_CHECKING:

@@ -1,0 +1,145 @@
+"""The table's vocabulary: its name and the names of its fixed chains, sets and maps, the
+items a rendering is made of (`Kind`, `Item`, `Fragment`), and the base chains with their
+fixed rules. The renderer (services.py) produces these; the slot store (ruleset.py),
+staging, the applier, the tracer and the connection counters consume them. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from ipaddress import ip_address
+from typing import NamedTuple
+
+TABLE = "pyproxy"
+PROTOCOLS = ("tcp", "udp", "sctp")
+
+# Static object names, kept together (as upstream does).
+SERVICES_CHAIN = "services"
+MASQUERADING_CHAIN = "masquerading"
+REJECT_CHAIN = "reject-chain"
+SERVICE_ENDPOINTS_CHECK = "service-endpoints-check"
+NODEPORT_ENDPOINTS_CHECK = "nodeport-endpoints-check"
+FIREWALL_CHECK = "firewall-check"
+CLUSTER_IPS_CHECK = "cluster-ips-check"
+CLUSTER_IPS_SET = "cluster-ips"
+SERVICE_CIDRS_SET = "service-cidrs"
+NODEPORT_IPS_SET = "nodeport-ips"
+HAIRPIN_SET = "hairpin"
+FIREWALL_IPS_SET = "firewall-ips"
+FIREWALL_ALLOW_SET = "firewall-allow"
+SERVICE_IPS_MAP = "service-ips"
+SERVICE_NODEPORTS_MAP = "service-nodeports"
+NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
+NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
+COUNT_CONNECTIONS_CHAIN = "count-new-connections"
+# The connection counters are spread over this many sets by the endpoint address's low bits:
+# a netlink dump of a set restarts its walk for every 32 KB message and skips the elements
+# already sent, so reading one set costs the square of its size (110k elements: 0.6 s in one
+# set, 0.07 s in eight; pyproxy/kernel/nlsets.py).
+CONNECTION_SHARDS = 8
+# Elements per shard set (the kernel refuses to create more; those connections go uncounted):
+# ~1M (service address, endpoint) pairs per family. The kernel allocates as elements come.
+CONNECTION_SHARD_SIZE = 131072
+
+
+def endpoints_map(proto: str) -> str:
+    return f"endpoints-{proto}"
+
+
+def nodeport_endpoints_map(proto: str) -> str:
+    return f"nodeport-endpoints-{proto}"
+
+
+def connections_set(shard: int) -> str:
+    return f"new-connections-{shard}"
+
+
+class Kind(StrEnum):
+    SET = "set"  # a set or map declaration; value = "set|map" + body
+    CHAIN = "chain"  # value = the rules, one per line
+    ELEMENT = "element"  # container = set/map name, key = element key, value = rest
+
+
+class Item(NamedTuple):
+    """One desired object. Items with the same (kind, container, key) are one slot in the
+    kernel; several owners may want the same slot (a pick chain shared by many services).
+    A tuple, not a dataclass: hundreds of thousands of them go through set operations on
+    every full sync, and tuple hashing is the fast path."""
+
+    kind: Kind
+    container: str
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Everything one service port (or the static skeleton) wants in the table, each item
+    once, in render order (the same input renders the same tuple, so an unchanged service
+    compares equal without building sets)."""
+
+    items: tuple[Item, ...] = ()
+
+    def __post_init__(self) -> None:
+        unique = tuple(dict.fromkeys(self.items))  # the same item twice is one slot
+        if len(unique) != len(self.items) or not isinstance(self.items, tuple):
+            object.__setattr__(self, "items", unique)
+
+
+# Base chains: name → (type, hook, priority) as upstream; `dstnat` keyword avoided because
+# nft 1.0.6 rejects it on the output hook.
+BASE_CHAINS: dict[str, tuple[str, str, int]] = {
+    "filter-prerouting": ("filter", "prerouting", -110),
+    "filter-input": ("filter", "input", -110),
+    "filter-forward": ("filter", "forward", -110),
+    "filter-output": ("filter", "output", -110),
+    "filter-output-post-dnat": ("filter", "output", -90),
+    "nat-prerouting": ("nat", "prerouting", -100),
+    "nat-output": ("nat", "output", -100),
+    "nat-postrouting": ("nat", "postrouting", 100),
+}
+
+# After DNAT (input, forward, output after nat-output), the first packet of a connection that
+# was DNATed: `ct state new` alone would also match a retransmitted SYN, and every datagram of
+# a UDP flow until its first reply, but only the first packet passes before the conntrack entry
+# is confirmed (at the end of postrouting/input). Another table's DNAT reaches the chain too;
+# its keys belong to no service, are not exported and are garbage-collected.
+_COUNT_NEW_CONNECTIONS = f"ct status & (dnat | confirmed) == dnat jump {COUNT_CONNECTIONS_CHAIN}"
+
+BASE_CHAIN_RULES: dict[str, tuple[str, ...]] = {
+    "filter-prerouting": (f"ct state new jump {FIREWALL_CHECK}",),
+    "filter-input": (
+        f"ct state new jump {NODEPORT_ENDPOINTS_CHECK}",
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        _COUNT_NEW_CONNECTIONS,
+    ),
+    "filter-forward": (
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        f"ct state new jump {CLUSTER_IPS_CHECK}",
+        _COUNT_NEW_CONNECTIONS,
+    ),
+    # Source ranges are checked against the destination before DNAT; the endpoints check
+    # after it: the node's own connections to an externalTrafficPolicy: Local address are
+    # DNATed to the cluster endpoints, and the `drop` this node has for that address (no
+    # local endpoint) is meant for traffic from outside only (kubernetes#131765). What is
+    # still un-DNATed after nat-output found no endpoint, exactly as in input and forward.
+    "filter-output": (f"ct state new jump {FIREWALL_CHECK}",),
+    "filter-output-post-dnat": (
+        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        f"ct state new jump {CLUSTER_IPS_CHECK}",
+        _COUNT_NEW_CONNECTIONS,
+    ),
+    "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
+    "nat-output": (f"jump {SERVICES_CHAIN}",),
+    "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
+}
+
+
+def base_chain_spec(name: str) -> str:
+    kind, hook, priority = BASE_CHAINS[name]
+    return f"type {kind} hook {hook} priority {priority}; policy accept;"
+
+
+def connection_shard(endpoint_ip: str) -> int:
+    """The set an endpoint's counters live in (its address's low bits, as the rules test)."""
+    return int(ip_address(endpoint_ip)) % CONNECTION_SHARDS

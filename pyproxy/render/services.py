@@ -1,0 +1,670 @@
+"""Rendering: selected endpoints in, desired nftables objects out. Pure; no kernel access.
+
+The layout ("data maps", chosen by measurement: docs/nft-layout.md) keeps the number of chains
+small and independent of the number of services. libnftables 1.0.6 reads every chain of the
+table from the kernel before each transaction, so the chain count sets the floor of every
+sync; with ~30 chains a one-service change costs about a millisecond, against ~115 ms with a
+chain per service at 10k services.
+
+How a new connection to a service is handled (table `ip pyproxy` / `ip6 pyproxy`):
+- `services` (nat prerouting/output) looks the destination up in `service-ips`
+  (addr . proto . port → goto a *pick chain*) or, for node addresses, `service-nodeports`.
+- A pick chain is shared by every service with the same shape, e.g. `cluster-tcp-3`
+  (a ClusterIP with 3 endpoints): it applies the masquerade rule of its kind, then
+  `dnat ip to ip daddr . tcp dport . numgen random mod 3 map @endpoints-tcp`, where
+  `endpoints-tcp` maps (service addr . port . index) → (endpoint addr . port).
+- External traffic under `externalTrafficPolicy: Local` uses `external-local-tcp-L-C`: indexes
+  0..L-1 hold the local endpoints, L..L+C-1 the cluster list (for the pod and host
+  short-circuits, drawn with `numgen … offset L`).
+- Services with ClientIP session affinity (rare) get per-service chains in upstream's shape
+  (`service-`/`local-`/`external-` + hash + ns/name/proto/port) and per-endpoint affinity sets.
+- The filter side (reject/drop for missing endpoints, LoadBalancer source ranges, invalid
+  ClusterIP ports, unallocated addresses of the ServiceCIDRs) follows upstream kube-proxy's
+  hooks and priorities; on the output hook the endpoints check runs after DNAT, as upstream's
+  does since kubernetes#132456.
+- New connections are counted per (service address . protocol . port . endpoint . port) in
+  dynamic sets the kernel fills itself (`new-connections-N`): the filter chains that run after
+  DNAT send the first packet of each DNATed connection to `count-new-connections`, whose
+  `update` creates the element on the first connection and counts every one. No element is
+  written by a sync (pyproxy/serve/connections.py reads and garbage-collects them).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from ipaddress import collapse_addresses, ip_address, ip_network
+from typing import Any
+
+from pyproxy.core.balancing import Balancing, balancing_of, effective_weights, slots, weighted_slots
+from pyproxy.core.model import (
+    Algorithm,
+    Endpoint,
+    IPFamily,
+    LocalMode,
+    NodeConfig,
+    ServicePort,
+    TrafficPolicy,
+    ip_family,
+)
+from pyproxy.core.topology import Selection
+from pyproxy.render.objects import (
+    CLUSTER_IPS_CHECK,
+    CLUSTER_IPS_SET,
+    CONNECTION_SHARD_SIZE,
+    CONNECTION_SHARDS,
+    COUNT_CONNECTIONS_CHAIN,
+    FIREWALL_ALLOW_SET,
+    FIREWALL_CHECK,
+    FIREWALL_IPS_SET,
+    HAIRPIN_SET,
+    MASQUERADING_CHAIN,
+    NO_ENDPOINT_NODEPORTS_MAP,
+    NO_ENDPOINT_SERVICES_MAP,
+    NODEPORT_ENDPOINTS_CHECK,
+    NODEPORT_IPS_SET,
+    PROTOCOLS,
+    REJECT_CHAIN,
+    SERVICE_CIDRS_SET,
+    SERVICE_ENDPOINTS_CHECK,
+    SERVICE_IPS_MAP,
+    SERVICE_NODEPORTS_MAP,
+    SERVICES_CHAIN,
+    Fragment,
+    Item,
+    Kind,
+    connections_set,
+    endpoints_map,
+    nodeport_endpoints_map,
+)
+
+
+@dataclass(frozen=True)
+class RenderConfig:
+    """Per-family settings that shape the rules."""
+
+    family: IPFamily
+    local_mode: LocalMode = LocalMode.NONE
+    # CIDR (ClusterCIDR/NodeCIDR modes) or interface name / prefix (the interface modes).
+    local_value: str = ""
+    # Node addresses that accept NodePorts; None means every local address.
+    nodeport_ips: tuple[str, ...] | None = None
+    # This node's addresses (for LoadBalancer source ranges that include the node).
+    node_ips: tuple[str, ...] = ()
+    masquerade_bit: int = 14
+    masquerade_all: bool = False
+    # Count new connections per endpoint in the kernel (the `new-connections-N` sets).
+    count_connections: bool = True
+
+    @property
+    def mark(self) -> str:
+        return f"0x{1 << self.masquerade_bit:08x}"
+
+    @property
+    def ip(self) -> str:
+        return self.family.nft_family
+
+    @property
+    def addr_type(self) -> str:
+        return "ipv4_addr" if self.family is IPFamily.IPv4 else "ipv6_addr"
+
+    @property
+    def loopback(self) -> str:
+        return "127.0.0.0/8" if self.family is IPFamily.IPv4 else "::1"
+
+    def local_match(self, negate: bool = False) -> str | None:
+        """The nft match for "comes from a local pod" (or its negation), or None when no
+        detector is configured. Interface modes use iifname: `iif` resolves names at load
+        time and fails for absent interfaces and wildcards (kubernetes#134024)."""
+        op = "!= " if negate else ""
+        if self.local_mode in (LocalMode.CLUSTER_CIDR, LocalMode.NODE_CIDR) and self.local_value:
+            return f"{self.ip} saddr {op}{self.local_value}"
+        if self.local_mode is LocalMode.BRIDGE_INTERFACE and self.local_value:
+            return f'iifname {op}"{self.local_value}"'
+        if self.local_mode is LocalMode.INTERFACE_NAME_PREFIX and self.local_value:
+            return f'iifname {op}"{self.local_value}*"'
+        return None
+
+
+def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
+    """What rendering needs of this node's configuration, for one family."""
+    return RenderConfig(
+        family=family,
+        local_mode=node.local_mode_for(family),
+        local_value=node.local_value(family),
+        nodeport_ips=node.nodeport_ips(family),
+        node_ips=tuple(ip for ip in node.node_ips if ip_family(ip) is family),
+        masquerade_bit=node.masquerade_bit,
+        masquerade_all=node.masquerade_all,
+        count_connections=node.count_connections,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Item constructors (the types: objects.py)
+
+
+def _set(name: str, body: str, is_map: bool = False) -> Item:
+    return Item(Kind.SET, name, "", ("map " if is_map else "set ") + body)
+
+
+def _chain(name: str, rules: Sequence[str]) -> Item:
+    return Item(Kind.CHAIN, name, "", "\n".join(rules))
+
+
+# Item(...) goes through the NamedTuple's Python-level __new__; building the tuple directly
+# halves the cost, which counts at a few hundred thousand elements per full render.
+_new_tuple: Callable[[type[Item], tuple[Kind, str, str, str]], Item] = (
+    tuple.__new__)
+_ELEMENT = Kind.ELEMENT
+
+
+def _elem(container: str, key: str, value: str = "") -> Item:
+    return _new_tuple(Item, (_ELEMENT, container, key, value))
+
+
+def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
+    """The static part: sets and maps, and the chains every ruleset has. `service_cidrs`
+    (of any family; from the ServiceCIDR objects) fill `service-cidrs`."""
+    ip, addr = cfg.ip, cfg.addr_type
+    key3 = f"{addr} . inet_proto . inet_service"
+    items = [
+        _set(CLUSTER_IPS_SET, f"type {addr}; comment \"Active ClusterIPs\";"),
+        _set(HAIRPIN_SET, f"type {addr} . {addr}; comment \"endpoint . itself, for hairpin\";"),
+        _set(SERVICE_CIDRS_SET, f"type {addr}; flags interval; comment \"ServiceCIDRs\";"),
+        _set(FIREWALL_IPS_SET, f"type {key3}; comment \"destinations with source ranges\";"),
+        _set(
+            FIREWALL_ALLOW_SET,
+            f"type {key3} . {addr}; flags interval; comment \"allowed sources per destination\";",
+        ),
+        _set(SERVICE_IPS_MAP, f"type {key3} : verdict; comment \"ClusterIP, ExternalIP and "
+             "LoadBalancer IP traffic\";", is_map=True),
+        _set(SERVICE_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
+             "comment \"NodePort traffic\";", is_map=True),
+        _set(NO_ENDPOINT_SERVICES_MAP, f"type {key3} : verdict; comment \"services without "
+             "usable endpoints: reject or drop\";", is_map=True),
+        _set(NO_ENDPOINT_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
+             "comment \"nodeports without usable endpoints: reject or drop\";", is_map=True),
+    ]
+    for proto in PROTOCOLS:
+        items.append(_set(endpoints_map(proto),
+                          f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : "
+                          f"{ip} daddr . {proto} dport;", is_map=True))
+        items.append(_set(nodeport_endpoints_map(proto),
+                          f"typeof {proto} dport . numgen random mod 1 : "
+                          f"{ip} daddr . {proto} dport;", is_map=True))
+    items.extend(_elem(SERVICE_CIDRS_SET, cidr)
+                 for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
+    if cfg.nodeport_ips is not None:
+        items.append(_set(NODEPORT_IPS_SET, f"type {addr}; comment \"IPs that accept NodePort "
+                          "traffic\";"))
+        items.extend(_elem(NODEPORT_IPS_SET, ip_) for ip_ in cfg.nodeport_ips)
+        nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
+    else:
+        nodeport_match = f"fib daddr type local {ip} daddr != {cfg.loopback}"
+    items += [
+        _chain(SERVICES_CHAIN, (
+            f"{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS_MAP}",
+            f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
+        )),
+        _chain(SERVICE_ENDPOINTS_CHECK, (
+            f"{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES_MAP}",)),
+        _chain(NODEPORT_ENDPOINTS_CHECK, (
+            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",)),
+        _chain(FIREWALL_CHECK, (
+            f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
+            f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
+        # Only traffic that no service DNATed gets here (forward, and output after nat).
+        _chain(CLUSTER_IPS_CHECK, (
+            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',
+            # An address of a ServiceCIDR that is no ClusterIP would otherwise be routed on
+            # (often out of the default route). Empty set (no ServiceCIDR known): no match.
+            f'{ip} daddr @{SERVICE_CIDRS_SET} drop comment "unallocated ClusterIP"',
+        )),
+        _chain(REJECT_CHAIN, ("reject",)),
+        _chain(MASQUERADING_CHAIN, (
+            # Hairpin: an endpoint reaching itself through its service must be masqueraded,
+            # or it would answer itself directly and the connection would not match.
+            f"ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN_SET} "
+            f"meta mark set meta mark | {cfg.mark}",
+            f"meta mark & {cfg.mark} == 0 return",
+            # Clear the bit so it does not leak into later processing.
+            f"meta mark set meta mark ^ {cfg.mark}",
+            "masquerade fully-random",
+        )),
+        *_connection_counting(cfg),
+    ]
+    return Fragment(tuple(items))
+
+
+@functools.lru_cache(maxsize=8)
+def _connection_counting(cfg: RenderConfig) -> tuple[Item, ...]:
+    """The counting chain and its sets (built once: every sync renders the skeleton). The
+    chain exists without the feature too (empty): the base chains jump to it whatever the
+    configuration."""
+    if not cfg.count_connections:
+        return (_chain(COUNT_CONNECTIONS_CHAIN, ()),)
+    ip, addr = cfg.ip, cfg.addr_type
+    # Element keys: service address . protocol . service port (the node port for NodePorts)
+    # . endpoint address . endpoint port. `dynamic`: filled by the packet path, never by a
+    # sync, and never flushed by a full sync (which would reset the counters).
+    items = [_set(connections_set(shard),
+                  f"type {addr} . inet_proto . inet_service . {addr} . inet_service; "
+                  f"size {CONNECTION_SHARD_SIZE}; flags dynamic; "
+                  f"comment \"new connections per service address and endpoint\";")
+             for shard in range(CONNECTION_SHARDS)]
+    mask = "0.0.0.{}" if cfg.family is IPFamily.IPv4 else "::{:x}"
+    key = (f"ct original {ip} daddr . meta l4proto . ct original proto-dst . {ip} daddr . "
+           "th dport")
+    # nft 1.0.6 types `ct original proto-dst` only when the rule names the protocol: one
+    # rule per protocol and shard.
+    rules = [f"meta l4proto {proto} {ip} daddr & {mask.format(CONNECTION_SHARDS - 1)} == "
+             f"{mask.format(shard)} update @{connections_set(shard)} {{ {key} counter }}"
+             for proto in PROTOCOLS for shard in range(CONNECTION_SHARDS)]
+    return (*items, _chain(COUNT_CONNECTIONS_CHAIN, rules))
+
+
+# ---------------------------------------------------------------------------------------------
+# Per service port
+
+
+def render_service(port: ServicePort, sel: Selection, cfg: RenderConfig) -> Fragment:
+    """The objects one service port needs on this node for one family."""
+    cip = port.cluster_ip(cfg.family)
+    if cip is None:
+        return Fragment()
+    r = _ServiceRender(port, sel, cfg, cip)
+    return Fragment(tuple(r.items()))
+
+
+class _ServiceRender:
+    """One service port's render. The strings every element of it repeats are built once."""
+
+    def __init__(self, port: ServicePort, sel: Selection, cfg: RenderConfig, cip: str) -> None:
+        self.port, self.sel, self.cfg, self.cip = port, sel, cfg, cip
+        self.proto = port.protocol.lower()
+        # Names are validated DNS labels, so the comment cannot break out of its quotes.
+        self._comment = f' comment "{port.name}"'
+        self._picker: _Picker | None = None
+
+    def comment(self) -> str:
+        return self._comment
+
+    def key3(self, addr: str) -> str:
+        return f"{addr} . {self.proto} . {self.port.port}"
+
+    def externals(self) -> tuple[str, ...]:
+        return self.port.external_ips_of(self.cfg.family) + self.port.load_balancer_vips(
+            self.cfg.family
+        )
+
+    def items(self) -> list[Item]:
+        # One list, extended: nested generators cost a resumption per item and level, and
+        # this runs for every element of a full render.
+        out = [_elem(CLUSTER_IPS_SET, self.cip)]
+        if self.port.source_ranges:
+            out += self.firewall()
+        if not self.sel.has_any_endpoints:
+            out += self.no_endpoints(f"goto {REJECT_CHAIN}", self.all_entries())
+            return out
+        out += [_new_tuple(Item, (_ELEMENT, HAIRPIN_SET, f"{ep.ip} . {ep.ip}", ""))
+                for ep in self.sel.all_reachable]
+        if self.port.session_affinity:
+            out += _AffinityRender(self).items()
+            return out
+        out += self.cluster_ip()
+        if self.port.external_ips or self.port.load_balancer_ingress:
+            out += self.external()
+        if self.port.node_port:
+            out += self.node_port()
+        return out
+
+    def all_entries(self) -> Iterator[tuple[str, str]]:
+        yield NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip)
+        for addr in self.externals():
+            yield NO_ENDPOINT_SERVICES_MAP, self.key3(addr)
+        if self.port.node_port:
+            yield NO_ENDPOINT_NODEPORTS_MAP, f"{self.proto} . {self.port.node_port}"
+
+    def no_endpoints(self, verdict: str, entries: Iterator[tuple[str, str]]) -> Iterator[Item]:
+        for container, key in entries:
+            yield _elem(container, key, f"{self.comment()} : {verdict}")
+
+    def internal_list(self) -> tuple[Endpoint, ...]:
+        if self.port.internal_policy is TrafficPolicy.LOCAL:
+            return self.sel.local or ()
+        return self.sel.cluster or ()
+
+    def external_is_local(self) -> bool:
+        return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
+
+    def picker(self) -> _Picker:
+        if self._picker is None:
+            self._picker = _Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
+        return self._picker
+
+    def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
+        """The endpoints map's slots for a list: weights and the algorithm decide how often
+        each endpoint appears (Maglev: its consistent-hashing table)."""
+        if (self.port.balancing != Algorithm.MAGLEV and not self.port.endpoint_weights
+                and all(ep.weight is None for ep in endpoints)):
+            return tuple(endpoints)  # the common case: one slot per endpoint
+        weights, _ = effective_weights(self.port, endpoints)
+        return slots(endpoints, weights, Algorithm(self.port.balancing))
+
+    def cluster_ip(self) -> list[Item]:
+        endpoints = self.weighted(self.internal_list())
+        if not endpoints:
+            # iTP=Local without a local endpoint while others exist elsewhere: drop.
+            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip),
+                          f"{self.comment()} : drop")]
+        chain = _cluster_pick_chain(self.picker(), len(endpoints))
+        return [chain,
+                _elem(SERVICE_IPS_MAP, self.key3(self.cip),
+                      f"{self.comment()} : goto {chain.container}"),
+                *self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
+                            endpoints)]
+
+    def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
+              offset: int = 0) -> list[Item]:
+        # the bulk of a full render: one element per endpoint and list
+        return [_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
+                                  f" : {ep.ip} . {ep.port}"))
+                for i, ep in enumerate(endpoints, offset)]
+
+    def external(self) -> Iterator[Item]:
+        for addr in self.externals():
+            yield from self.external_entry(
+                SERVICE_IPS_MAP, self.key3(addr), NO_ENDPOINT_SERVICES_MAP,
+                endpoints_map(self.proto), f"{addr} . {self.port.port}", nodeport=False)
+
+    def node_port(self) -> Iterator[Item]:
+        if self.port.node_port:
+            key = f"{self.proto} . {self.port.node_port}"
+            yield from self.external_entry(
+                SERVICE_NODEPORTS_MAP, key, NO_ENDPOINT_NODEPORTS_MAP,
+                nodeport_endpoints_map(self.proto), str(self.port.node_port), nodeport=True)
+
+    def external_entry(self, dispatch: str, key: str, no_endpoints: str, slots: str,
+                       prefix: str, nodeport: bool) -> Iterator[Item]:
+        cluster = self.weighted(self.sel.cluster or ())
+        if not self.external_is_local():
+            if not cluster:
+                # Endpoints exist, but none for this node's cluster traffic (topology keys
+                # matched none while iTP=Local keeps the service alive): reject, as when a
+                # service has no endpoints.
+                yield _elem(no_endpoints, key, f"{self.comment()} : goto {REJECT_CHAIN}")
+                return
+            chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport)
+            yield chain
+            yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+            yield from self.slots(slots, prefix, cluster)
+            return
+        local = self.weighted(self.sel.local or ())
+        if not cluster and not local:
+            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+            return
+        chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport)
+        yield chain
+        yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+        yield from self.slots(slots, prefix, local)
+        yield from self.slots(slots, prefix, cluster, offset=len(local))
+        if not local:
+            # Traffic from outside falls through the chain un-DNATed and is dropped here;
+            # pod and host traffic was short-circuited to the cluster list before.
+            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+
+    def firewall(self) -> Iterator[Item]:
+        # Overlapping ranges would be conflicting intervals in the set: collapse them. A
+        # range covering everything is no firewall at all.
+        ranges = _collapsed(self.port.source_ranges_of(self.cfg.family))
+        vips = self.port.load_balancer_vips(self.cfg.family)
+        if not ranges or not vips or any(r.endswith("/0") for r in ranges):
+            return
+        # If a range holds this node's address, the node may send from the VIP itself
+        # (it is bound locally), so the VIPs are allowed too, as upstream does.
+        allowed = list(ranges)
+        nets = [ip_network(r) for r in ranges]
+        if any(ip_address(n) in net for n in self.cfg.node_ips for net in nets
+               if ip_address(n).version == net.version):
+            # collapsed again: a VIP inside a range (VIPs from the node subnet) would be
+            # an overlapping interval the kernel refuses
+            allowed = list(_collapsed([*ranges, *vips]))
+        for vip in vips:
+            yield _elem(FIREWALL_IPS_SET, self.key3(vip))
+            for source in allowed:
+                yield _elem(FIREWALL_ALLOW_SET, f"{self.key3(vip)} . {source}")
+
+
+def _collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
+    """CIDRs of one family without overlaps (the interval set refuses overlapping ones)."""
+    nets: list[Any] = [ip_network(r) for r in ranges]
+    # A single address is written (and printed back by nft) without its /32 or /128.
+    return tuple(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n)
+                 for n in collapse_addresses(nets))
+
+
+def _masquerade(cfg: RenderConfig) -> str:
+    return f"meta mark set meta mark | {cfg.mark}"
+
+
+@dataclass(frozen=True)
+class _Picker:
+    """How a pick chain draws the index into the endpoints map."""
+
+    cfg: RenderConfig
+    proto: str
+    balancing: Balancing
+    # Round robin's chains are per service (named after it); the others ignore the port.
+    port: ServicePort | None
+
+    def index(self, count: int, offset: int) -> str:
+        """An index in offset..offset+count-1, per the algorithm."""
+        ip, alg, off = self.cfg.ip, self.balancing.algorithm, f" offset {offset}" if offset else ""
+        seed = f" seed 0x{self.balancing.seed:08x}"
+        if alg is Algorithm.ROUND_ROBIN:
+            return f"numgen inc mod {count}{off}"
+        if alg is Algorithm.SOURCE_HASH:
+            return f"jhash {ip} saddr mod {count}{seed}{off}"
+        if alg is Algorithm.MAGLEV:
+            return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
+        return f"numgen random mod {count}{off}"
+
+    def dnat(self, count: int, offset: int, nodeport: bool) -> str:
+        ip, proto = self.cfg.ip, self.proto
+        if nodeport:
+            key, container = f"{proto} dport", nodeport_endpoints_map(proto)
+        else:
+            key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
+        return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
+
+    def chain_name(self, base: str) -> str:
+        """Random keeps the plain shared name; hashing shares chains per seed; round robin's
+        `numgen inc` counter lives in its rule, so each service gets its own chain."""
+        alg = self.balancing.algorithm
+        if alg is Algorithm.ROUND_ROBIN:
+            assert self.port is not None, "a round-robin chain is named after its service"
+            return f"{base}-rr-{service_base_name(self.port)}"[:250]
+        if alg is Algorithm.SOURCE_HASH:
+            return f"{base}-sh-{self.balancing.seed:08x}"
+        if alg is Algorithm.MAGLEV:
+            return f"{base}-mh-{self.balancing.seed:08x}"
+        return base
+
+
+def _cluster_pick_chain(picker: _Picker, count: int) -> Item:
+    if picker.balancing.algorithm is Algorithm.ROUND_ROBIN:
+        return _build_cluster_pick_chain(picker, count)
+    return _shared_cluster_pick_chain(picker.cfg, picker.proto, picker.balancing, count)
+
+
+@functools.lru_cache(maxsize=1024)
+def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balancing,
+                               count: int) -> Item:
+    # Thousands of services share each of these chains: build it once, not per service.
+    return _build_cluster_pick_chain(_Picker(cfg, proto, balancing, None), count)
+
+
+def _build_cluster_pick_chain(picker: _Picker, count: int) -> Item:
+    cfg, proto = picker.cfg, picker.proto
+    name = picker.chain_name(f"cluster-{proto}-{count}")
+    rules = []
+    if cfg.masquerade_all:
+        rules.append(_masquerade(cfg))
+    else:
+        # Sources outside the cluster (a static route to the service CIDR, the node itself)
+        # are masqueraded so that replies come back through this node.
+        not_local = cfg.local_match(negate=True)
+        if not_local:
+            rules.append(f"{not_local} {_masquerade(cfg)}")
+    rules.append(picker.dnat(count, 0, nodeport=False))
+    return _chain(name, rules)
+
+
+def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bool,
+                         nodeport: bool) -> Item:
+    cfg, proto = picker.cfg, picker.proto
+    kind = "nodeport" if nodeport else "external"
+    if not is_local:
+        # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
+        return _chain(picker.chain_name(f"{kind}-{proto}-{cluster}"),
+                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport)))
+    rules = []
+    if cluster:
+        to_cluster = picker.dnat(cluster, local, nodeport)
+        local_pods = cfg.local_match()
+        if local_pods:
+            # Pod traffic to an external address behaves as if it left and came back:
+            # short-circuit it to the cluster list, unmasqueraded.
+            rules.append(f"{local_pods} {to_cluster}")
+        # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
+        rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
+    if local:
+        rules.append(picker.dnat(local, 0, nodeport))
+    return _chain(picker.chain_name(f"{kind}-local-{proto}-{local}-{cluster}"), rules)
+
+
+# ---------------------------------------------------------------------------------------------
+# Session affinity: upstream's per-service layout
+
+
+def _hash8(text: str) -> str:
+    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:8]
+
+
+# nft names are at most 256 bytes; leave room for the longest prefix, as upstream does.
+_MAX_BASE_NAME = 240
+
+
+def _named(raw: str) -> str:
+    name = f"{_hash8(raw)}-{raw}"
+    return name if len(name) <= _MAX_BASE_NAME else name[: _MAX_BASE_NAME - 3] + "..."
+
+
+def service_base_name(port: ServicePort) -> str:
+    """`HASH-ns/name/proto/port` as upstream names per-service chains ('/' cannot occur in
+    Kubernetes names, so these never collide with static chains)."""
+    raw = f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
+    return _named(raw)
+
+
+def endpoint_base_name(port: ServicePort, ep: Endpoint) -> str:
+    raw = (f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
+           f"__{ep.ip.replace(':', '.')}/{ep.port}")
+    return _named(raw)
+
+
+def affinity_set_name(port: ServicePort, ep: Endpoint) -> str:
+    # The timeout is part of the hash: a set's timeout cannot change in place, so a new
+    # timeout makes a new set (and the old one goes with the rules that used it).
+    base = endpoint_base_name(port, ep)
+    return f"affinity-{_hash8(f'{base}/{port.affinity_timeout}')}-{base.split('-', 1)[1]}"
+
+
+@dataclass
+class _AffinityRender:
+    svc: _ServiceRender
+
+    def chain(self, prefix: str) -> str:
+        return f"{prefix}-{service_base_name(self.svc.port)}"
+
+    def items(self) -> Iterator[Item]:
+        svc = self.svc
+        internal = self.chain("local" if svc.port.internal_policy is TrafficPolicy.LOCAL
+                              else "service")
+        if svc.sel.cluster is not None:
+            yield from self.policy_chain(self.chain("service"), svc.sel.cluster,
+                                         internal == self.chain("service"))
+        if svc.sel.local is not None:
+            yield from self.policy_chain(self.chain("local"), svc.sel.local,
+                                         internal == self.chain("local"))
+        if svc.internal_list():
+            yield _elem(SERVICE_IPS_MAP, svc.key3(svc.cip), f"{svc.comment()} : goto {internal}")
+        else:
+            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(svc.cip), f"{svc.comment()} : drop")
+        if not svc.externals() and not svc.port.node_port:
+            return
+        external = self.chain("external")
+        yield _chain(external, self.external_rules())
+        for addr in svc.externals():
+            yield _elem(SERVICE_IPS_MAP, svc.key3(addr), f"{svc.comment()} : goto {external}")
+            if svc.external_is_local() and not svc.sel.local:
+                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(addr), f"{svc.comment()} : drop")
+        if svc.port.node_port:
+            key = f"{svc.proto} . {svc.port.node_port}"
+            yield _elem(SERVICE_NODEPORTS_MAP, key, f"{svc.comment()} : goto {external}")
+            if svc.external_is_local() and not svc.sel.local:
+                yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, f"{svc.comment()} : drop")
+
+    def external_rules(self) -> list[str]:
+        svc, cfg = self.svc, self.svc.cfg
+        to_cluster = f"goto {self.chain('service')}"
+        if not svc.external_is_local():
+            return [_masquerade(cfg), to_cluster]
+        rules = []
+        local_pods = cfg.local_match()
+        if local_pods:
+            rules.append(f"{local_pods} {to_cluster}")
+        rules.append(f"fib saddr type local {_masquerade(cfg)}")
+        rules.append(f"fib saddr type local {to_cluster}")
+        if svc.sel.local:
+            rules.append(f"goto {self.chain('local')}")
+        return rules
+
+    def policy_chain(self, name: str, endpoints: Sequence[Endpoint],
+                     internal: bool) -> Iterator[Item]:
+        svc, cfg = self.svc, self.svc.cfg
+        ip, proto = cfg.ip, svc.proto
+        rules = []
+        if internal:
+            entry = f"{ip} daddr {svc.cip} {proto} dport {svc.port.port}"
+            if cfg.masquerade_all:
+                rules.append(f"{entry} {_masquerade(cfg)}")
+            elif cfg.local_match(negate=True):
+                rules.append(f"{entry} {cfg.local_match(negate=True)} {_masquerade(cfg)}")
+        sets: dict[str, str] = {}
+        for ep in endpoints:
+            aff = affinity_set_name(svc.port, ep)
+            sets[ep.key] = aff
+            yield _set(aff, f"type {cfg.addr_type}; flags dynamic,timeout; "
+                            f"timeout {svc.port.affinity_timeout}s;")
+            # Every endpoint, drained ones too: a returning client keeps its endpoint.
+            rules.append(f"{ip} saddr @{aff} {_dnat_to(cfg, proto, ep)}")
+        # New clients: a cascade over the weighted slots (hashing algorithms would fight the
+        # affinity sets, so with affinity only the weights apply).
+        weights, _ = effective_weights(svc.port, endpoints)
+        choices = weighted_slots(endpoints, weights)
+        n = len(choices)
+        for j, ep in enumerate(choices):
+            choose = f"numgen random mod {n - j} == 0 " if j < n - 1 else ""
+            rules.append(f"{choose}update @{sets[ep.key]} {{ {ip} saddr }} "
+                         f"{_dnat_to(cfg, proto, ep)}")
+        yield _chain(name, rules)
+
+
+def _dnat_to(cfg: RenderConfig, proto: str, ep: Endpoint) -> str:
+    target = f"[{ep.ip}]:{ep.port}" if cfg.family is IPFamily.IPv6 else f"{ep.ip}:{ep.port}"
+    return f"meta l4proto {proto} dnat {cfg.ip} to {target}"
