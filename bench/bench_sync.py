@@ -245,7 +245,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     cold["full"] = result.full
     cold["commands"] = result.commands
     cold["script_mb"] = result.script_bytes / 1e6
-    cold["slots"] = len(proxier.applier.state)
+    cold["slots"] = len(proxier.state)
     proxier.applier.last_script = ""  # the mirror keeps the last script; not state proper
     if args.gc_tuned:
         gc.freeze()  # everything loaded so far moves to the permanent generation
@@ -305,9 +305,9 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     for owner, fragment in proxier_mod.fragments(state, NODE_CONFIG, IPFamily.IPv4).items():
         fresh.set(owner, fragment, RChange())
     res["check_mirror_equals_full_render"] = dict(fresh.slots()) == dict(
-        proxier.applier.state.slots())
+        proxier.state.slots())
     del fresh
-    want = sum(1 for (kind, container, _k), _v in proxier.applier.state.slots()
+    want = sum(1 for (kind, container, _k), _v in proxier.state.slots()
                if kind == "element" and container == "service-ips")
     nft._nft.set_json_output(True)
     try:

@@ -169,7 +169,7 @@ class Daemon:
     def family(self, family: IPFamily, config: NodeConfig) -> FamilyProxier:
         self.nfts[family] = FakeNft()
         proxier = FamilyProxier(family, config, self.nfts[family])
-        proxier.applier = Applier(family.nft_family, self.nfts[family])
+        proxier.applier = Applier(family.nft_family, self.nfts[family], state=proxier.state)
         return proxier
 
 

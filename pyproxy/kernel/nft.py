@@ -356,8 +356,10 @@ class SyncResult:
 
 @dataclass
 class Applier:
-    """Owns one family's table. `sync` takes the fragments that changed since the last call
-    and commits the difference in one transaction (or everything, for a full sync)."""
+    """Owns one family's table. `sync` takes the fragments that changed since the last call,
+    puts them in the slot store `state` and commits the difference in one transaction (or
+    everything, for a full sync). The store belongs to whoever renders into it and reads it
+    (the FamilyProxier, for `trace` and the tests); a standalone applier has its own."""
 
     family: str
     nft: Kernel = field(default_factory=LibNftables)
@@ -560,7 +562,7 @@ class Applier:
         """Remove the table and everything in it."""
         with contextlib.suppress(NftError):  # no table: nothing to remove
             self.nft.run(f"delete table {self.family} {TABLE}")
-        self.state = DesiredState()
+        self.state.clear()
         self.need_full = True
         self.stale_chains.clear()
         self.committed_structure, self.structure_changed = None, False

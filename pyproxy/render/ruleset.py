@@ -55,6 +55,11 @@ class DesiredState:
     def __len__(self) -> int:
         return sum(len(inner) for inner in self._values.values())
 
+    def clear(self) -> None:
+        """Forget every owner's fragment (the table was removed)."""
+        self._fragments.clear()
+        self._values.clear()
+
     def value(self, slot: Slot) -> str | None:
         kind, container, key = slot
         inner = self._values.get((kind, container))

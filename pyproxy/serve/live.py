@@ -71,7 +71,7 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
         if proxier.family is family:
             cfg = render_config(proxier.config, family)
             sport = int(query["sport"]) if query.get("sport") else None
-            result = trace(proxier.applier.state, cfg, src, dst, port, proto,
+            result = trace(proxier.state, cfg, src, dst, port, proto,
                            from_node=query.get("from_node") == "1", sport=sport)
             answer = result.as_dict()
             if query.get("verify") == "1":

@@ -114,7 +114,10 @@ class FamilyProxier:
 
         self.family = family
         self.config = config
-        self.applier = Applier(family.nft_family, nft or LibNftables())
+        # The slot store: what this family's table must hold, rendered here, committed by
+        # the applier, read by `trace`.
+        self.state = DesiredState()
+        self.applier = Applier(family.nft_family, nft or LibNftables(), state=self.state)
         self._owners: dict[ServiceKey, set[ServicePortName]] = {}
         # The selection in force per service port (what the kernel was last asked to do).
         self.selections: dict[ServicePortName, PortSelection] = {}
