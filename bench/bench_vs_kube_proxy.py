@@ -163,8 +163,8 @@ def proc_figures(pid: int) -> dict[str, float]:
 
 
 class Prober:
-    """Connects to the probe VIP from the client namespace in a tight loop; `wait_for(name)`
-    returns when a connection lands on that backend."""
+    """Connects to the probe VIP from the client namespace in a tight loop; `first_landing`
+    returns when a connection lands on the backend asked for."""
 
     def __init__(self, netns: str) -> None:
         self.netns = netns
@@ -287,7 +287,6 @@ def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
                 raise RuntimeError(f"{name}: change {n} never arrived")
             samples.append(time.monotonic() - written)
             time.sleep(max(0.0, spacing - (time.monotonic() - written)))
-        # Back to pod-a whatever the count was.
         return samples
 
     run.figures["npl_quiet"] = percentiles(flip_series(flips, 2.0))

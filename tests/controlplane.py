@@ -44,6 +44,7 @@ import pytest
 import yaml
 from netlab import NETNS_USABLE, Lab, Netns
 from nftns import call_in_netns
+from waits import until
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
@@ -509,20 +510,9 @@ def now_rfc3339() -> str:
 
 def wait_for(check: Callable[[], object], timeout: float, what: str,
              interval: float = 0.1) -> float:
-    """Poll until check() is true; returns the seconds it took."""
-    started = time.monotonic()
-    while True:
-        try:
-            if check():
-                return time.monotonic() - started
-        except Exception as err:  # the API briefly away counts as "not yet"
-            last = err
-        else:
-            last = None
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"not within {timeout:g} s: {what}"
-                                 + (f" (last error: {last})" if last else ""))
-        time.sleep(interval)
+    """until() of the test kit, with any error of the check (the API briefly away) counting
+    as "not yet"; returns the seconds it took."""
+    return until(check, timeout, what, interval, ignore=(Exception,))
 
 
 # -- pyproxy with the manifests' identity ------------------------------------------------------

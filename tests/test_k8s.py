@@ -82,11 +82,7 @@ def node(control_plane: ControlPlane) -> Iterator[Node]:
             yield Node(cluster, kube, control_plane, attachment, daemon, kubeconfig)
         finally:
             lab.stop_process(daemon.proc)
-            kube.core.delete_namespaced_service("web", NAMESPACE, _request_timeout=10) \
-                if any(s.metadata.name == "web" for s in
-                       kube.core.list_namespaced_service(NAMESPACE).items) else None
-            for pod in kube.core.list_namespaced_pod(NAMESPACE).items:
-                kube.delete_pod(NAMESPACE, pod.metadata.name)
+            clear_web(kube)
             for name in ("node-a", "node-b"):
                 kube.core.delete_node(name)
 
@@ -101,18 +97,23 @@ def web_service(kind: str = "ClusterIP", **spec: Any) -> dict[str, Any]:
     }
 
 
-def fresh_web(node: Node) -> None:
-    """The web Service and no pods, whatever an earlier test left behind."""
+def clear_web(kube: Kube) -> None:
+    """No web Service and no pods, whatever an earlier test left behind."""
     from kubernetes.client.exceptions import ApiException
 
-    for pod in node.kube.core.list_namespaced_pod(NAMESPACE).items:
-        node.kube.delete_pod(NAMESPACE, pod.metadata.name)
+    for pod in kube.core.list_namespaced_pod(NAMESPACE).items:
+        kube.delete_pod(NAMESPACE, pod.metadata.name)
     try:
-        node.kube.core.delete_namespaced_service("web", NAMESPACE)
+        kube.core.delete_namespaced_service("web", NAMESPACE)
     except ApiException as err:
         if err.status != 404:
             raise
-    wait_for(lambda: not node.kube.core.list_namespaced_pod(NAMESPACE).items, 20, "pods gone")
+    wait_for(lambda: not kube.core.list_namespaced_pod(NAMESPACE).items, 20, "pods gone")
+
+
+def fresh_web(node: Node) -> None:
+    """The web Service and no pods."""
+    clear_web(node.kube)
     node.kube.core.create_namespaced_service(NAMESPACE, web_service())
 
 
