@@ -24,7 +24,7 @@ from drills.harness import (
 )
 from drills.tamper import TAMPERS
 from pyproxy.kernel.nft import STALE_CHAIN_GRACE
-from pyproxy.sync.daemon import REPAIR_REASON
+from pyproxy.sync.node import REPAIR_REASON
 
 
 def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,

@@ -17,7 +17,7 @@ from drills.harness import (
     until,
 )
 from pyproxy.kernel.nft import STALE_CHAIN_GRACE
-from pyproxy.sync.daemon import REPAIR_REASON
+from pyproxy.sync.node import REPAIR_REASON
 
 TAMPERS = {
     "table ip pyproxy deleted": ["delete table ip pyproxy"],

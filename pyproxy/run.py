@@ -1,6 +1,6 @@
 """`pyproxy run`: wiring the daemon together (the outermost shell).
 
-sources (API watches | snapshot file) → Proxier (cache + tracking) → runner → nftables,
+sources (API watches | snapshot file) → NodeProxier (cache + tracking) → runner → nftables,
 with health, metrics and conntrack cleanup listening to every sync.
 """
 
@@ -45,7 +45,7 @@ from pyproxy.serve.debug import DebugServer
 from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.serve.live import counting_context, handlers
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.daemon import REPAIR_REASON, Proxier, SyncRecord
+from pyproxy.sync.node import REPAIR_REASON, NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -99,7 +99,7 @@ class ConntrackWorker:
 class DaemonObserver:
     """Health, metrics, health-check node ports and conntrack cleanup after each sync."""
 
-    proxier_ref: Callable[[], Proxier]
+    proxier_ref: Callable[[], NodeProxier]
     families: tuple[IPFamily, ...]
     node_ips: tuple[str, ...]
     health: ProxyHealth
@@ -195,7 +195,7 @@ class DaemonObserver:
         self._udp_targets = merged
 
 
-def current_selections(proxier: Proxier) -> list[PortSelection]:
+def current_selections(proxier: NodeProxier) -> list[PortSelection]:
     """The selections in force, copied under the sync lock (for metrics and the live CLI)."""
     with proxier.lock:
         return [ps for family in proxier.proxiers for ps in family.selections.values()]
@@ -248,7 +248,7 @@ def _hcnp_addresses(node_config: NodeConfig) -> list[str]:
     return list(node_config.node_ips) or ["0.0.0.0"]
 
 
-def reconfigure(new: NodeConfig, proxier: Proxier, observer: DaemonObserver,
+def reconfigure(new: NodeConfig, proxier: NodeProxier, observer: DaemonObserver,
                 health: ProxyHealth,
                 make: Callable[[IPFamily, NodeConfig], FamilyProxier] = FamilyProxier) -> None:
     """Every family renders with `new` from now on; a family the node newly has an address
@@ -327,7 +327,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     tracker = NodeTracker(config, node_name, tuple(node_ips), node_config, lambda: cache.node)
-    proxier = Proxier(cache, [FamilyProxier(f, node_config) for f in families],
+    proxier = NodeProxier(cache, [FamilyProxier(f, node_config) for f in families],
                       full_sync_period=timing.full_sync_period,
                       verify_period=timing.verify_period, reconfigure=tracker)
     runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, timing.min_interval,
@@ -379,7 +379,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     return 0
 
 
-def _start_debug(config: ProxyConfig, proxier: Proxier, health: ProxyHealth,
+def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
                  runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
                  connections: ConnectionCounters | None = None) -> DebugServer | None:
     if not config.debug_socket:

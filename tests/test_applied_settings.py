@@ -36,7 +36,7 @@ from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import render_script
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -226,7 +226,7 @@ def service_cidr_watch(config: ProxyConfig, tmp: Path) -> bool:
 
 
 def debug_socket(config: ProxyConfig, tmp: Path) -> bool:
-    proxier = Proxier(ClusterCache("node-a"), [])
+    proxier = NodeProxier(ClusterCache("node-a"), [])
     runner = BoundedFrequencyRunner("probe", lambda: None, 1.0, 1.0, 1.0)
     source = SnapshotSource(str(tmp / "none.yaml"), proxier, threading.Event())
     server = run._start_debug(config, proxier, ProxyHealth((IPFamily.IPv4,)), runner, source)

@@ -14,7 +14,7 @@ from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
 from pyproxy.serve.live import trace_in
-from pyproxy.sync.daemon import REPAIR_REASON, Proxier
+from pyproxy.sync.node import REPAIR_REASON, NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 
 VIP = "10.96.0.10"
@@ -24,10 +24,10 @@ def svc(name: str = "web", ip: str = VIP) -> dict[str, Any]:
     return make_service("ns", name, ip=ip)
 
 
-def synced(nft: FakeKernel | None = None) -> tuple[Proxier, FakeKernel]:
+def synced(nft: FakeKernel | None = None) -> tuple[NodeProxier, FakeKernel]:
     """A proxier with ns/web (one endpoint) committed to a fake kernel."""
     nft = nft or FakeNft()
-    proxier = Proxier(ClusterCache("node-a"), [FamilyProxier(
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
         IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)])
     for source in ("Service", "EndpointSlice"):
         proxier.expect(source)
@@ -39,7 +39,7 @@ def synced(nft: FakeKernel | None = None) -> tuple[Proxier, FakeKernel]:
     return proxier, nft
 
 
-def applier(proxier: Proxier) -> Applier:
+def applier(proxier: NodeProxier) -> Applier:
     return proxier.proxiers[0].applier
 
 

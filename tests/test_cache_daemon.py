@@ -16,7 +16,7 @@ from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.kernel.nft import Applier, NftError
 from pyproxy.render.objects import Fragment, Item, Kind
 from pyproxy.render.ruleset import Shape
-from pyproxy.sync.daemon import REPAIR_REASON, Proxier
+from pyproxy.sync.node import REPAIR_REASON, NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -141,10 +141,10 @@ def test_an_unusable_annotation_is_warned_once_not_on_every_update() -> None:
 # --- the sync core ---------------------------------------------------------------------------
 
 
-def make_proxier() -> tuple[Proxier, FakeNft, list[int]]:
+def make_proxier() -> tuple[NodeProxier, FakeNft, list[int]]:
     nft = FakeNft()
     requests: list[int] = []
-    proxier = Proxier(
+    proxier = NodeProxier(
         ClusterCache("node-a"),
         [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
         request_sync=lambda: requests.append(1),
@@ -262,7 +262,7 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     list completes at 1.25 and the first sync starts then, not at 2 (1 + minSyncPeriod)."""
     clock = FakeClock()
     nft = FakeNft()
-    proxier = Proxier(
+    proxier = NodeProxier(
         ClusterCache("node-a"),
         [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
         clock=clock, wall_clock=clock)
@@ -284,7 +284,7 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
 # --- someone else's changes to our tables --------------------------------------------------------
 
 
-def initialized() -> tuple[Proxier, FakeNft, list[int]]:
+def initialized() -> tuple[NodeProxier, FakeNft, list[int]]:
     proxier, nft, requests = make_proxier()
     for source in ("Service", "EndpointSlice"):
         proxier.source_synced(source)
@@ -339,7 +339,7 @@ class TamperedDuringCommit(FakeNft):
 def test_a_change_reported_during_a_sync_is_repaired_by_the_next_one() -> None:
     nft = TamperedDuringCommit()
     requests: list[int] = []
-    proxier = Proxier(ClusterCache("node-a"), [FamilyProxier(
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
         IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
         request_sync=lambda: requests.append(1))
     proxier.expect("Service")
@@ -391,13 +391,13 @@ def terse_listing(family: str, shape: Shape) -> str:
     return "\n".join([*lines, "}"])
 
 
-def listing_proxier() -> tuple[Proxier, KernelListing, list[float]]:
+def listing_proxier() -> tuple[NodeProxier, KernelListing, list[float]]:
     nft = KernelListing()
     now = [0.0]
     family = FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)
     nft.applier = family.applier
     family.applier.clock = lambda: now[0]
-    proxier = Proxier(ClusterCache("node-a"), [family], clock=lambda: now[0], verify_period=30)
+    proxier = NodeProxier(ClusterCache("node-a"), [family], clock=lambda: now[0], verify_period=30)
     proxier.expect("Service")
     proxier.source_synced("Service")
     proxier.on_service(("ns", "web"), svc())

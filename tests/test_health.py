@@ -31,7 +31,7 @@ from pyproxy.serve.health import (
     parse_host_port,
 )
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.daemon import Proxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
@@ -649,7 +649,7 @@ def test_syncs_open_health_check_node_ports_with_local_ready_endpoint_counts() -
                         {"name": "alt", "port": 8081, "protocol": "TCP"}]
 
     cache = ClusterCache("node-a")
-    proxier = Proxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
+    proxier = NodeProxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
                                             FakeNft())])
     proxy = ProxyHealth((V4,), timeout=TIMEOUT)
     service_health = ServiceHealth()
@@ -688,7 +688,7 @@ def test_syncs_open_health_check_node_ports_with_local_ready_endpoint_counts() -
 
 def test_a_sync_marks_the_proxy_updated_and_records_the_node() -> None:
     cache = ClusterCache("node-a")
-    proxier = Proxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
+    proxier = NodeProxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
                                             FakeNft())])
     mono = Clock(1000.0)
     proxy = ProxyHealth((V4,), timeout=TIMEOUT, clock=mono, wall_clock=Clock(START))

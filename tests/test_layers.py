@@ -71,7 +71,7 @@ def test_a_pure_module_imports_no_io(module: str) -> None:
 def test_the_pure_stages_do_not_import_the_shells() -> None:
     """Nothing pure reaches the file reader, the kernel, the watches or the daemon."""
     shells = {"cluster.snapshot", "kernel.nft", "kernel.netlink", "kernel.conntrack",
-              "cluster.watch", "cluster.sources", "sync.daemon", "run", "cli", "config",
+              "cluster.watch", "cluster.sources", "sync.node", "run", "cli", "config",
               "serve.health", "serve.metrics", "serve.debug", "serve.live", "sync.proxier",
               "sync.runner"}
     assert not _closure(PURE) & shells, sorted(_closure(PURE) & shells)

@@ -22,7 +22,7 @@ from pyproxy.kernel.nft import NftError
 from pyproxy.run import DaemonObserver, current_selections
 from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.daemon import Proxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier, select_and_render
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
@@ -56,13 +56,13 @@ def buckets(metrics: Metrics, name: str) -> list[float]:
         if le != "+Inf"]
 
 
-def make_proxier(families: tuple[IPFamily, ...] = (V4,)) -> tuple[Proxier, FakeNft]:
+def make_proxier(families: tuple[IPFamily, ...] = (V4,)) -> tuple[NodeProxier, FakeNft]:
     nft = FakeNft()
-    proxier = Proxier(ClusterCache("node-a"), [FamilyProxier(f, NODE, nft) for f in families])
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(f, NODE, nft) for f in families])
     return proxier, nft
 
 
-def observe(proxier: Proxier, metrics: Metrics) -> DaemonObserver:
+def observe(proxier: NodeProxier, metrics: Metrics) -> DaemonObserver:
     families = tuple(p.family for p in proxier.proxiers)
     observer = DaemonObserver(lambda: proxier, families, NODE.node_ips, ProxyHealth(families),
                               metrics, ServiceHealth())
@@ -70,7 +70,7 @@ def observe(proxier: Proxier, metrics: Metrics) -> DaemonObserver:
     return observer
 
 
-def initialized(proxier: Proxier) -> Proxier:
+def initialized(proxier: NodeProxier) -> NodeProxier:
     for source in ("Service", "EndpointSlice"):
         proxier.expect(source)
         proxier.source_synced(source)
@@ -436,7 +436,7 @@ def test_the_collector_follows_the_proxier_between_syncs() -> None:
 
 
 def test_invalid_objects_counter() -> None:
-    """`pyproxy_invalid_objects_total{kind}`, fed through Proxier.on_invalid as run_daemon
+    """`pyproxy_invalid_objects_total{kind}`, fed through NodeProxier.on_invalid as run_daemon
     wires it."""
     proxier, _ = make_proxier()
     metrics = Metrics()

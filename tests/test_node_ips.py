@@ -22,7 +22,7 @@ from pyproxy.render.services import render_config
 from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
 from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 
 Obj = dict[str, Any]
@@ -149,7 +149,7 @@ class Daemon:
         self.cache = ClusterCache("node-a")
         self.tracker = NodeTracker(config, "node-a", interface_ips, start,
                                    lambda: self.cache.node)
-        self.proxier = Proxier(self.cache, [self.family(IPFamily.IPv4, start)],
+        self.proxier = NodeProxier(self.cache, [self.family(IPFamily.IPv4, start)],
                                reconfigure=self.tracker)
         self.health = ProxyHealth((IPFamily.IPv4,))
         self.observer = DaemonObserver(lambda: self.proxier, (IPFamily.IPv4,), start.node_ips,

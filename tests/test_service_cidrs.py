@@ -24,7 +24,7 @@ from pyproxy.core.model import IPFamily, NodeConfig, Skipped
 from pyproxy.render.objects import Kind
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
-from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import SKELETON, FamilyProxier, desired_state, fragments
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1", "fd00:50::1"),
@@ -104,10 +104,10 @@ def test_the_cache_follows_service_cidrs() -> None:
     assert cache.state().service_cidrs == ()
 
 
-def make_proxier() -> tuple[Proxier, FakeNft, list[int]]:
+def make_proxier() -> tuple[NodeProxier, FakeNft, list[int]]:
     nft = FakeNft()
     requests: list[int] = []
-    proxier = Proxier(
+    proxier = NodeProxier(
         ClusterCache("node-a"),
         [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
         request_sync=lambda: requests.append(1))

@@ -249,7 +249,7 @@ def daemon_api_calls(factories_too: bool = True,
     from pyproxy.cluster import watch
     from pyproxy.cluster.sources import ApiSource
 
-    class Proxier:
+    class NodeProxier:
         def __getattr__(self, name: str) -> Any:
             return lambda *args, **kwargs: None
 
@@ -257,7 +257,7 @@ def daemon_api_calls(factories_too: bool = True,
 
     stop = threading.Event()
     api = RecordingApiClient(stop)
-    source = ApiSource(api, Proxier(), "node-a", stop,  # type: ignore[arg-type]
+    source = ApiSource(api, NodeProxier(), "node-a", stop,  # type: ignore[arg-type]
                        **source_options)
     source.start()
     record_start(api, "node-a", stop).join(10)  # what `pyproxy run` records at start

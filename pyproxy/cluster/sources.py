@@ -1,5 +1,5 @@
 """Where the daemon learns about the cluster: the Kubernetes API, or a snapshot file. Both feed
-the same handlers (`Proxier.on_service/on_slice/on_node`), so everything after this point is
+the same handlers (`NodeProxier.on_service/on_slice/on_node`), so everything after this point is
 the same code path."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pyproxy.cluster.watch import (
     services_resource,
 )
 from pyproxy.core.model import ObjectKey
-from pyproxy.sync.daemon import Proxier
+from pyproxy.sync.node import NodeProxier
 
 log = structlog.get_logger("pyproxy.sources")
 
@@ -38,7 +38,7 @@ class SnapshotSource:
     changes. The differences between two readings become add/update/delete events."""
 
     path: str
-    proxier: Proxier
+    proxier: NodeProxier
     stop: threading.Event
     poll_interval: float = 0.2
     _seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
@@ -130,7 +130,7 @@ class ApiSource:
     as kube-proxy starts that informer only with the gate on)."""
 
     api_client: Any
-    proxier: Proxier
+    proxier: NodeProxier
     node_name: str
     stop: threading.Event
     watch_timeout: int = MIN_WATCH_TIMEOUT

@@ -700,7 +700,7 @@ _TABLE: tuple[_Setting, ...] = (
              flag="min-sync-period", flag_help="minimum gap between syncs",
              zero_is_unset=True),
     _Setting("full_sync_period", _Type.DURATION, _positive_duration,
-             applied_by="run.py: sync timing (daemon.py)",
+             applied_by="run.py: sync timing (sync/node.py)",
              flag="full-sync-period", flag_help="full resync at least this often", own=True),
     _Setting("config_sync_period", _Type.DURATION, _positive_duration,
              "informer resync period",

@@ -21,7 +21,7 @@ from pyproxy.serve.health import ProxyHealth
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
-from pyproxy.sync.daemon import Proxier, SyncRecord  # isort: skip
+from pyproxy.sync.node import NodeProxier, SyncRecord  # isort: skip
 
 log = structlog.get_logger("pyproxy.live")
 
@@ -92,7 +92,7 @@ def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str
     return problems
 
 
-def counting_context(proxier: Proxier) -> CountingContext:
+def counting_context(proxier: NodeProxier) -> CountingContext:
     """What the connection counters' labels need, copied under the sync lock."""
     with proxier.lock:
         state = proxier.cache.state()
@@ -113,7 +113,7 @@ def with_connections(entries: list[dict[str, Any]],
             for e in entries]
 
 
-def handlers(proxier: Proxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
+def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
              source_status: Callable[[], Any],
              connections: ConnectionCounters | None = None) -> dict[str, Handler]:
     def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:

@@ -1,7 +1,7 @@
 """The sync core of `pyproxy run`: events in, one kernel transaction per family per sync out.
 
 Event handlers (API watches or the snapshot file) only record into the cache and ask the
-runner for a sync; the runner calls `Proxier.sync`, which checks the changes out, selects and
+runner for a sync; the runner calls `NodeProxier.sync`, which checks the changes out, selects and
 renders only the services that changed, and commits. Nothing is written before every source
 has completed its initial list: a half-known cluster must never be programmed. The last list
 to complete asks for the first sync, which runs at once (no minSyncPeriod before it: no sync
@@ -83,7 +83,11 @@ def _warn_ignored_annotations(before: tuple[ServicePort, ...],
 
 
 @dataclass
-class Proxier:
+class NodeProxier:
+    """The node's proxier: the cluster cache, one `FamilyProxier` per IP family, the sync
+    history and the repair state. `FamilyProxier` keeps one family's table; this decides
+    what each sync covers and when it must be a full one."""
+
     cache: ClusterCache
     proxiers: list[FamilyProxier]
     full_sync_period: float = 3600.0
