@@ -35,7 +35,7 @@ venv: deps $(BIN)/pyproxy
 	  [ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"
 
 lint: venv
-	$(BIN)/ruff check pyproxy tests drills demo bench
+	$(BIN)/ruff check pyproxy testkit tests drills demo bench
 	$(BIN)/mypy
 
 unit: venv
@@ -44,7 +44,7 @@ unit: venv
 test: venv lint k8s
 	$(BIN)/pytest -q
 
-# The real control plane the `k8s` tests start (tests/controlplane.py): kube-apiserver,
+# The real control plane the `k8s` tests start (testkit/controlplane.py): kube-apiserver,
 # kube-controller-manager and kube-proxy of the release pinned in e2e/k8s/go.mod, built from
 # the Go module proxy with the machine's Go, and an embedded etcd. Built once per release into
 # ~/.cache/pyproxy/k8s-<release>/bin (PYPROXY_K8S_CACHE moves it); a no-op when it exists.
@@ -61,19 +61,21 @@ demo: venv
 # first-packet latency through a ClusterIP at 10 and 10,000 services, and the daemon end to
 # end (initial list, memory, network programming latency). BENCH_FLAGS=--envelope: the big
 # sizes (10k x 25, 5k x 50, one service with 5,000 endpoints) instead of 10k x 10.
+# The benchmarks, drills and demo run as modules from the repository root (`python -m
+# bench.bench_sync`): they import the test kit (testkit/) by its package name.
 bench: venv
-	$(BIN)/python bench/bench_sync.py $(BENCH_FLAGS)
-	$(BIN)/python bench/bench_maglev.py
-	$(BIN)/python bench/bench_first_packet.py
+	$(BIN)/python -m bench.bench_sync $(BENCH_FLAGS)
+	$(BIN)/python -m bench.bench_maglev
+	$(BIN)/python -m bench.bench_first_packet
 
 bench-daemon: venv
-	$(BIN)/python bench/bench_daemon.py $(BENCH_FLAGS)
+	$(BIN)/python -m bench.bench_daemon $(BENCH_FLAGS)
 
 # pyproxy against the real kube-proxy (nftables mode) of the control plane's release, on one
 # cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes):
 # VS_FLAGS e.g. --sizes 1000x10 --json out.json.
 bench-vs-kube-proxy: venv k8s
-	$(BIN)/python bench/bench_vs_kube_proxy.py $(VS_FLAGS)
+	$(BIN)/python -m bench.bench_vs_kube_proxy $(VS_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
@@ -179,4 +181,4 @@ uninstall:
 CHAOS_FLAGS ?=
 .PHONY: chaos
 chaos: venv k8s
-	$(BIN)/python drills/chaos.py $(CHAOS_FLAGS)
+	$(BIN)/python -m drills.chaos $(CHAOS_FLAGS)

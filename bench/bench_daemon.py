@@ -2,10 +2,10 @@
 """The daemon end to end (`make bench-daemon`): the real `pyproxy run` against the API
 emulator over a socket, in a throwaway network namespace.
 
-    python bench/bench_daemon.py                       # 10,000 services x 10 endpoints
-    python bench/bench_daemon.py --services 1000 --churn-seconds 5
-    python bench/bench_daemon.py --envelope            # also 10k x 25 and 5k x 50
-    python bench/bench_daemon.py --large               # 44,000 x 5
+    python -m bench.bench_daemon                       # 10,000 services x 10 endpoints
+    python -m bench.bench_daemon --services 1000 --churn-seconds 5
+    python -m bench.bench_daemon --envelope            # also 10k x 25 and 5k x 50
+    python -m bench.bench_daemon --large               # 44,000 x 5
 
 Measures, per size (each in a fresh namespace with a fresh daemon and emulator):
 1. start → first programmed ruleset: time until the initial lists are complete, per
@@ -38,15 +38,12 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), HERE]
+from bench.synth import NODE_IP, Cluster
+from pyproxy.serve import debug
+from testkit.apiemu import ApiEmulator
+from testkit.nftns import call_in_netns
 
-from apiemu import ApiEmulator  # noqa: E402
-from nftns import call_in_netns  # noqa: E402
-from synth import NODE_IP, Cluster  # noqa: E402
-
-from pyproxy.serve import debug  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PYPROXY = os.path.join(REPO, ".venv", "bin", "pyproxy")
 

@@ -2,10 +2,10 @@
 """First-packet latency (`make bench`): TCP connect time through a ClusterIP with a small and
 a large table, measured with real packets in network namespaces.
 
-    python bench/bench_first_packet.py                  # 10 vs 10,000 services, 1,000 connects each
-    python bench/bench_first_packet.py --connects 2000 --large-services 44000
+    python -m bench.bench_first_packet                  # 10 vs 10,000 services, 1,000 connects each
+    python -m bench.bench_first_packet --connects 2000 --large-services 44000
 
-Two copies of tests/netlab.py's standard topology (client → node → pod) run side by side:
+Two copies of testkit/netlab.py's standard topology (client → node → pod) run side by side:
 pyproxy programs one node with the measured service and a few others (--small-services in
 all), the other with the same service among --large-services (a synthetic mix: bench/synth.py,
 10 endpoints each). A client in each lab makes sequential TCP connects to the service's
@@ -27,16 +27,11 @@ import statistics
 import sys
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path[:0] = [REPO, os.path.join(REPO, "tests"), HERE]
-
-from builders import ep, make_node, make_service, make_slice  # noqa: E402
-from netlab import Cluster, Lab  # noqa: E402
-from nftns import NodeProxy  # noqa: E402
-from synth import Cluster as Synthetic  # noqa: E402
-
-from pyproxy.core.model import IPFamily, NodeConfig  # noqa: E402
+from bench.synth import Cluster as Synthetic
+from pyproxy.core.model import IPFamily, NodeConfig
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.netlab import Cluster, Lab
+from testkit.nftns import NodeProxy
 
 VIP = "10.96.0.10"  # synth's ClusterIPs start at 10.96.0.16
 TARGET_RATIO = 1.1

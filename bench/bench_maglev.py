@@ -3,7 +3,7 @@
 it, and elements touched and time per endpoint change, on a table already holding
 --services default services. Runs in a throwaway network namespace (root).
 
-    python bench/bench_maglev.py --services 10000
+    python -m bench.bench_maglev --services 10000
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+from bench.synth import NODE_CONFIG, Cluster
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.core.convert import convert_endpoint_slice, convert_service
+from pyproxy.core.model import IPFamily, ServiceKey
+from pyproxy.sync.proxier import FamilyProxier
 
-from synth import NODE_CONFIG, Cluster  # noqa: E402
-
-from pyproxy.cluster.snapshot import build_state  # noqa: E402
-from pyproxy.core.convert import convert_endpoint_slice, convert_service  # noqa: E402
-from pyproxy.core.model import IPFamily, ServiceKey  # noqa: E402
-from pyproxy.sync.proxier import FamilyProxier  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -84,8 +82,9 @@ def main() -> int:
     ns = f"ppxmaglev-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, __file__,
-                               "--services", str(args.services), "--in-netns"]).returncode
+        return subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-m",
+                               "bench.bench_maglev", "--services", str(args.services),
+                               "--in-netns"], cwd=REPO).returncode
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
 

@@ -2,14 +2,14 @@
 """pyproxy sync benchmark (`make bench`): cold start and one-service changes against the real
 kernel, with an upstream-style baseline measured in the same run. See bench/README.md.
 
-    python bench/bench_sync.py                  # 10,000 services x 10 endpoints + baseline
-    python bench/bench_sync.py --quick          # 1,000 services: a smoke run
-    python bench/bench_sync.py --large          # 44,000 services x 5 endpoints
-    python bench/bench_sync.py --no-baseline --services 5000 --endpoints 20 --json out.json
+    python -m bench.bench_sync                  # 10,000 services x 10 endpoints + baseline
+    python -m bench.bench_sync --quick          # 1,000 services: a smoke run
+    python -m bench.bench_sync --large          # 44,000 services x 5 endpoints
+    python -m bench.bench_sync --no-baseline --services 5000 --endpoints 20 --json out.json
 
 Must run as root. Every kernel measurement runs in a fresh network namespace created here
 (`ppxbench-<pid>-<n>`) and always deleted (finally + atexit + signal handlers); the worker
-processes re-exec this script inside it with `ip netns exec` and refuse to run if they find
+processes re-run this module inside it with `ip netns exec` and refuse to run if they find
 themselves in the root namespace. The root namespace's ruleset is never touched.
 """
 
@@ -32,12 +32,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import conncount
+from bench import conncount
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV_PY = os.path.join(REPO, ".venv", "bin", "python")
 
 COLD_TARGETS = {(10_000, 10): 10.0, (44_000, 5): 60.0,  # seconds
@@ -155,9 +152,8 @@ class Profiler:
 
 def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
-    from synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
-
     import pyproxy.sync.proxier as proxier_mod
+    from bench.synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.model import IPFamily
     from pyproxy.kernel.nft import LibNftables, SyncResult
@@ -334,7 +330,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     proxier.applier.last_script = ""
     res["rss_end"] = rss()
     if not args.no_counting:
-        from conncount import measure
+        from bench.conncount import measure
 
         log("pyproxy: counting new connections: with and without, reading the counters ...")
         res["connections"] = measure(proxier, state, cluster, NODE_CONFIG, NODE_IP, rss,
@@ -349,8 +345,7 @@ def big_service_changes(args: argparse.Namespace, proxier: Any, state: Any,
     100, the EndpointSlice controller's default) is added to the loaded table, then one
     endpoint at a time is added or removed; each change is one partial sync, timed whole.
     Returns the final state (the checks compare the mirror with it)."""
-    from synth import big_service_objects
-
+    from bench.synth import big_service_objects
     from pyproxy.cluster.snapshot import build_state
 
     def with_service(count: int, generation: int) -> Any:
@@ -392,9 +387,9 @@ def big_service_changes(args: argparse.Namespace, proxier: Any, state: Any,
 def worker_baseline(args: argparse.Namespace) -> dict[str, Any]:
     assert_not_root_netns()
     import nftables
-    from synth import CLUSTER_CIDR, THIS_NODE, Cluster, apply_change, plan_changes
-    from upstream_layout import cold_chunks, render_services, update
 
+    from bench.synth import CLUSTER_CIDR, THIS_NODE, Cluster, apply_change, plan_changes
+    from bench.upstream_layout import cold_chunks, render_services, update
     from pyproxy.cluster.snapshot import build_state
 
     nft = nftables.Nftables()
@@ -482,7 +477,7 @@ def run_in_netns(kind: str, args: argparse.Namespace, n: int) -> dict[str, Any] 
     ns = f"ppxbench-{os.getpid()}-{n}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     _NAMESPACES.add(ns)
-    cmd = ["ip", "netns", "exec", ns, args.python, os.path.abspath(__file__), "--worker", kind,
+    cmd = ["ip", "netns", "exec", ns, args.python, "-m", "bench.bench_sync", "--worker", kind,
            "--services", str(args.services), "--endpoints", str(args.endpoints),
            "--changes", str(args.changes), "--seed", str(args.seed),
            "--big-service", str(args.big_service)]
@@ -496,7 +491,7 @@ def run_in_netns(kind: str, args: argparse.Namespace, n: int) -> dict[str, Any] 
     try:
         env = {**os.environ, "PPXBENCH_PARENT_NETNS": str(netns_inode())}
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                env=env)
+                                env=env, cwd=REPO)
         out, _ = proc.communicate(timeout=args.timeout)
         if proc.returncode != 0:
             print(f"{kind} worker failed (exit {proc.returncode})", file=sys.stderr)
@@ -766,7 +761,6 @@ def main() -> None:
     args = ap.parse_args()
 
     if args.worker:
-        sys.path.insert(0, HERE)
         fn: Callable[[argparse.Namespace], dict[str, Any]] = (
             worker_pyproxy if args.worker == "pyproxy" else worker_baseline)
         print(json.dumps(fn(args)))

@@ -1,7 +1,7 @@
 """pyproxy against the real kube-proxy (v1.37.2, nftables mode) on the same loaded cluster.
 
 `make bench-vs-kube-proxy` (root; builds the control plane with `make k8s` first). For each size
-(1k × 10 and 10k × 10 by default): a real control plane (tests/controlplane.py) is loaded
+(1k × 10 and 10k × 10 by default): a real control plane (testkit/controlplane.py) is loaded
 through the real API with the synthetic cluster of bench/synth.py (Services, EndpointSlices,
 Nodes; the realistic mix of NodePort, LoadBalancer, affinity, eTP=Local…), then each proxy is
 started on it, one after the other, in the same node namespace with the same minSyncPeriod
@@ -35,11 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-
-from controlplane import (  # noqa: E402
+from bench.synth import Cluster as Synth
+from bench.synth import ip4
+from testkit.controlplane import (
     ControlPlane,
     Kube,
     apply_manifests,
@@ -50,10 +48,8 @@ from controlplane import (  # noqa: E402
     running_control_plane,
     service_account_token,
 )
-from netlab import Cluster, Lab  # noqa: E402
-from nftns import call_in_netns  # noqa: E402
-from synth import Cluster as Synth  # noqa: E402
-from synth import ip4  # noqa: E402
+from testkit.netlab import Cluster, Lab
+from testkit.nftns import call_in_netns
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"

@@ -86,8 +86,8 @@ def _namespaces(*names: str) -> Iterator[None]:
 
 def with_and_without(cluster: Any, node_config: Any, seed: int) -> dict[str, Any]:
     import nftables
-    from synth import apply_change, plan_changes
 
+    from bench.synth import apply_change, plan_changes
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.model import IPFamily
     from pyproxy.kernel.nft import LibNftables
@@ -212,7 +212,7 @@ def measure_reads(proxier: Any, state: Any, node_config: Any, node_ip: str,
 def syncs_with_elements(proxier: Any, state: Any, cluster: Any, seed: int) -> dict[str, Any]:
     """One-service changes and a full resync with the counting sets full: libnftables must
     not read their elements before each transaction (it would cost seconds at this size)."""
-    from synth import apply_change, plan_changes
+    from bench.synth import apply_change, plan_changes
 
     changes: dict[str, list[float]] = {}
     for change in plan_changes(cluster, CHANGES_WITH_ELEMENTS, seed=seed + 1):

@@ -7,8 +7,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from nftns import call_in_netns
-
 from drills.harness import (
     DOOMED,
     FRESH,
@@ -24,6 +22,7 @@ from drills.harness import (
     until,
     web,
 )
+from testkit.nftns import call_in_netns
 
 
 def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",

@@ -6,9 +6,8 @@ import itertools
 import math
 import time
 
-from builders import ep, make_slice
-
 from drills.harness import WEB, ApiBench, Env, Obj, Probe, Result, api_bench, until, web
+from testkit.builders import ep, make_slice
 
 
 def burst(env: Env, changes: int = 1000, window: float = 1.0, min_sync_period: float = 1.0,

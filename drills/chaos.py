@@ -2,9 +2,11 @@
 in network namespaces the run creates and removes. Prints every drill's figures and, at the
 end, the table of faults (connections attempted/failed, time to converge) in Markdown.
 
-    .venv/bin/python drills/chaos.py                 # everything (about 10 minutes)
-    .venv/bin/python drills/chaos.py --only outage   # drills whose name contains "outage"
-    .venv/bin/python drills/chaos.py --markdown out.md --json out.json
+    .venv/bin/python -m drills.chaos                 # everything (about 10 minutes)
+    .venv/bin/python -m drills.chaos --only outage   # drills whose name contains "outage"
+    .venv/bin/python -m drills.chaos --markdown out.md --json out.json
+
+(from the repository root, as `make chaos` runs it: the drills import the kit, testkit/).
 
 Exit status: 0 when every drill met its expectations (the known bugs, still open, are
 expected to fail and are reported, not counted), 1 otherwise, 2 when the run could not start
@@ -22,13 +24,9 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from netlab import NETNS_USABLE, Lab
-
 from drills import migration
 from drills import scenarios as d
+from testkit.netlab import NETNS_USABLE, Lab
 
 Drill = tuple[str, Callable[[d.Env], d.Result | list[d.Result]]]
 

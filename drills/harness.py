@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import waits
 import yaml
-from apiemu import ApiEmulator
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, ConnResult, NetlabError, tally
-from nftns import call_in_netns
 
 from pyproxy.serve.debug import DebugError, ask
+from testkit import waits
+from testkit.apiemu import ApiEmulator
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.netlab import Cluster, ConnResult, NetlabError, tally
+from testkit.nftns import call_in_netns
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"

@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from builders import ep, make_node, make_service, make_slice
-
 from drills.harness import (
     NODE,
     PYPROXY,
@@ -28,6 +26,7 @@ from drills.harness import (
     until,
     web,
 )
+from testkit.builders import ep, make_node, make_service, make_slice
 
 
 @dataclass

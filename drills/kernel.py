@@ -5,8 +5,6 @@ from __future__ import annotations
 import itertools
 import time
 
-from builders import make_node
-
 from drills.harness import (
     NODE,
     WEB,
@@ -25,6 +23,7 @@ from drills.harness import (
 from drills.tamper import TAMPERS
 from pyproxy.kernel.nft import STALE_CHAIN_GRACE
 from pyproxy.sync.node import REPAIR_REASON
+from testkit.builders import make_node
 
 
 def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,

@@ -1,9 +1,9 @@
 """The migration drill: a node moves from the real kube-proxy (v1.37.2, nftables mode) to
 pyproxy and back, under traffic, as docs/deploying.md ("Migrating from kube-proxy") says to do
-it. tests/test_k8s_migration.py runs a short version, drills/chaos.py the long one.
+it. tests/test_k8s_migration.py runs a short version, `make chaos` (drills.chaos) the long one.
 
 The node is the standard netlab topology's, attached to the real control plane of
-tests/controlplane.py: Services and Pods are API objects (the pods bound to another node, with
+testkit/controlplane.py: Services and Pods are API objects (the pods bound to another node, with
 the status a kubelet would write), EndpointSlices come from the real controller. Both proxies
 run in the node namespace with the identities a cluster gives them and the same ports
 (healthz 10256, metrics 10249), as two hostNetwork DaemonSets would.
@@ -30,7 +30,6 @@ import contextlib
 import math
 import re
 import subprocess
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -39,11 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parents[1] / "tests"
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
-
-from controlplane import (  # noqa: E402
+from drills.harness import NODE, PYPROXY, Daemon, DrillError, Env, Result, until
+from testkit.controlplane import (
     ControlPlane,
     Kube,
     apply_manifests,
@@ -54,9 +50,7 @@ from controlplane import (  # noqa: E402
     running_control_plane,
     service_account_token,
 )
-from netlab import ConnResult, NetlabError  # noqa: E402
-
-from drills.harness import NODE, PYPROXY, Daemon, DrillError, Env, Result, until  # noqa: E402
+from testkit.netlab import ConnResult, NetlabError
 
 NAMESPACE = "migration"
 SELECTOR = {"app": "migration"}

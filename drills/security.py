@@ -10,9 +10,8 @@ import subprocess
 import sys
 from typing import Any
 
-from builders import make_node
-
 from drills.harness import NODE, Daemon, Env, Result, running, web, write_snapshot
+from testkit.builders import make_node
 
 
 def security(env: Env) -> Result:

@@ -1,13 +1,11 @@
 import os
-import sys
 
 import pytest
 
-# tests/ holds helper modules (builders, netlab, nftns, apiemu) imported by the tests.
-sys.path.insert(0, os.path.dirname(__file__))
-
-from controlplane import control_plane_fixture  # noqa: F401
-from netlab import NETNS_USABLE, cluster_fixture, lab_fixture  # noqa: F401
+# The kit (testkit/, at the repository root: pyproject.toml's `pythonpath`) holds the lab,
+# builders, fakes, the API emulator and the control plane; its fixtures register here.
+from testkit.fixtures import cluster_fixture, control_plane_fixture, lab_fixture  # noqa: F401
+from testkit.netlab import NETNS_USABLE
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -36,12 +36,13 @@ from typing import Any
 
 import pytest
 import urllib3
-from apiemu import ApiEmulator, parse_field_selector, parse_label_selector
-from apiemu.selection import SelectorError
 from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client, config, dynamic, watch
 from kubernetes.client.exceptions import ApiException
+
+from testkit.apiemu import ApiEmulator, parse_field_selector, parse_label_selector
+from testkit.apiemu.selection import SelectorError
 
 Obj = dict[str, Any]
 

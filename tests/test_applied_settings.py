@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import structlog
-from builders import ep, make_node, make_service, make_slice
 
 from pyproxy import run
 from pyproxy.cluster.cache import ClusterCache
@@ -39,6 +38,7 @@ from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import render_script
 from pyproxy.sync.runner import BoundedFrequencyRunner
+from testkit.builders import ep, make_node, make_service, make_slice
 
 Configs = Callable[[Path], tuple[ProxyConfig, ProxyConfig]]
 Probe = Callable[[ProxyConfig, Path], Any]

@@ -1,4 +1,4 @@
-"""The applier against the stateful fake kernel (tests/fakes.py): tamper repair, `diff`,
+"""The applier against the stateful fake kernel (testkit/fakes.py): tamper repair, `diff`,
 `trace --verify` and the drills' fault injection, without a namespace. The same behaviours
 against the real kernel: tests/test_live.py, tests/test_nft_kernel.py."""
 
@@ -7,8 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from builders import ep, make_service, make_slice
-from fakes import FakeKernel, FakeNft
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
@@ -16,6 +14,8 @@ from pyproxy.kernel.nft import Applier, FaultyKernel, NftError, inject_faults, p
 from pyproxy.serve.live import trace_in
 from pyproxy.sync.node import REPAIR_REASON, NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
+from testkit.builders import ep, make_service, make_slice
+from testkit.fakes import FakeKernel, FakeNft
 
 VIP = "10.96.0.10"
 

@@ -9,9 +9,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
-from nftns import NodeProxy
 
 from pyproxy.core.balancing import (
     MAGLEV_TABLE_SIZE,
@@ -24,6 +21,10 @@ from pyproxy.core.convert import convert_service
 from pyproxy.core.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.nftns import NodeProxy
 
 # --- pure ----------------------------------------------------------------------------------
 

@@ -7,8 +7,6 @@ from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from fakes import FakeClock, FakeNft
 from structlog.testing import capture_logs
 
 from pyproxy.cluster.cache import ClusterCache
@@ -19,6 +17,8 @@ from pyproxy.render.ruleset import Shape
 from pyproxy.sync.node import REPAIR_REASON, NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import FakeClock, FakeNft
 
 WEB = ServiceKey("ns", "web")
 

@@ -8,7 +8,6 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from builders import ep, make_node, make_service, make_slice
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
@@ -33,6 +32,7 @@ from pyproxy.serve.connections import (
 )
 from pyproxy.serve.live import with_connections
 from pyproxy.serve.metrics import Metrics
+from testkit.builders import ep, make_node, make_service, make_slice
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 A1, B1, C1 = "10.244.1.5", "10.244.2.6", "10.244.3.7"

@@ -1,5 +1,5 @@
 """New connections per endpoint, counted by the kernel, with real packets in throwaway network
-namespaces (tests/netlab.py): what the counters say against where the connections landed.
+namespaces (testkit/netlab.py): what the counters say against where the connections landed.
 
 node-a is the node; pod-a runs on it, pod-b on node-b (same zone), pod-c on node-c (zone-2).
 """
@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
-from nftns import NodeProxy, call_in_netns, libnft_in
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import NodeConfig
@@ -26,6 +23,10 @@ from pyproxy.serve.connections import (
     Series,
     endpoint_part,
 )
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.nftns import NodeProxy, call_in_netns, libnft_in
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from builders import ep, make_service, make_slice, terminating
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortName
@@ -23,6 +22,7 @@ from pyproxy.kernel.conntrack import (
     stale,
     udp_targets,
 )
+from testkit.builders import ep, make_service, make_slice, terminating
 
 NODE_IP = "192.168.50.1"
 NODE_IP6 = "fd00:50::1"

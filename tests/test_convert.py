@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice, terminating
 from structlog.testing import capture_logs
 
 from pyproxy.core.convert import (
@@ -26,6 +25,7 @@ from pyproxy.core.model import (
     SliceEndpoints,
     TrafficPolicy,
 )
+from testkit.builders import ep, make_node, make_service, make_slice, terminating
 
 Obj = dict[str, Any]
 

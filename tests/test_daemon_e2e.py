@@ -15,11 +15,13 @@ from typing import Any
 
 import pytest
 import yaml
-from apiemu import ApiEmulator
-from builders import ep, make_node, make_service, make_service_cidr, make_slice
-from netlab import Cluster, ConnResult, Lab, requires_netns, tally
-from nftns import call_in_netns
-from waits import eventually, synced
+
+from testkit.apiemu import ApiEmulator
+from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, ConnResult, Lab, tally
+from testkit.nftns import call_in_netns
+from testkit.waits import eventually, synced
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -1,6 +1,6 @@
 """Real packets through the rules pyproxy programs, in throwaway network namespaces.
 
-Topology (tests/netlab.py): an external client and pods, each linked to the node namespace,
+Topology (testkit/netlab.py): an external client and pods, each linked to the node namespace,
 where pyproxy programs nftables. The node is `node-a`; endpoints "on node-a" are local.
 """
 
@@ -11,13 +11,14 @@ from ipaddress import ip_address
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_service_cidr, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
-from nftns import NodeProxy
 
 from pyproxy.core.model import NodeConfig
 from pyproxy.kernel.nft import NftError
 from pyproxy.render.objects import Fragment, Item, Kind
+from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.nftns import NodeProxy
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

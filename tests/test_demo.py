@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
-from netlab import requires_netns
+
+from testkit.fixtures import requires_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "pyproxy-demo-"

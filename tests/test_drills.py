@@ -2,23 +2,20 @@
 daemon in the lab's node namespace under a continuous connection probe through a Service and
 asserts what the drill promises (0 failed connections where traffic must not notice, the
 time to converge, health, skipped objects…). `make chaos` runs the long versions
-(drills/chaos.py) and prints the figures.
+(`python -m drills.chaos`) and prints the figures.
 
 Drills of a class share one daemon (a bench): a daemon start costs seconds, and the suite
 must stay fast. A bench lives as long as its class, so two daemons never share the node."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from netlab import Lab, requires_netns
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drills import scenarios as d
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

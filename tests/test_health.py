@@ -16,8 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from fakes import FakeNft
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.convert import convert_node
@@ -33,6 +31,8 @@ from pyproxy.serve.health import (
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import FakeNft
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 WEB = ServiceKey("ns", "web")

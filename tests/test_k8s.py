@@ -1,4 +1,4 @@
-"""pyproxy against a real Kubernetes control plane (tests/controlplane.py, `make k8s`).
+"""pyproxy against a real Kubernetes control plane (testkit/controlplane.py, `make k8s`).
 
 Real kube-apiserver, etcd and kube-controller-manager: Services with selectors and Pods (bound
 to nodes, status written by the test as a kubelet would) become EndpointSlices through the real
@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import yaml
-from controlplane import (
+
+from testkit.controlplane import (
     Attachment,
     ControlPlane,
     Daemon,
@@ -27,7 +28,8 @@ from controlplane import (
     start_pyproxy,
     wait_for,
 )
-from netlab import Cluster, ConnResult, Lab, requires_netns, tally
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, ConnResult, Lab, tally
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
 

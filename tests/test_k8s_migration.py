@@ -6,18 +6,15 @@ back)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from controlplane import ControlPlane
-from netlab import Lab, requires_netns
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drills import migration as m
 from drills import scenarios as d
+from testkit.controlplane import ControlPlane
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from controlplane import (
+
+from testkit.controlplane import (
     ControlPlane,
     Daemon,
     Kube,
@@ -17,7 +18,8 @@ from controlplane import (
     start_pyproxy,
     wait_for,
 )
-from netlab import Lab, Netns, requires_netns, tally
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab, Netns, tally
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
 

@@ -1,6 +1,6 @@
 """Side by side with the real kube-proxy: the same cluster must give the same packet outcomes.
 
-Two identical copies of node-a (tests/netlab.py's standard topology, one Lab each), fed by the
+Two identical copies of node-a (testkit/netlab.py's standard topology, one Lab each), fed by the
 same real API server: one programmed by upstream kube-proxy v1.37.2 in nftables mode (`make k8s`
 builds it from the same release as the control plane), one by pyproxy with the same settings.
 Every flow below runs through both; per flow the outcome is which backends answered, whether
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from controlplane import (
+
+from testkit.controlplane import (
     ControlPlane,
     Kube,
     apply_manifests,
@@ -28,7 +29,8 @@ from controlplane import (
     start_pyproxy,
     wait_for,
 )
-from netlab import Cluster, ConnResult, Lab, requires_netns
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, ConnResult, Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
 

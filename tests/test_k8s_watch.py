@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-from controlplane import (
+
+from testkit.controlplane import (
     ControlPlane,
     Daemon,
     Kube,
@@ -16,7 +17,8 @@ from controlplane import (
     start_pyproxy,
     wait_for,
 )
-from netlab import Lab, requires_netns
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
 

@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from netlab import Lab, requires_netns
-from nftns import libnft_in
 
 from pyproxy.cli import kubeproxy_cleanup as kc
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab
+from testkit.nftns import libnft_in
 
 # iptables mode (kube-proxy v1.37) next to the kubelet's chains and kube-router's network
 # policy chains, as `iptables -t nat -S` / `-t filter -S` print them.
@@ -180,7 +181,7 @@ def tables_in(lab: Lab, ns: str) -> set[str]:
 @requires_netns
 @pytest.mark.netns
 def test_command_removes_only_kube_proxys_tables(lab: Lab) -> None:
-    from controlplane import PYPROXY
+    from testkit.controlplane import PYPROXY
 
     ns = lab.add_ns("node")
     lab.nft(ns, TABLES["kube-proxy"] + "; " + TABLES["other"])

@@ -14,8 +14,10 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_service_cidr, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
+
+from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

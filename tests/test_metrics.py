@@ -11,8 +11,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from fakes import FakeNft
 from prometheus_client import generate_latest
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
@@ -24,6 +22,8 @@ from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier, select_and_render
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import FakeNft
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 NODE = NodeConfig("node-a", node_ips=("192.168.50.1",))

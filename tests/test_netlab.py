@@ -16,22 +16,18 @@ import time
 from pathlib import Path
 
 import pytest
-from netlab import (  # noqa: F401 - the fixtures register themselves by being imported
-    Cluster,
-    ConnResult,
-    Lab,
-    Proto,
+
+from testkit.fixtures import (  # noqa: F401 - the fixtures register themselves by being imported
     cluster_fixture,
     lab_fixture,
     requires_netns,
     requires_nft,
-    sweep_stale,
-    tally,
 )
+from testkit.netlab import Cluster, ConnResult, Lab, Proto, sweep_stale, tally
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def all_from(results: list[ConnResult], name: str, seen_ip: str) -> bool:
@@ -258,10 +254,11 @@ def test_exception_inside_lab_still_cleans_up() -> None:
 
 
 def run_script(code: str) -> subprocess.CompletedProcess[str]:
-    """Run a python snippet that uses netlab in a separate interpreter."""
-    prelude = f"import sys; sys.path.insert(0, {str(HERE)!r})\n"
+    """Run a python snippet that uses netlab in a separate interpreter (from the repository
+    root, which `python -c` puts on the path: the kit imports as `testkit`)."""
     return subprocess.run(
-        [sys.executable, "-c", prelude + textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=30,
@@ -272,7 +269,7 @@ def run_script(code: str) -> subprocess.CompletedProcess[str]:
 def test_atexit_closes_forgotten_lab() -> None:
     proc = run_script("""
         import os
-        from netlab import Lab
+        from testkit.netlab import Lab
         lab = Lab()
         lab.standard_topology(backends=1)
         print(lab.prefix, lab.backends[0].proc.pid)
@@ -289,7 +286,7 @@ def test_killed_run_is_swept() -> None:
     sweep_stale() removes the namespaces of the dead pid."""
     proc = run_script("""
         import os, signal
-        from netlab import Lab
+        from testkit.netlab import Lab
         lab = Lab()
         lab.standard_topology(backends=1)
         print(lab.prefix, lab.backends[0].proc.pid, flush=True)

@@ -1,4 +1,4 @@
-"""The netlink shell against real kernels, in throwaway network namespaces (tests/netlab.py):
+"""The netlink shell against real kernels, in throwaway network namespaces (testkit/netlab.py):
 node addresses (primary/local) and UDP conntrack cleanup, cross-checked with iproute2 and the
 conntrack CLI. The root namespace is never touched: pyroute2 opens its sockets inside the lab's
 namespaces. The pure address choices are tested without a kernel first."""
@@ -11,8 +11,6 @@ import socket
 from collections.abc import Iterable
 
 import pytest
-from builders import ep, make_service, make_slice
-from netlab import Cluster, ConnResult, Lab, requires_netns
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily
@@ -32,6 +30,9 @@ from pyproxy.kernel.netlink import (
     local_addresses,
     primary_addresses,
 )
+from testkit.builders import ep, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, ConnResult, Lab
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6
 

@@ -10,16 +10,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from netlab import Lab, Netns, requires_netns
-from nftns import libnft_in
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.kernel.nft import LibNftables, listing_shape
 from pyproxy.sync.proxier import FamilyProxier, render_script
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab, Netns
+from testkit.nftns import libnft_in
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

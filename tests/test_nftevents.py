@@ -11,8 +11,6 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from netlab import Lab, Netns, requires_netns
-from nftns import call_in_netns, libnft_in
 
 from pyproxy.kernel.nft import OwnSockets
 from pyproxy.kernel.nftevents import (
@@ -32,6 +30,9 @@ from pyproxy.kernel.nftevents import (
     open_socket,
     parse,
 )
+from testkit.fixtures import requires_netns
+from testkit.netlab import Lab, Netns
+from testkit.nftns import call_in_netns, libnft_in
 
 US, THEM = 4000, 5000
 

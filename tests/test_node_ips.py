@@ -9,8 +9,6 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import make_node, make_service
-from fakes import FakeNft
 
 from pyproxy.cli import main
 from pyproxy.cluster.cache import ClusterCache
@@ -24,6 +22,8 @@ from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
+from testkit.builders import make_node, make_service
+from testkit.fakes import FakeNft
 
 Obj = dict[str, Any]
 

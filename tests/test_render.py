@@ -8,13 +8,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from builders import ep, make_node, make_service, make_slice
-
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.render.objects import BASE_CHAIN_RULES, Fragment, Item, Kind
 from pyproxy.render.ruleset import Change, DesiredState, full_commands, incremental_commands
 from pyproxy.sync.proxier import SKELETON, fragments
+from testkit.builders import ep, make_node, make_service, make_slice
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1",), cluster_cidrs=("10.244.0.0/16",))
 NODES = [make_node("node-a", "zone-1"), make_node("node-b", "zone-1")]

@@ -14,10 +14,10 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from fakes import FakeClock
 from structlog.testing import capture_logs
 
 from pyproxy.sync.runner import BoundedFrequencyRunner, Intervals, RunnerStats, Schedule
+from testkit.fakes import FakeClock
 
 
 @dataclass(frozen=True)

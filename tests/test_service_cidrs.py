@@ -11,9 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from apiemu import ApiEmulator
-from builders import ep, make_node, make_service, make_service_cidr, make_slice
-from fakes import FakeNft
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.snapshot import build_state
@@ -26,6 +23,9 @@ from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import SKELETON, FamilyProxier, desired_state, fragments
+from testkit.apiemu import ApiEmulator
+from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.fakes import FakeNft
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1", "fd00:50::1"),
                     cluster_cidrs=("10.244.0.0/16",))

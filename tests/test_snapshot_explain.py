@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_slice, terminating
 
 from pyproxy.cli import main
 from pyproxy.cluster.snapshot import SnapshotError, build_state, parse_snapshot
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePortName
+from testkit.builders import ep, make_node, make_service, make_slice, terminating
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "cluster.yaml"

@@ -17,9 +17,11 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
-from waits import eventually
+
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.waits import eventually
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, Lab, requires_netns
 
+from bench.synth import Cluster as Synthetic
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.render import staging
 from pyproxy.render.objects import BASE_CHAINS
 from pyproxy.render.ruleset import full_commands
 from pyproxy.sync.proxier import desired_state
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from synth import Cluster as Synthetic
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab
 
 VIP = "10.96.0.10"  # synth's ClusterIPs start at 10.96.0.16
 CONFIG = NodeConfig(node_name="node-a", node_ips=("192.168.50.1",),
@@ -162,7 +160,7 @@ def runs(outcomes: list[str]) -> list[str]:
 @pytest.mark.netns
 @requires_netns
 def test_staged_syncs_are_all_old_or_all_new_for_packets(tmp_path: Path) -> None:
-    from nftns import NodeProxy
+    from testkit.nftns import NodeProxy
 
     with Lab() as lab:
         cluster = lab.standard_topology(backends=3)
@@ -213,7 +211,7 @@ def test_full_sync_after_a_stale_chain_is_due(chunk: int) -> None:
     """A service's endpoint count changed (its old pick chain flushed, to be deleted after
     the grace period), then a full sync once that period is over: the chain is deleted
     before the full sync lists the table, not between the listing and the commit."""
-    from nftns import NodeProxy
+    from testkit.nftns import NodeProxy
 
     def cluster(endpoints: int) -> list[dict[str, Any]]:
         return [make_node("node-a"), make_service("ns", "web", ip=VIP),

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_slice, terminating
 
 from pyproxy.cli import main
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.topology import Selection, parse_min_endpoints, select_all
+from testkit.builders import ep, make_node, make_service, make_slice, terminating
 
 NODES = [
     make_node("node-a", "zone-1", **{"topology.kubernetes.io/region": "region-1", "rack": "r1"}),

@@ -1,5 +1,5 @@
 """Upstream parity (issue 12) with real packets, in throwaway network namespaces
-(tests/netlab.py): what kube-proxy accepts and programs, pyproxy programs too."""
+(testkit/netlab.py): what kube-proxy accepts and programs, pyproxy programs too."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Any
 
 import pytest
 import yaml
-from builders import ep, make_node, make_service, make_slice
-from netlab import Cluster, Lab, requires_netns, tally
-from nftns import NodeProxy
-from waits import eventually
 
 from pyproxy.core.model import IPFamily, NodeConfig
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.nftns import NodeProxy
+from testkit.waits import eventually
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from apiemu import ApiEmulator
 
 from pyproxy.cluster.watch import Handler, Reflector, Resource, services_resource
+from testkit.apiemu import ApiEmulator
 
 
 class Recorder:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Batch client for the netlab test fixture (see tests/netlab.py).
+"""Batch client for the netlab test fixture (see testkit/netlab.py).
 
 Run inside a network namespace, it makes COUNT attempts against ADDR:PORT (TCP, UDP or SCTP) and
 prints one JSON object per attempt, in attempt order::

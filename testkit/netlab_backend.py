@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Echo-who-am-I backend for the netlab test fixture (see tests/netlab.py).
+"""Echo-who-am-I backend for the netlab test fixture (see testkit/netlab.py).
 
 Started inside a network namespace (``ip netns exec NS python netlab_backend.py ...``). It listens
 on the given TCP, UDP and (if the kernel supports it) SCTP ports, IPv4 and IPv6, and answers every

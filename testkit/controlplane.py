@@ -20,7 +20,7 @@ the release pinned in e2e/k8s/go.mod, and an embedded etcd, into a cache outside
   `Node,RBAC`, so a token of the manifests' ServiceAccount gets exactly the ClusterRole's rights.
 - No kubelet: a Pod is an API object bound to a node whose status the tests write.
 
-Processes are started by a `Lab` (tests/netlab.py) and stopped with it; `stop()` stops exactly
+Processes are started by a `Lab` (testkit/netlab.py) and stopped with it; `stop()` stops exactly
 the processes this object started.
 """
 
@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
-from netlab import NETNS_USABLE, Lab, Netns
-from nftns import call_in_netns
-from waits import until
+
+from testkit.netlab import Lab, Netns
+from testkit.nftns import call_in_netns
+from testkit.waits import until
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
@@ -614,20 +614,3 @@ def kube_proxy_token(kube: Kube) -> str:
     request = kube.core.create_namespaced_service_account_token(
         "kube-proxy", "kube-system", {"spec": {"audiences": [], "expirationSeconds": 7200}})
     return str(request.status.token)
-
-
-@pytest.fixture(scope="session", name="control_plane")
-def control_plane_fixture() -> Iterator[ControlPlane]:
-    """The control plane, started once per test session (about 4 s, ~400 MB)."""
-    if not NETNS_USABLE:
-        pytest.skip("needs root and `ip netns` (network namespaces)")
-    bin_dir = binaries_dir()
-    missing = missing_binaries(bin_dir)
-    if missing:
-        message = (f"the control plane is not built ({', '.join(missing)} missing in "
-                   f"{bin_dir}): run `make k8s`")
-        if os.environ.get("CI"):  # CI builds it first: a skip there would hide the k8s tests
-            pytest.fail(message)
-        pytest.skip(message)
-    with running_control_plane(bin_dir) as plane:
-        yield plane

@@ -1,15 +1,16 @@
 """netlab: real-packet test fixture built from Linux network namespaces.
 
-A `Lab` creates network namespaces, veth links, addresses, routes and per-namespace sysctls with
-iproute2, starts small backend servers (tests/netlab_backend.py) inside them and drives batches of
-client connections (tests/netlab_client.py) from them. Everything lives in namespaces the lab
-created itself; the root namespace is never touched. Namespaces are named ``ppx-<pid>-<lab>-<name>``
-so `sweep_stale()` can remove leftovers of crashed runs (dead pid) without touching anybody else's.
+A `Lab` creates network namespaces, veth links, addresses, routes and per-namespace sysctls
+with iproute2, starts small backend servers (testkit/netlab_backend.py) inside them and drives
+batches of client connections (testkit/netlab_client.py) from them. Everything lives in
+namespaces the lab created itself; the root namespace is never touched. Namespaces are named
+``ppx-<pid>-<lab>-<name>`` so `sweep_stale()` can remove leftovers of crashed runs (dead pid)
+without touching anybody else's.
 
 Cleanup happens on `Lab.close()` / leaving the ``with`` block (also on exceptions and
-KeyboardInterrupt), in the pytest fixture finalizer, and in an atexit hook as a last resort.
-Backends additionally exit when their stdin pipe closes, so even a SIGKILLed test run does not
-leak processes (its namespaces are swept by the next run).
+KeyboardInterrupt), in the pytest fixture finalizer (testkit/fixtures.py), and in an atexit
+hook as a last resort. Backends additionally exit when their stdin pipe closes, so even a
+SIGKILLed test run does not leak processes (its namespaces are swept by the next run).
 
 Standard topology (`Lab.standard_topology()`, see `Cluster`)
 -------------------------------------------------------------
@@ -88,10 +89,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
-BACKEND_SCRIPT = HERE / "netlab_backend.py"
+BACKEND_SCRIPT = HERE / "netlab_backend.py"  # run as scripts (-I -S), not imported
 CLIENT_SCRIPT = HERE / "netlab_client.py"
 
 NS_PREFIX = "ppx-"
@@ -258,10 +257,6 @@ def netns_usable() -> bool:
 
 
 NETNS_USABLE = netns_usable()
-requires_netns = pytest.mark.skipif(
-    not NETNS_USABLE, reason="needs root and `ip netns` (network namespaces)"
-)
-requires_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="needs the nft tool")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1041,23 +1036,3 @@ class Cluster:
     def pod_ips(self, v6: bool = False) -> list[str]:
         """Addresses of the backend pods, in creation order."""
         return [p.addr(v6) for p in self.pods.values()]
-
-
-# --------------------------------------------------------------------------------------------
-# pytest fixtures (import them in conftest.py: `from netlab import lab_fixture, cluster_fixture`)
-# --------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(name="lab")
-def lab_fixture() -> Iterator[Lab]:
-    """A fresh Lab, closed after the test whatever happens (skips where netns are unusable)."""
-    if not NETNS_USABLE:
-        pytest.skip("needs root and `ip netns` (network namespaces)")
-    with Lab() as the_lab:
-        yield the_lab
-
-
-@pytest.fixture(name="cluster")
-def cluster_fixture(lab: Lab) -> Cluster:
-    """The standard topology with two backend pods (pod-a, pod-b), TCP 8080 and UDP 5353."""
-    return lab.standard_topology()

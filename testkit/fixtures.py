@@ -1,0 +1,51 @@
+"""The kit's pytest side: skip marks and fixtures (tests/conftest.py registers the fixtures
+by importing them). The rest of the kit does not import pytest, so the demo, the drills and
+the benches use it without a test runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import pytest
+
+from testkit.controlplane import ControlPlane, binaries_dir, missing_binaries, running_control_plane
+from testkit.netlab import NETNS_USABLE, Cluster, Lab
+
+requires_netns = pytest.mark.skipif(
+    not NETNS_USABLE, reason="needs root and `ip netns` (network namespaces)"
+)
+requires_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="needs the nft tool")
+
+
+@pytest.fixture(name="lab")
+def lab_fixture() -> Iterator[Lab]:
+    """A fresh Lab, closed after the test whatever happens (skips where netns are unusable)."""
+    if not NETNS_USABLE:
+        pytest.skip("needs root and `ip netns` (network namespaces)")
+    with Lab() as the_lab:
+        yield the_lab
+
+
+@pytest.fixture(name="cluster")
+def cluster_fixture(lab: Lab) -> Cluster:
+    """The standard topology with two backend pods (pod-a, pod-b), TCP 8080 and UDP 5353."""
+    return lab.standard_topology()
+
+
+@pytest.fixture(scope="session", name="control_plane")
+def control_plane_fixture() -> Iterator[ControlPlane]:
+    """The control plane, started once per test session (about 4 s, ~400 MB)."""
+    if not NETNS_USABLE:
+        pytest.skip("needs root and `ip netns` (network namespaces)")
+    bin_dir = binaries_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        message = (f"the control plane is not built ({', '.join(missing)} missing in "
+                   f"{bin_dir}): run `make k8s`")
+        if os.environ.get("CI"):  # CI builds it first: a skip there would hide the k8s tests
+            pytest.fail(message)
+        pytest.skip(message)
+    with running_control_plane(bin_dir) as plane:
+        yield plane
