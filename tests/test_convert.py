@@ -408,3 +408,21 @@ def test_malformed_addresses_are_still_refused(written: str) -> None:
     assert isinstance(svc, Skipped) and "spec.clusterIPs[0]" in svc.reason
     piece = convert_endpoint_slice(make_slice("ns", "svc", [ep(written)]))
     assert isinstance(piece, Skipped) and "endpoints[0].addresses[0]" in piece.reason
+
+
+def test_endpoint_init_sets_every_field_in_order() -> None:
+    """Endpoint's hand-written __init__ (fast construction) must match its fields."""
+    import dataclasses
+
+    from pyproxy.core.model import Endpoint
+
+    names = [f.name for f in dataclasses.fields(Endpoint)]
+    assert list(Endpoint.__init__.__code__.co_varnames[1:len(names) + 1]) == names
+    values = ("10.0.0.1", 80, False, False, True, "n", "z", frozenset({"z"}),
+              frozenset({"n"}), (("k", "v"),), 3)
+    ep = Endpoint(*values)
+    assert tuple(getattr(ep, n) for n in names) == values
+    assert ep == Endpoint(**dict(zip(names, values, strict=True)))
+    assert Endpoint("10.0.0.1", 80) == Endpoint("10.0.0.1", 80, True, True, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ep.ip = "10.0.0.2"  # type: ignore[misc]
