@@ -41,7 +41,7 @@ from typing import Any
 from bench.synth import NODE_IP, Cluster
 from pyproxy.serve import debug
 from testkit.apiemu import ApiEmulator
-from testkit.nftns import call_in_netns
+from testkit.inproc import call_in_netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

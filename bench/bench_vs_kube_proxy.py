@@ -48,8 +48,8 @@ from testkit.controlplane import (
     running_control_plane,
     service_account_token,
 )
+from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab
-from testkit.nftns import call_in_netns
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"

@@ -10,10 +10,13 @@ makes zone-2's only pod unready (a live change of the snapshot file) and counts 
 
 Needs only root. Everything lives in `pyproxy-demo-*` namespaces and a temp directory,
 removed on exit, Ctrl-C or SIGTERM; a killed run's leftovers are swept by the next one.
-The host's own ruleset, routes and sysctls are never touched.
+The host's own ruleset, routes and sysctls are never touched. The namespaces, the daemons,
+the backends and the clients are the test kit's lab (testkit/netlab.py) with the demo's
+fixed prefix: one demo at a time, daemons detached from the terminal and tied to the demo's
+life, backends and clients as threads of the demo's own process.
 
-    demo/run.py            # run and clean up
-    demo/run.py --keep     # leave the cluster running until Enter / Ctrl-C, to explore
+    python -m demo.run            # run and clean up (from the repository root)
+    python -m demo.run --keep     # leave the cluster running until Enter / Ctrl-C, to explore
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections import Counter
@@ -35,9 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from cluster import (
+from demo.cluster import (
     CLUSTER_CIDR,
     NODES,
     POD,
@@ -50,16 +50,19 @@ from cluster import (
     Scenario,
     write_snapshot,
 )
-from lab import PREFIX, Lab, LabError, Locked, list_netns, probe, single_instance, sweep
-
 from pyproxy.serve.debug import DebugError, ask
+from testkit.netlab import Lab, Locked, NetlabError
 
-REPO = Path(__file__).resolve().parent.parent
+PREFIX = "pyproxy-demo-"
 PYPROXY = Path(sys.executable).parent / "pyproxy"
 FABRIC = "fabric"
 NAMESPACES = (FABRIC, *(n.name for n in NODES), *(p.name for p in PODS),
               *(n.client for n in NODES))
 SYNC_TIMEOUT = 30.0
+# On top of the lab's own sysctls: the demo cluster is IPv4-only, and its routing is
+# asymmetric for nobody, but reverse-path filtering is off everywhere as on a cluster's nodes.
+SYSCTLS = {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1",
+           "net.ipv4.conf.all.rp_filter": "0", "net.ipv4.conf.default.rp_filter": "0"}
 WIDTH = 92
 
 
@@ -143,30 +146,26 @@ def build_network(lab: Lab) -> None:
     """fabric: a router with one link per node; each node routes its pod CIDR to point-to-
     point veths (one per pod, no bridge) and everything else to the fabric, which routes each
     pod CIDR to its node."""
-    lab.add_ns(FABRIC, router=True)
+    lab.add_ns(FABRIC, router=True, sysctls=SYSCTLS)
     for node in NODES:
-        lab.add_ns(node.name, router=True)
-        lab.link(FABRIC, f"to-{node.name}", node.name, "eth0")
-        lab.ip(FABRIC, "addr", "add", f"{node.fabric_ip}/24", "dev", f"to-{node.name}")
-        lab.ip(node.name, "addr", "add", f"{node.ip}/24", "dev", "eth0")
+        lab.add_ns(node.name, router=True, sysctls=SYSCTLS)
+        lab.link(FABRIC, node.name, [f"{node.fabric_ip}/24"], [f"{node.ip}/24"],
+                 if_a=f"to-{node.name}", if_b="eth0")
         lab.ip(node.name, "route", "add", "default", "via", node.fabric_ip)
         lab.ip(FABRIC, "route", "add", node.pod_cidr, "via", node.ip)
     for pod in PODS:
         attach(lab, pod.node, pod.name, pod.ip)
     for node in NODES:
         attach(lab, node, node.client, node.client_ip)
-    lab.wait_links_up()
 
 
 def attach(lab: Lab, node: NodeSpec, name: str, ip: str) -> None:
     """A pod-like namespace on `node`: ip/32 on eth0, default route via the node's pod
     gateway address (which the node holds on every pod link)."""
-    lab.add_ns(name)
+    lab.add_ns(name, sysctls=SYSCTLS)
     veth = f"veth-{name}"
-    lab.link(node.name, veth, name, "eth0")
-    lab.ip(node.name, "addr", "add", f"{node.pod_gateway}/32", "dev", veth)
+    lab.link(node.name, name, [f"{node.pod_gateway}/32"], [f"{ip}/32"], if_a=veth, if_b="eth0")
     lab.ip(node.name, "route", "add", f"{ip}/32", "dev", veth)
-    lab.ip(name, "addr", "add", f"{ip}/32", "dev", "eth0")
     lab.ip(name, "route", "add", node.pod_gateway, "dev", "eth0", "scope", "link")
     lab.ip(name, "route", "add", "default", "via", node.pod_gateway, "dev", "eth0")
 
@@ -212,7 +211,7 @@ def wait_for(lab: Lab, workdir: Path, done: Callable[[NodeSpec, dict[str, Any] |
     """Poll every daemon's status until done() holds for all of them (bounded)."""
     deadline = time.monotonic() + SYNC_TIMEOUT
     while True:
-        for proc, node in zip(lab.procs, NODES, strict=True):
+        for proc, node in zip(lab.processes, NODES, strict=True):
             if proc.poll() is not None:
                 raise DemoError(f"pyproxy on {node.name} exited ({proc.returncode}) "
                                 f"while waiting for {what}")
@@ -248,7 +247,7 @@ def pod_names(endpoints: list[str] | None) -> str:
 def measure(lab: Lab, scenario: Scenario, count: int) -> dict[str, Counter[str]]:
     """`count` connections from every node's client pod to the service, all nodes at once."""
     def one(node: NodeSpec) -> Counter[str]:
-        return probe(lab.full(node.client), scenario.ip, SERVICE_PORT, count)
+        return lab.probe_http(node.client, scenario.ip, SERVICE_PORT, count)
 
     with ThreadPoolExecutor(len(NODES)) as pool:
         results = pool.map(one, NODES)
@@ -310,14 +309,15 @@ def start(lab: Lab, workdir: Path, snapshot: Path) -> None:
     write_snapshot(snapshot)
     node = NODES[0]
     say("  one daemon per node namespace, e.g. on node-a:")
-    for line in wrapped(["ip", "netns", "exec", lab.full(node.name),
+    for line in wrapped(["ip", "netns", "exec", lab.ns(node.name).full,
                          *daemon_argv(node, snapshot, workdir)]):
         say(f"    {line}")
     t1 = time.monotonic()
     for node in NODES:  # before the backend threads: no other thread runs while forking
-        lab.popen(node.name, daemon_argv(node, snapshot, workdir), f"pyproxy-{node.name}.log")
+        lab.popen(node.name, daemon_argv(node, snapshot, workdir),
+                  log_name=f"pyproxy-{node.name}.log", detach=True)
     for pod in PODS:
-        lab.serve(pod.name, "0.0.0.0", POD_PORT, pod.name)
+        lab.serve_http(pod.name, "0.0.0.0", POD_PORT, pod.name)
     wait_for(lab, workdir, lambda n, st: settled(st), "the first sync")
     say(f"  all three daemons synced {time.monotonic() - t1:.1f} s after starting")
 
@@ -359,16 +359,16 @@ def explore(lab: Lab, workdir: Path) -> list[list[str]]:
         [str(PYPROXY), "explain", SCENARIO["zonal"].key, "--socket", sock],
         [str(PYPROXY), "trace", "--socket", sock, "--src", c.client_ip,
          "--dst", f"{SCENARIO['zonal'].ip}:{SERVICE_PORT}"],
-        ["ip", "netns", "exec", lab.full(c.name), "nft", "list", "table", "ip", "pyproxy"],
+        ["ip", "netns", "exec", lab.ns(c.name).full, "nft", "list", "table", "ip", "pyproxy"],
     ]
     more = [
         [str(PYPROXY), "status", "--socket", sock],
         [str(PYPROXY), "history", "--socket", sock],
         [str(PYPROXY), "diff", "--socket", sock],
-        ["ip", "netns", "exec", lab.full(c.client), "curl", "-s",
+        ["ip", "netns", "exec", lab.ns(c.client).full, "curl", "-s",
          f"http://{SCENARIO['web'].ip}/"],
-        ["ip", "netns", "exec", lab.full(c.name), "curl", "-s", "127.0.0.1:10256/healthz"],
-        ["ip", "netns", "exec", lab.full(c.name), "curl", "-s", "127.0.0.1:10249/metrics"],
+        ["ip", "netns", "exec", lab.ns(c.name).full, "curl", "-s", "127.0.0.1:10256/healthz"],
+        ["ip", "netns", "exec", lab.ns(c.name).full, "curl", "-s", "127.0.0.1:10249/metrics"],
     ]
     heading("Look inside (node-c)")
     say("  Every daemon answers on its own debug socket (node-a.sock, node-b.sock, node-c.sock")
@@ -436,8 +436,8 @@ def keep_running(lab: Lab, workdir: Path, snapshot: Path, commands: list[list[st
         say()  # the normal way out of --keep
 
 
-def report_leftovers(started: float, daemons: int, deleted: int) -> int:
-    left = [n for n in list_netns() if n.startswith(PREFIX) and n[len(PREFIX):] in NAMESPACES]
+def report_leftovers(lab: Lab, started: float, daemons: int, deleted: int) -> int:
+    left = lab.leftovers()
     if left:
         say(f"Cleanup incomplete: namespaces {', '.join(left)} remain (the next run removes "
             "them)")
@@ -477,53 +477,53 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(sig, _interrupt)  # have started us with it ignored
     try:
         preflight()
-        with single_instance():
-            swept = sweep(NAMESPACES)
-            if swept:
-                dirs = sum(1 for s in swept if s.startswith("/"))
-                say(f"(removed what a killed earlier run left: {len(swept) - dirs} namespaces, "
-                    f"{dirs} temp directories)")
-            workdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-            lab = Lab(workdir)
-            failed = interrupted = False
-            try:
-                snapshot = workdir / "cluster.yaml"
-                introduce(workdir)
-                start(lab, workdir, snapshot)
-                for scenario in SCENARIOS:
-                    show(lab, workdir, scenario, args.count)
-                live_change(lab, workdir, snapshot, args.count)
-                commands = explore(lab, workdir)
-                if args.keep:
-                    keep_running(lab, workdir, snapshot, commands)
-            except (DemoError, LabError, DebugError) as err:
-                failed = True
-                say(f"\ndemo failed: {err}")
-                for log in sorted(workdir.glob("pyproxy-*.log")):
-                    tail = log.read_text(errors="replace").splitlines()[-15:]
-                    say(f"--- {log.name} (last lines)")
-                    for line in tail:
-                        say(f"  {line}")
-            except KeyboardInterrupt:
-                interrupted = True
-                say("\ninterrupted")
-            except OutputClosed:
-                pass  # nobody reads on: clean up below, exit as a shell reports SIGPIPE
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                    signal.signal(sig, signal.SIG_IGN)  # let the cleanup finish
-                with contextlib.suppress(OutputClosed):  # the reader may go just now
-                    say()
-                    say("Cleaning up ...")
-                daemons = len(lab.procs)
-                deleted = lab.close()
-                shutil.rmtree(workdir, ignore_errors=True)
-            with contextlib.suppress(OutputClosed):
-                code = report_leftovers(started, daemons, deleted)
-            if _output_closed[0]:
-                return 128 + signal.SIGPIPE
-            return _signal_code[0] if interrupted else 1 if failed else code
-    except (DemoError, Locked) as err:
+        lab = Lab(prefix=PREFIX)  # one demo at a time; a killed run's leftovers are swept
+        workdir = lab.workdir
+        failed = interrupted = False
+        try:
+            if lab.swept:
+                dirs = sum(1 for s in lab.swept if s.startswith("/"))
+                say(f"(removed what a killed earlier run left: {len(lab.swept) - dirs} "
+                    f"namespaces, {dirs} temp directories)")
+            snapshot = workdir / "cluster.yaml"
+            introduce(workdir)
+            start(lab, workdir, snapshot)
+            for scenario in SCENARIOS:
+                show(lab, workdir, scenario, args.count)
+            live_change(lab, workdir, snapshot, args.count)
+            commands = explore(lab, workdir)
+            if args.keep:
+                keep_running(lab, workdir, snapshot, commands)
+        except (DemoError, NetlabError, DebugError) as err:
+            failed = True
+            say(f"\ndemo failed: {err}")
+            for log in sorted(workdir.glob("pyproxy-*.log")):
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                say(f"--- {log.name} (last lines)")
+                for line in tail:
+                    say(f"  {line}")
+        except KeyboardInterrupt:
+            interrupted = True
+            say("\ninterrupted")
+        except OutputClosed:
+            pass  # nobody reads on: clean up below, exit as a shell reports SIGPIPE
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)  # let the cleanup finish
+            with contextlib.suppress(OutputClosed):  # the reader may go just now
+                say()
+                say("Cleaning up ...")
+            daemons, deleted = len(lab.processes), len(lab.namespaces)
+            lab.close()  # daemons, backends, namespaces, the temp directory, the lock
+        with contextlib.suppress(OutputClosed):
+            code = report_leftovers(lab, started, daemons, deleted)
+        if _output_closed[0]:
+            return 128 + signal.SIGPIPE
+        return _signal_code[0] if interrupted else 1 if failed else code
+    except Locked as err:
+        say(f"demo: another pyproxy demo is running ({err})")
+        return 1
+    except DemoError as err:
         say(f"demo: {err}")
         return 1
     except KeyboardInterrupt:  # before the lab existed

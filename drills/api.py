@@ -22,7 +22,7 @@ from drills.harness import (
     until,
     web,
 )
-from testkit.nftns import call_in_netns
+from testkit.inproc import call_in_netns
 
 
 def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",

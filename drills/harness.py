@@ -33,8 +33,8 @@ from pyproxy.serve.debug import DebugError, ask
 from testkit import waits
 from testkit.apiemu import ApiEmulator
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, ConnResult, NetlabError, tally
-from testkit.nftns import call_in_netns
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"

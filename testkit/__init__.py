@@ -4,7 +4,10 @@ through `pythonpath`; the others run as modules, e.g. `python -m drills.chaos`).
 
 - `netlab`: the namespace lab (namespaces, veths, routes, processes, torn down as a whole),
   the standard one-node topology, backends and clients (`netlab_backend.py`,
-  `netlab_client.py`, run as scripts), `call_in_netns`;
+  `netlab_client.py`, run as scripts); a fixed-prefix lab runs one at a time and sweeps a
+  killed run's leftovers (the demo's);
+- `inproc`: work inside a namespace from a thread (`call_in_netns`), backends and clients
+  without a process;
 - `waits`: bounded polls, and a daemon's readiness read from its debug socket;
 - `nftns`: pyproxy's nftables code against a namespace's kernel;
 - `builders`: API objects with the tests' IP plan; `fakes`: fakes of the I/O shells;

@@ -42,8 +42,8 @@ from typing import Any
 
 import yaml
 
+from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
-from testkit.nftns import call_in_netns
 from testkit.waits import until
 
 REPO = Path(__file__).resolve().parent.parent

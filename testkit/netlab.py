@@ -12,6 +12,14 @@ KeyboardInterrupt), in the pytest fixture finalizer (testkit/fixtures.py), and i
 hook as a last resort. Backends additionally exit when their stdin pipe closes, so even a
 SIGKILLed test run does not leak processes (its namespaces are swept by the next run).
 
+A lab with a fixed prefix (`Lab(prefix="pyproxy-demo-")`, the demo's) names its namespaces
+``<prefix><name>`` and runs one at a time: it holds a lock file while it lives, so whatever
+namespaces with its prefix exist when it takes the lock are leftovers of a run that was
+killed, and it removes them first (`Lab.swept`). Its daemons can be started detached
+(`popen(..., detach=True)`: their own session, SIGTERM should the lab's process die).
+Backends and clients also come without a process: `Lab.serve_http` and `Lab.probe_http`
+(testkit/inproc.py) serve and probe from threads of the lab's own process.
+
 Standard topology (`Lab.standard_topology()`, see `Cluster`)
 -------------------------------------------------------------
 ::
@@ -71,6 +79,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
+import fcntl
 import ipaddress
 import itertools
 import json
@@ -88,6 +98,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
+
+from testkit.inproc import HttpBackend, http_probe
 
 HERE = Path(__file__).resolve().parent
 BACKEND_SCRIPT = HERE / "netlab_backend.py"  # run as scripts (-I -S), not imported
@@ -150,6 +162,15 @@ def _cmd(
     return proc
 
 
+PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded now: not in a child between fork and exec
+
+
+def _die_with_parent() -> None:
+    """In a child between fork and exec: SIGTERM when the parent (thread) dies."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -168,7 +189,7 @@ def _list_netns() -> list[str]:
 
 def _netns_pids(full_name: str) -> list[int]:
     out = _cmd(["ip", "netns", "pids", full_name], check=False).stdout
-    return [int(p) for p in out.split() if p.isdigit()]
+    return [int(p) for p in out.split() if p.isdigit() and int(p) != os.getpid()]
 
 
 def _kill_netns_processes(full_name: str) -> None:
@@ -257,6 +278,57 @@ def netns_usable() -> bool:
 
 
 NETNS_USABLE = netns_usable()
+
+
+class Locked(NetlabError):
+    """Another run holds the lab's prefix (a fixed-prefix lab runs one at a time)."""
+
+
+def _lock(path: Path) -> IO[str]:
+    """Take the lock file (non-blocking) and write our pid into it; raises Locked if another
+    process holds it. The inode check makes removing it on release safe against a run that
+    opened it just before."""
+    while True:
+        fh = open(path, "a+")  # noqa: SIM115 - held for the lab's life, closed by _unlock
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            other = fh.read().strip() or "?"
+            fh.close()
+            raise Locked(f"pid {other} holds {path}") from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = -1
+        if current == os.fstat(fh.fileno()).st_ino:
+            break
+        fh.close()  # the previous holder removed it meanwhile: lock the new file
+    fh.seek(0)
+    fh.truncate()
+    fh.write(f"{os.getpid()}\n")
+    fh.flush()
+    return fh
+
+
+def _unlock(fh: IO[str], path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    fh.close()
+
+
+def sweep_prefix(prefix: str) -> list[str]:
+    """Delete every namespace named ``<prefix>*`` (processes inside first) and every temp
+    directory of that prefix; returns the namespace names and directory paths removed. Only
+    for a fixed-prefix lab holding its lock: then nobody else uses these names."""
+    removed = [name for name in _list_netns() if name.startswith(prefix)]
+    for name in removed:
+        _delete_netns(name)
+    for workdir in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        if workdir.is_dir():
+            shutil.rmtree(workdir, ignore_errors=True)
+            removed.append(str(workdir))
+    return removed
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,14 +464,25 @@ class Lab:
     All methods that take a namespace accept a `Netns` or its short name.
     """
 
-    def __init__(self, *, python: str = sys.executable, sweep: bool = True) -> None:
-        if sweep:
+    def __init__(self, *, python: str = sys.executable, sweep: bool = True,
+                 prefix: str | None = None) -> None:
+        """``prefix``: fixed namespace names ``<prefix><name>`` instead of per-process ones;
+        the lab then takes the prefix's lock file (`Locked` if another run holds it) and
+        removes a killed run's leftovers (``swept``). ``sweep``: remove the namespaces of dead
+        test runs first (per-process names only)."""
+        self._lock: IO[str] | None = None
+        self.swept: list[str] = []
+        if prefix is not None:
+            self.lock_path = Path(tempfile.gettempdir()) / f"{prefix.rstrip('-')}.lock"
+            self._lock = _lock(self.lock_path)
+            self.swept = sweep_prefix(prefix)
+        elif sweep:
             sweep_stale()
         self.python = python  # interpreter for exec_python and the scripts (the venv's by default)
         # The backend/client scripts use only the standard library: -I -S skips site-packages
         # (.pth hooks of editable installs) and the environment, halving interpreter start-up.
         self._script_python = [python, "-I", "-S"]
-        self.prefix = f"{NS_PREFIX}{os.getpid()}-{next(_LAB_IDS)}-"
+        self.prefix = prefix or f"{NS_PREFIX}{os.getpid()}-{next(_LAB_IDS)}-"
         self.namespaces: dict[str, Netns] = {}
         self.backends: list[Backend] = []
         self.links: list[Link] = []
@@ -408,6 +491,7 @@ class Lab:
         self._ifindexes = _IFINDEXES
         self._procs: list[subprocess.Popen[str]] = []
         self._logs: list[IO[str]] = []
+        self._http: list[HttpBackend] = []
         self.workdir = Path(tempfile.mkdtemp(prefix=self.prefix))
         self.closed = False
         _LIVE_LABS.add(self)
@@ -429,6 +513,9 @@ class Lab:
         """
         if self.closed:
             return
+        for http in self._http:
+            http.stop()
+        self._http.clear()
         for proc in self._procs:  # signal everybody first, so they all exit in parallel
             _ask_to_stop(proc)
         for proc in reversed(self._procs):
@@ -444,8 +531,16 @@ class Lab:
                 log.close()
         if not os.environ.get("NETLAB_KEEP_LOGS"):
             shutil.rmtree(self.workdir, ignore_errors=True)
+        if self._lock is not None:
+            _unlock(self._lock, self.lock_path)
+            self._lock = None
         self.closed = True
         _LIVE_LABS.discard(self)
+
+    @property
+    def processes(self) -> list[subprocess.Popen[str]]:
+        """The processes `popen` started that are still the lab's, in start order."""
+        return list(self._procs)
 
     def leftovers(self) -> list[str]:
         """Namespaces of this lab that still exist (empty after close(), tests assert it)."""
@@ -462,8 +557,10 @@ class Lab:
         except KeyError:
             raise NetlabError(f"no namespace {ref!r} in this lab") from None
 
-    def add_ns(self, name: str, *, router: bool = False) -> Netns:
-        """Create a namespace with lo up and the base sysctls (plus forwarding if router)."""
+    def add_ns(self, name: str, *, router: bool = False,
+               sysctls: Mapping[str, str] | None = None) -> Netns:
+        """Create a namespace with lo up and the base sysctls (plus forwarding if router,
+        then ``sysctls``)."""
         if self.closed:
             raise NetlabError("lab is closed")
         if name in self.namespaces:
@@ -472,7 +569,8 @@ class Lab:
         _cmd(["ip", "netns", "add", ns.full])
         self.namespaces[name] = ns  # registered at once so close() removes it even if setup fails
         self.ip(ns, "link", "set", "lo", "up")
-        self.sysctl(ns, {**BASE_SYSCTLS, **(ROUTER_SYSCTLS if router else {})})
+        values = {**BASE_SYSCTLS, **(ROUTER_SYSCTLS if router else {}), **(sysctls or {})}
+        self.sysctl(ns, values)
         return ns
 
     def del_ns(self, ref: NsRef) -> None:
@@ -648,12 +746,19 @@ class Lab:
         *,
         log_name: str | None = None,
         env: Mapping[str, str] | None = None,
+        detach: bool = False,
     ) -> subprocess.Popen[str]:
         """Start a long-running process (e.g. pyproxy) in the namespace; stopped on close().
 
         stdin is a pipe (closed on stop, so EOF-aware programs exit promptly; SIGTERM follows);
         stdout+stderr go to a log file in the lab workdir (a pipe nobody reads could fill up and
         block the process). Its log is at ``workdir / log_name`` (default: derived from argv).
+
+        ``detach``: the process gets its own session (a Ctrl-C at the terminal reaches only
+        the lab's process, which then stops it in order) and SIGTERM should the lab's process
+        die (PR_SET_PDEATHSIG). That signal follows the *thread* that started it, and the
+        hook runs between fork and exec: call it from the main thread, before other threads
+        (e.g. `serve_http`'s) run.
         """
         ns = self.ns(ref)
         log_path = self.workdir / (log_name or f"{ns.name}-{Path(os.fspath(argv[0])).name}.log")
@@ -666,6 +771,8 @@ class Lab:
             stderr=subprocess.STDOUT,
             text=True,
             env=None if env is None else dict(env),
+            start_new_session=detach,
+            preexec_fn=_die_with_parent if detach else None,
         )
         self._procs.append(proc)
         return proc
@@ -816,6 +923,20 @@ class Lab:
                 f"{proc.stdout}{proc.stderr}"
             )
         return results
+
+    def serve_http(self, ref: NsRef, ip: str, port: int, answer: str) -> HttpBackend:
+        """An in-process backend in the namespace (testkit/inproc.py): answers each TCP
+        connection on ip:port with an HTTP response whose body starts with `answer`. Threads
+        of this process, stopped on close(); nothing of it outlives the process."""
+        backend = HttpBackend(self.ns(ref).full, ip, port, answer)
+        self._http.append(backend)
+        return backend
+
+    def probe_http(self, ref: NsRef, ip: str, port: int, count: int,
+                   timeout: float = 1.0) -> Counter[str]:
+        """`count` concurrent HTTP requests from the namespace to ip:port, from this process
+        (testkit/inproc.py), counted by backend name or failure ("no answer", "refused"...)."""
+        return http_probe(self.ns(ref).full, ip, port, count, timeout)
 
     def sctp_available(self, ref: NsRef) -> bool:
         """Whether the kernel lets this namespace open SCTP sockets (module present)."""

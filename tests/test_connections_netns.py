@@ -25,8 +25,9 @@ from pyproxy.serve.connections import (
 )
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, tally
-from testkit.nftns import NodeProxy, call_in_netns, libnft_in
+from testkit.nftns import NodeProxy, libnft_in
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -19,8 +19,8 @@ import yaml
 from testkit.apiemu import ApiEmulator
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
 from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, ConnResult, Lab, tally
-from testkit.nftns import call_in_netns
 from testkit.waits import eventually, synced
 
 pytestmark = [pytest.mark.netns, requires_netns]

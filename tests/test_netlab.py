@@ -23,7 +23,8 @@ from testkit.fixtures import (  # noqa: F401 - the fixtures register themselves 
     requires_netns,
     requires_nft,
 )
-from testkit.netlab import Cluster, ConnResult, Lab, Proto, sweep_stale, tally
+from testkit.netlab import Cluster, ConnResult, Lab, Locked, Proto, sweep_stale, tally
+from testkit.waits import until
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -309,3 +310,41 @@ def test_sweep_leaves_live_namespaces_alone(lab: Lab) -> None:
     sweep_stale()
     assert ns.full in lab.leftovers()
     assert os.getpid() == int(ns.full.split("-")[1])
+
+
+# -- the demo's kind of lab: fixed names, one at a time, processes tied to the lab's ---------
+
+
+def test_a_fixed_prefix_lab_runs_once_and_sweeps_a_killed_runs_leftovers() -> None:
+    """A lab with fixed names holds a lock while it lives; a killed run's namespaces and
+    workdir are removed by the next one, and its detached daemon got SIGTERM when it died."""
+    prefix = f"ppxfixed{os.getpid()}-"
+    proc = run_script(f"""
+        import os, signal
+        from testkit.netlab import Lab
+        lab = Lab(prefix={prefix!r})
+        lab.add_ns("a")
+        daemon = lab.popen("a", ["sleep", "60"], detach=True)
+        print(daemon.pid, lab.workdir, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pid, workdir = proc.stdout.split()
+    until(lambda: pid_gone(int(pid)), 5, "the detached daemon gone with its lab's process")
+    with Lab(prefix=prefix) as lab:
+        assert lab.swept == [f"{prefix}a", workdir]
+        with pytest.raises(Locked):
+            Lab(prefix=prefix)
+        lab.add_ns("a")
+        assert lab.leftovers() == [f"{prefix}a"]
+    assert lab.leftovers() == []
+    assert not lab.lock_path.exists()
+    assert not Path(workdir).exists()
+
+
+def test_in_process_backends_and_probes(lab: Lab, cluster: Cluster) -> None:
+    """serve_http/probe_http: a backend and clients as threads of the test's own process."""
+    pod = cluster.pods["pod-a"]
+    lab.serve_http(pod.ns, pod.ip4, 9000, "alpha")
+    assert lab.probe_http(cluster.client, pod.ip4, 9000, count=5) == {"alpha": 5}
+    assert lab.probe_http(cluster.client, pod.ip4, 9001, count=2) == {"refused": 2}

@@ -31,8 +31,9 @@ from pyproxy.kernel.nftevents import (
     parse,
 )
 from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
-from testkit.nftns import call_in_netns, libnft_in
+from testkit.nftns import libnft_in
 
 US, THEM = 4000, 5000
 
