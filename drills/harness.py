@@ -451,12 +451,31 @@ def lb_local(env: Env) -> list[Obj]:
             make_slice("ns", "lb", [ep(env.pod("pod-a"), NODE)])]
 
 
-def wait_loaded(daemon: Daemon, loads_before: int, settle: float | None = None) -> None:
-    """After a snapshot write: until the daemon has read it, then a few sync windows."""
+def wait_loaded(daemon: Daemon, loads_before: int, settle: float = 0.0) -> None:
+    """After a snapshot write: until the daemon has read it and settled (`wait_settled`);
+    then `settle` seconds more when a drill needs a timer of the daemon's to run out (e.g.
+    the grace period before stale chains are deleted)."""
     until(lambda: daemon.status()["source"]["loads"] > loads_before, 15, "snapshot reloaded")
-    until(lambda: daemon.status()["pendingChanges"] == {"services": 0, "endpoints": 0}, 30,
-          "changes synced")
-    time.sleep(settle if settle is not None else daemon.min_sync_period * 3 + 0.3)
+    wait_settled(daemon)
+    if settle:
+        time.sleep(settle)
+
+
+def wait_settled(daemon: Daemon, timeout: float = 30.0) -> None:
+    """Until the daemon's /status shows it settled: nothing pending and no sync for a
+    minSyncPeriod (a change delivered while a sync held the lock gets a sync of its own,
+    at most a minSyncPeriod after the one before)."""
+    seen: dict[str, Any] = {}
+
+    def quiet() -> bool:
+        status, now = daemon.status(), time.monotonic()
+        pending = status["pendingChanges"]
+        key = (status["syncs"], pending["services"], pending["endpoints"])
+        if key != seen.get("key"):
+            seen.update(key=key, since=now)
+        return key[1:] == (0, 0) and now - seen["since"] > daemon.min_sync_period + 0.1
+
+    until(quiet, timeout, "the daemon settled: nothing pending, no sync for a minSyncPeriod")
 
 
 @contextlib.contextmanager
@@ -505,7 +524,7 @@ class SnapshotBench:
         self.daemon, self.path = env.snapshot_daemon(self.base, name, **daemon_kw)
         self.daemon.wait_ready()
 
-    def write(self, objects: list[Obj], settle: float | None = None) -> None:
+    def write(self, objects: list[Obj], settle: float = 0.0) -> None:
         """Write the snapshot and wait until the daemon has read and synced it."""
         if json.dumps(objects) == json.dumps(self.current):
             return  # the same content: the daemon would not read it again

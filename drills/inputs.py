@@ -356,12 +356,12 @@ def input_case(env: Env, label: str, bench: SnapshotBench) -> Result:
     # Back to the base (a fresh filler service: the file changes whatever the last case
     # left), and a successful sync.
     base = [*bench.base, make_service("ns", env.unique("filler"), ip="10.96.2.99")]
-    bench.write(base, settle=0)
+    bench.write(base)
     until(lambda: (daemon.status()["lastSync"] or {}).get("error") is None, 10,
           "a successful sync after the previous case")
     before = env.ruleset()
     baseline = Baseline.of(daemon)
-    bench.write(base + case.objects(env), settle=0.3)
+    bench.write(base + case.objects(env))
     status = daemon.status()
     counted = sum((Counter(status["invalidObjects"]) - baseline.invalid).values())
     r.check(counted == case.invalid,

@@ -41,7 +41,7 @@ def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMP
         daemon = b.daemon
         sync_period = daemon.sync_period
         r = Result("tamper", f"{', '.join(which)} (syncPeriod {sync_period:g} s)")
-        b.write([*b.base, *lb_local(env)], settle=0)
+        b.write([*b.base, *lb_local(env)])
         repairs_before = daemon.metric("pyproxy_table_repairs_total")
         probe = Probe(env, WEB, timeout=0.3)
         times: dict[str, float] = {}

@@ -75,8 +75,9 @@ def write_atomically(path: Path, docs: list[dict[str, Any]]) -> None:
 
 def test_snapshot_mode_follows_the_file(cluster: Cluster, tmp_path: Path) -> None:
     snapshot = tmp_path / "cluster.yaml"
+    sock = str(tmp_path / "debug.sock")
     write_atomically(snapshot, objects(cluster, ["pod-a", "pod-b"]))
-    daemon = start_daemon(cluster, "--snapshot", str(snapshot))
+    daemon = start_daemon(cluster, "--snapshot", str(snapshot), "--debug-socket", sock)
     try:
         eventually(lambda: backends(cluster) == {"pod-a", "pod-b"}, what="first sync")
         write_atomically(snapshot, objects(cluster, ["pod-c"]))
@@ -84,9 +85,9 @@ def test_snapshot_mode_follows_the_file(cluster: Cluster, tmp_path: Path) -> Non
         assert took < 5
         write_atomically(snapshot, objects(cluster, ["pod-c"], with_service=False))
         eventually(lambda: backends(cluster, 3) == {"timeout"}, what="service deleted")
-        # a broken file changes nothing
+        # a broken file changes nothing: the daemon reads it, counts the error, and runs on
         snapshot.write_text("{ not: yaml: at all")
-        time.sleep(0.6)
+        eventually(lambda: synced(sock)["source"]["errors"] >= 1, what="the broken file read")
         assert daemon.poll() is None
     finally:
         stop_daemon(cluster, daemon)

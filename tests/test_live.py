@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from ipaddress import ip_address
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
+from testkit.waits import until
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -64,10 +64,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str
             "--healthz-bind-address", "127.0.0.1:10256",
             "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", sock],
             log_name="pyproxy-live.log")
-        deadline = time.monotonic() + 20
-        while cli(sock, "status")[0] != 0:
-            assert time.monotonic() < deadline, "daemon never became healthy"
-            time.sleep(0.2)
+        until(lambda: cli(sock, "status")[0] == 0, 20, "the daemon healthy", interval=0.2)
         yield c, sock, snapshot
         lab.stop_process(daemon)
 
@@ -175,10 +172,8 @@ def test_diff_and_tampering_repaired(env: tuple[Cluster, str, Path]) -> None:
     # someone flushes the dispatch chain: the daemon notices within syncPeriod and repairs it
     c.node.run(["nft", "flush", "chain", "ip", "pyproxy", "services"])
     # not DNATed until the repair (which may already have happened: syncPeriod is 2 s)
-    deadline = time.monotonic() + 10
-    while observed(c, c.client, VIP, 80, count=3)[0] == {"refused"}:
-        assert time.monotonic() < deadline, "not repaired in time"
-        time.sleep(0.3)
+    until(lambda: observed(c, c.client, VIP, 80, count=3)[0] != {"refused"}, 10,
+          "the dispatch chain repaired", interval=0.3)
     assert cli(sock, "diff")[0] == 0
     history = cli_json(sock, "history")
     assert any(r["reason"] == "table changed by someone else" for r in history)
@@ -231,10 +226,9 @@ def test_new_connections_per_endpoint_on_metrics_and_services(
     assert set(landed) <= set(scope), landed
     expected = {series[pod]: before.get(series[pod], 0) + n for pod, n in landed.items()}
     # the daemon reads the kernel at most once a second: a scrape may see the previous read
-    deadline = time.monotonic() + 10
-    while (now := new_connections(c)) != {**before, **expected}:
-        assert time.monotonic() < deadline, (before, landed, now)
-        time.sleep(0.3)
+    until(lambda: new_connections(c) == {**before, **expected}, 10,
+          f"the counters at {expected} (before: {before})", interval=0.3)
+    now = new_connections(c)
     code, text = cli(sock, "services", "ns/web", "-o", "wide")
     assert code == 0 and "NEW-CONNECTIONS" in text, text
     for (_, endpoint, where), count in now.items():
