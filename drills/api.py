@@ -82,7 +82,7 @@ def api_outage(env: Env, outage: float = 10.0, mode: str = "refuse",
 
 
 # What the reflector logs when a watch position has expired (410 Gone) and it lists again.
-GONE_LOG = "watch position expired, listing again"
+GONE_LOG = "watch_expired_listing_again"
 
 
 def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,

@@ -64,7 +64,7 @@ def sd_notify(message: str) -> None:
             sock.connect(address)
             sock.sendall(message.encode())
         except OSError as err:
-            log.warning("sd_notify failed", error=str(err))
+            log.warning("sd_notify_failed", error=str(err))
 
 
 class ConntrackWorker:
@@ -91,7 +91,7 @@ class ConntrackWorker:
                 result.duration)
             if result.deleted:
                 self.metrics.conntrack_deleted.labels(ip_family=str(family)).inc(result.deleted)
-                log.info("stale UDP conntrack entries deleted", family=str(family),
+                log.info("stale_udp_conntrack_deleted", family=str(family),
                          deleted=result.deleted)
 
 
@@ -236,7 +236,7 @@ class NodeTracker:
         wanted = node_config_for(self.config, self.node_name, self.node(), self.interface_ips)
         if wanted == self.current:
             return None
-        log.info("node configuration from the Node object", node_ips=list(wanted.node_ips),
+        log.info("node_config_from_node", node_ips=list(wanted.node_ips),
                  was=list(self.current.node_ips), pod_cidrs=list(wanted.node_cidrs))
         self.current = wanted
         for hook in self.on_change:
@@ -288,13 +288,13 @@ def sync_timing(config: ProxyConfig) -> SyncTiming:
 def _log_host_setting(outcome: Outcome) -> None:
     fields = {"setting": outcome.setting, "value": outcome.value, "detail": outcome.detail}
     if outcome.action == "set":
-        log.info("host setting applied", **fields)
+        log.info("host_setting_applied", **fields)
     elif outcome.action == "unchanged":
-        log.debug("host setting already in place", **fields)
+        log.debug("host_setting_unchanged", **fields)
     elif outcome.action == "skipped":
-        log.warning("host setting skipped", **fields)
+        log.warning("host_setting_skipped", **fields)
     else:  # "failed": kube-proxy stops on most of these; the rules do not depend on them
-        log.warning("host setting failed", **fields)
+        log.warning("host_setting_failed", **fields)
 
 
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
@@ -368,7 +368,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     debug = _start_debug(config, proxier, health, runner, source, connections)
     _install_signal_handlers(stop)
     runner.loop(stop)
-    log.info("stopping; the rules stay in place")
+    log.info("stopping")
     sd_notify("STOPPING=1")
     for server in servers:
         server.stop()
@@ -395,7 +395,7 @@ def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
         server = DebugServer(config.debug_socket,
                              handlers(proxier, health, runner, source_status, connections))
     except OSError as err:
-        log.error("debug socket not served", path=config.debug_socket, error=str(err))
+        log.error("debug_socket_not_served", path=config.debug_socket, error=str(err))
         return None
     server.start()
     return server
@@ -446,7 +446,7 @@ def _start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
         except OSError as err:
             if config.bind_address_hard_fail:
                 raise
-            log.error("server not started; retrying", server=name, address=address,
+            log.error("server_not_started_retrying", server=name, address=address,
                       error=str(err))
             threading.Thread(target=_retry_server, args=(name, start, servers, stop),
                              name=f"retry-{name}", daemon=True).start()
@@ -460,7 +460,7 @@ def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
             servers.append(start())
         except OSError:
             continue
-        log.info("server started", server=name)
+        log.info("server_started", server=name)
         return
 
 
@@ -490,7 +490,7 @@ def _install_signal_handlers(stop: threading.Event) -> None:
         return
 
     def handle(signum: int, frame: object) -> None:
-        log.info("signal received", signal=signal.Signals(signum).name)
+        log.info("signal_received", signal=signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGTERM, handle)

@@ -131,7 +131,7 @@ def test_an_unusable_annotation_is_warned_once_not_on_every_update() -> None:
         proxier.on_service(("ns", "web"), bad())
         proxier.on_service(("ns", "web"), bad())  # a relist
         proxier.on_service(("ns", "web"), bad(sessionAffinity="ClientIP"))  # another change
-    warnings = [e for e in logs if e["event"] == "service annotation ignored"]
+    warnings = [e for e in logs if e["event"] == "service_annotation_ignored"]
     assert len(warnings) == 1, logs
     assert warnings[0]["service"] == "ns/web" and "'lots'" in warnings[0]["reason"]
     assert warnings[0]["log_level"] == "warning"

@@ -233,4 +233,4 @@ def test_api_mode_without_the_service_cidr_api(cluster: Cluster, tmp_path: Path)
             stop_daemon(cluster, daemon)
             cleanup_tables(cluster)
         log = (cluster.lab.workdir / "pyproxy-no-cidrs.log").read_text()
-        assert "API unavailable" not in log, log
+        assert "api_unavailable_retrying" not in log, log

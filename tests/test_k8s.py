@@ -219,7 +219,7 @@ def test_runs_with_the_manifests_identity(node: Node) -> None:
     log = node.daemon.log.read_text()
     # The client's errors read "ApiException: (403) Reason: Forbidden …".
     assert "Forbidden" not in log and "(403)" not in log, log[-2000:]
-    assert "event recorded" in log
+    assert "event_recorded" in log
 
     token = yaml.safe_load(node.kubeconfig.read_text())["users"][0]["user"]["token"]
     config = client.Configuration()
@@ -281,7 +281,7 @@ def test_apiserver_killed_and_history_compacted(node: Node) -> None:
     after = node.daemon.watches()
     relisted = {kind for kind in after if after[kind]["lists"] > before[kind]["lists"]}
     assert relisted, (before, after)  # 410 Gone → a relist, and only that
-    assert "watch position expired" in node.daemon.log.read_text()
+    assert "watch_expired_listing_again" in node.daemon.log.read_text()
     kube.core.delete_namespaced_service("web", ns)
     for name in ("pod-a", "pod-b"):
         kube.delete_pod(ns, name)

@@ -6,6 +6,7 @@ change to an I/O shell cannot reach them."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,22 @@ def test_the_package_does_not_import_the_test_kit() -> None:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found = {m.split(".")[0] for m in _imports(tree)}
         assert not found & outside, f"{path} imports {sorted(found & outside)}"
+
+
+LEVELS = {"debug", "info", "warning", "error", "exception", "critical", "msg"}
+
+
+def test_log_events_are_constant_snake_case_names() -> None:
+    """One log event style: `log.info("sync_completed", key=value)`, the event a constant
+    snake_case name and the data key/values (never a message built with an f-string)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in LEVELS and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == "log"):
+                event = node.args[0] if node.args else None
+                if not (isinstance(event, ast.Constant) and isinstance(event.value, str)
+                        and re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", event.value)):
+                    bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bad, bad

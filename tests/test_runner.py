@@ -202,7 +202,7 @@ class TestLoop:
         with capture_logs() as logs:
             starts = h.drive((0,), until=5)
         assert starts == (0, 2, 4)
-        failures = [e for e in logs if e["event"] == "sync failed"]
+        failures = [e for e in logs if e["event"] == "sync_failed"]
         assert len(failures) == 3
         assert failures[0]["runner"] == "test"
         assert failures[0]["log_level"] == "error"

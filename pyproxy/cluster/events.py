@@ -63,11 +63,11 @@ def record_start(api_client: Any, node_name: str, stop: threading.Event,
             try:
                 response = request(api_client, "POST", EVENTS_PATH, body=body, timeout=10)
                 response.release_conn()
-                log.info("event recorded", reason=body["reason"], regarding=node_name)
+                log.info("event_recorded", reason=body["reason"], regarding=node_name)
                 return
             except Exception as err:
                 status = getattr(err, "status", None)
-                log.warning("event not recorded", attempt=attempt, status=status,
+                log.warning("event_not_recorded", attempt=attempt, status=status,
                             error=f"{type(err).__name__}: {err}"[:200])
                 if status in (401, 403, 422):  # retrying cannot help
                     return

@@ -93,7 +93,7 @@ class SnapshotSource:
     def _fail(self, message: str) -> None:
         self.errors += 1
         if message != self.last_error:
-            log.warning("snapshot not loaded", error=message)
+            log.warning("snapshot_not_loaded", error=message)
         self.last_error = message
 
     def _apply(self, objects: list[Any]) -> None:
@@ -165,7 +165,7 @@ class ApiSource:
         programmed. Their drop rule follows in the sync after their list."""
         reflector = Reflector(
             self.api_client, service_cidrs_resource(), self.proxier.on_service_cidr,
-            on_synced=lambda: log.info("initial list complete", source="ServiceCIDR"),
+            on_synced=lambda: log.info("initial_list_completed", source="ServiceCIDR"),
             stop=self.stop, watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
         self.reflectors.append(reflector)
         return reflector

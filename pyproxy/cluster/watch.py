@@ -125,10 +125,10 @@ class _NotServedIsEmpty:
             if getattr(err, "status", None) != 404:
                 raise
         if not kwargs.get("watch"):
-            log.info("resource not served by the API server: taken as none", kind=self.kind)
+            log.info("resource_not_served_taken_as_none", kind=self.kind)
             return _Response(b'{"items": [], "metadata": {"resourceVersion": ""}}')
         if kwargs.get("send_initial_events"):  # a streamed list of nothing
-            log.info("resource not served by the API server: taken as none", kind=self.kind)
+            log.info("resource_not_served_taken_as_none", kind=self.kind)
             return _Response(_EMPTY_STREAMED_LIST)
         return _Response(b"", quiet_for=float(kwargs.get("timeout_seconds") or 300))
 
@@ -259,7 +259,7 @@ class Reflector:
                     self._backoff.reset()
                 version = self._watch(version)
             except Expired as err:
-                log.info("watch position expired, listing again", kind=self.resource.kind,
+                log.info("watch_expired_listing_again", kind=self.resource.kind,
                          version=version, reason=str(err)[:200])
                 version = None
             except Exception as err:  # connection refused, timeouts, HTTP errors…
@@ -267,7 +267,7 @@ class Reflector:
                 self.status.errors += 1
                 self.status.last_error = f"{type(err).__name__}: {err}"[:300]
                 delay = self._backoff.next()
-                log.warning("API unavailable, retrying", kind=self.resource.kind,
+                log.warning("api_unavailable_retrying", kind=self.resource.kind,
                             error=self.status.last_error, retry_in=round(delay, 2),
                             resume="list" if version is None else "watch")
                 self.stop.wait(delay)
@@ -295,7 +295,7 @@ class Reflector:
                 # An API server before 1.27, or with the WatchList feature off, refuses the
                 # parameters (400/422); it is asked once per reflector.
                 self.watch_list = False
-                log.info("streaming list not served, listing in pages",
+                log.info("streaming_list_not_served",
                          kind=self.resource.kind, reason=str(err)[:200])
         return self._paged_list()
 
@@ -371,8 +371,7 @@ class Reflector:
                 decoding += decode_seconds
             except Exception as err:
                 if token and getattr(err, "status", None) == 410:
-                    log.info("list snapshot expired between pages, listing again in one "
-                             "piece", kind=self.resource.kind)
+                    log.info("list_expired_between_pages", kind=self.resource.kind)
                     limit, token, version = 0, "", ""
                     continue
                 raise

@@ -337,7 +337,7 @@ def _log_lenient(kind: str, namespace: str, name: str,
         if len(_LOGGED) > 10_000:  # bounded: objects come and go
             _LOGGED.clear()
         _LOGGED[key] = None
-        log.warning("address read leniently, as kube-proxy does (leading zeros are decimal)",
+        log.warning("address_read_leniently",
                     object=f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}",
                     field=field, written=text, address=canonical)
 

@@ -260,7 +260,7 @@ class ConntrackCleaner:
             except NetlinkError as err:
                 if err.code not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-                log.info("kernel-side conntrack filter refused, dumping all entries",
+                log.info("conntrack_filter_refused_dumping_all",
                          family=str(family), error=str(err))
                 with self._socket(family) as sock:
                     return _convert(sock.dump(), family)
@@ -308,7 +308,7 @@ class ConntrackCleaner:
                 report(f"conntrack delete ({family}) failed: {_describe(err)}")
         result = DeleteResult(deleted, missing, failed, tuple(errors), self.clock() - start)
         if result.errors:
-            log.warning("conntrack delete errors", failed=failed, errors=list(result.errors))
+            log.warning("conntrack_delete_failed", failed=failed, errors=list(result.errors))
         return result
 
     def cleanup(self, family: IPFamily, allowed: Allowed) -> CleanupResult:
@@ -321,7 +321,7 @@ class ConntrackCleaner:
             entries = self.dump_udp(family)
             doomed = stale(entries, allowed)
         except Exception as err:
-            log.warning("conntrack cleanup failed", family=str(family), error=str(err))
+            log.warning("conntrack_cleanup_failed", family=str(family), error=str(err))
             return CleanupResult(family, errors=(str(err),), duration=self.clock() - start)
         result = self.delete(doomed) if doomed else DeleteResult()
         out = CleanupResult(
@@ -330,7 +330,7 @@ class ConntrackCleaner:
             duration=self.clock() - start,
         )
         if doomed:
-            log.info("stale UDP conntrack entries deleted", family=str(family),
+            log.info("stale_udp_conntrack_deleted", family=str(family),
                      dumped=out.dumped, deleted=out.deleted, missing=out.missing,
                      failed=out.failed, seconds=round(out.duration, 3))
         return out

@@ -238,8 +238,7 @@ class NftMonitor:
         try:
             sock = self.open()
         except OSError as err:
-            log.warning("nftables change events not available; tampering is found by the "
-                        "periodic check only", error=str(err))
+            log.warning("nft_events_unavailable", error=str(err))
             return False
         sock.settimeout(self.poll_seconds)
         self._sock = sock
@@ -266,9 +265,9 @@ class NftMonitor:
                     continue
                 except OSError as err:
                     if err.errno != errno.ENOBUFS:
-                        log.error("nftables change events stopped", error=str(err))
+                        log.error("nft_events_stopped", error=str(err))
                         return
-                    log.warning("nftables change events lost (receive buffer full)")
+                    log.warning("nft_events_lost")
                     pending = Transaction()
                     self.on_lost()
                     continue

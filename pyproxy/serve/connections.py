@@ -353,7 +353,7 @@ class ConnectionCounters:
         self._totals = self.ledger.totals()
         self.last_read_seconds = time.perf_counter() - started
         self.last_elements = len(counts)
-        log.debug("connection counters read", elements=len(counts), collected=len(collect),
+        log.debug("connection_counters_read", elements=len(counts), collected=len(collect),
                   seconds=round(self.last_read_seconds, 3))
 
     def run_periodically(self, stop: threading.Event, interval: float) -> None:
@@ -363,7 +363,7 @@ class ConnectionCounters:
             try:
                 self.totals()
             except Exception as err:  # a failed read must not end the thread
-                log.warning("connection counters not read", error=str(err))
+                log.warning("connection_counters_not_read", error=str(err))
 
 
 def _family_of(key: bytes) -> IPFamily:

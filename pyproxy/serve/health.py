@@ -378,7 +378,7 @@ class ServiceHealthServers:
                 # does not trip over our own half-open listeners.
                 _close(opened)
                 self.failures[key] = f"cannot listen on {port}: {err.strerror}"
-                log.warning("health check node port not served", service=str(key), port=port,
+                log.warning("health_check_node_port_not_served", service=str(key), port=port,
                             error=err.strerror)
             else:
                 self.servers[(key, port)] = opened

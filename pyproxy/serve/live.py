@@ -186,7 +186,7 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
             count = parse_fault_count(query["fail"])
             for applier in appliers:
                 inject_faults(applier, count)
-            log.warning("fault injection: transactions will fail", fail_next=count,
+            log.warning("fault_injection_armed", fail_next=count,
                         families=[a.family for a in appliers])
         return {"failNext": {p.applier.family: pending_faults(p.applier)
                              for p in proxier.proxiers}}

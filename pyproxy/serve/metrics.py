@@ -179,7 +179,7 @@ class _ConnectionCollector(Collector):
         try:
             totals = self.totals()
         except Exception as err:  # the rest of /metrics must still answer
-            log.warning("connection counters not read", error=str(err))
+            log.warning("connection_counters_not_read", error=str(err))
             totals = {}
         for series, count in totals.items():
             family.add_metric(list(series), count)

@@ -78,7 +78,7 @@ def _warn_ignored_annotations(before: tuple[ServicePort, ...],
     """An unusable pyproxy annotation is ignored, not fatal (the service works without it).
     Warned once when it appears, not again on every relist or unrelated update."""
     for note in sorted(_annotation_notes(after) - _annotation_notes(before)):
-        log.warning("service annotation ignored", service=str(after[0].name.service),
+        log.warning("service_annotation_ignored", service=str(after[0].name.service),
                     reason=note)
 
 
@@ -133,7 +133,7 @@ class NodeProxier:
         with self.lock:
             self._sources[source] = True
             complete = self.initialized
-        log.info("initial list complete", source=source)
+        log.info("initial_list_completed", source=source)
         if complete:
             self.request_sync()
 
@@ -170,7 +170,7 @@ class NodeProxier:
             self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1
             for hook in self.on_invalid:
                 hook(skipped)
-            log.warning("invalid object skipped", object=skipped.object, reason=skipped.reason)
+            log.warning("invalid_object_skipped", object=skipped.object, reason=skipped.reason)
         if self.cache.has_pending():
             for observer in self.observers:
                 observer.queued()
@@ -184,9 +184,9 @@ class NodeProxier:
         the next sync, which is asked for now. Before our first sync there is nothing of ours
         to repair (that sync rewrites everything anyway)."""
         if not self._synced_once:
-            log.info("pyproxy's table changed by someone else before the first sync", change=what)
+            log.info("table_changed_before_first_sync", change=what)
             return
-        log.warning("pyproxy's table was changed by someone else: repairing", change=what)
+        log.warning("table_changed_by_someone_else_repairing", change=what)
         self._report_damage(f"{REPAIR_REASON}: {what}")
         self.request_sync()
 
@@ -223,7 +223,7 @@ class NodeProxier:
         still missing (the runner then starts no minSyncPeriod)."""
         with self.lock:
             if not self.initialized:
-                log.debug("sync skipped: waiting for the initial lists", sources=self._sources)
+                log.debug("sync_skipped_waiting_for_initial_lists", sources=self._sources)
                 return False
             now = self.clock()
             full, reason = self._full_reason(now)
@@ -238,7 +238,7 @@ class NodeProxier:
             elif not full and self._verify_due(now, checkout):
                 self._last_verify, self._verify_now = now, False
                 if not all(p.applier.structure_intact() for p in self.proxiers):
-                    log.warning("pyproxy's table was changed by someone else: repairing",
+                    log.warning("table_changed_by_someone_else_repairing",
                                 change="found by the structure check")
                     self._report_damage(f"{REPAIR_REASON}: found by the structure check")
                     repairs += 1
@@ -304,7 +304,7 @@ class NodeProxier:
         )
         self.history.append(record)
         if error:
-            log.error("nftables sync failed", full=full, reason=reason, error=error)
+            log.error("nft_sync_failed", full=full, reason=reason, error=error)
         elif full or record.commands:
             log.info("synced", full=full, reason=reason,
                      services_changed=record.services_changed,

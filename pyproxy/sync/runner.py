@@ -220,14 +220,14 @@ class BoundedFrequencyRunner:
             self._looping = True
             self._schedule = self._schedule.loop_started(self._clock())
         self._watch_stop(stop)
-        log.debug("runner loop started", runner=self.name)
+        log.debug("runner_started", runner=self.name)
         try:
             while self._wait_until_due(stop):
                 self._run_once()
         finally:
             with self._cond:
                 self._looping = False
-        log.debug("runner loop stopped", runner=self.name)
+        log.debug("runner_stopped", runner=self.name)
 
     def _watch_stop(self, stop: threading.Event) -> None:
         # An Event cannot notify our condition, and polling it would mean waking up on a timer.
@@ -260,7 +260,7 @@ class BoundedFrequencyRunner:
             ok = True
         except Exception:
             log.error(
-                "sync failed",
+                "sync_failed",
                 runner=self.name,
                 retry_in_s=self._schedule.intervals.retry_interval,
                 exc_info=True,
