@@ -48,6 +48,44 @@ def effective_weights(port: ServicePort,
     return weights, None
 
 
+def keep_slots(previous: Sequence[Endpoint] | None,
+               current: tuple[Endpoint, ...] | None) -> tuple[Endpoint, ...] | None:
+    """`current` in the order that keeps every endpoint that stays in the slot it had in
+    `previous`: a new endpoint takes a slot an old one left (or is appended), and when the
+    list shrinks the last ones move into the holes. One endpoint more or less then changes
+    one or two elements of the endpoints map, where the sorted order moved every endpoint
+    after it (half of a 5,000-endpoint service's slots for a random pod address). The
+    order is otherwise irrelevant to random, round-robin and source-hash picks (and
+    source hashing keeps more clients where they were); `current` itself when nothing
+    moves."""
+    if current is None or not previous:
+        return current
+    slot_of = {(ep.ip, ep.port): i for i, ep in enumerate(previous)}
+    out: list[Endpoint | None] = [None] * len(previous)
+    new: list[Endpoint] = []
+    for ep in current:
+        i = slot_of.get((ep.ip, ep.port))
+        if i is None:
+            new.append(ep)
+        else:
+            out[i] = ep
+    holes = [i for i, ep in enumerate(out) if ep is None]
+    for i, ep in zip(holes, new, strict=False):
+        out[i] = ep
+    if len(new) > len(holes):
+        out.extend(new[len(holes):])
+    elif len(holes) > len(new):
+        size = len(current)
+        movers = [ep for ep in out[size:] if ep is not None]
+        low = (i for i in holes[len(new):] if i < size)
+        for i, ep in zip(low, movers, strict=False):
+            out[i] = ep
+        del out[size:]
+    if all(a is b for a, b in zip(out, current, strict=True)):
+        return current
+    return tuple(ep for ep in out if ep is not None)
+
+
 def slots(endpoints: Sequence[Endpoint], weights: Sequence[int],
           algorithm: Algorithm) -> tuple[Endpoint, ...]:
     """The endpoint of every map index, in index order."""

@@ -503,9 +503,10 @@ def merge_slices(
     chosen: dict[str, Endpoint] = {}
     for endpoints in lists:
         for ep in endpoints:
-            old = chosen.get(ep.key)
+            key = ep.key
+            old = chosen.get(key)
             if old is None or (old.terminating and not ep.terminating):
-                chosen[ep.key] = ep
+                chosen[key] = ep
     return tuple(chosen[key] for key in sorted(chosen))
 
 

@@ -5,19 +5,22 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator, MutableMapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from pyproxy.core.balancing import keep_slots
 from pyproxy.core.model import (
+    Algorithm,
     ClusterState,
+    Endpoint,
     IPFamily,
     NodeConfig,
     ServiceKey,
     ServicePortName,
     ip_family,
 )
-from pyproxy.core.topology import PortSelection, select_all
+from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.render.objects import Fragment
 from pyproxy.render.ruleset import Change, DesiredState, full_commands
 from pyproxy.render.services import render_config, render_service, skeleton
@@ -27,6 +30,10 @@ if TYPE_CHECKING:
     from pyproxy.kernel.nft import Kernel, SyncResult
 
 SKELETON = "skeleton"
+
+# Per service port: the cluster and local lists in the order their slots were last rendered.
+SlotOrders = MutableMapping[ServicePortName, tuple[tuple[Endpoint, ...] | None,
+                                                   tuple[Endpoint, ...] | None]]
 
 
 def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ...]:
@@ -58,11 +65,14 @@ def select_and_render(
 def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
              services: Iterable[ServiceKey] | None,
              selections: dict[ServicePortName, PortSelection],
-             spent: list[float] | None = None) -> Iterator[tuple[Hashable, Fragment]]:
+             spent: list[float] | None = None,
+             orders: SlotOrders | None = None) -> Iterator[tuple[Hashable, Fragment]]:
     """The skeleton's and each service port's fragment, one at a time, recording the
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
-    receives the seconds spent selecting and those spent rendering (not in the consumer)."""
+    receives the seconds spent selecting and those spent rendering (not in the consumer).
+    `orders`: the slot order each port was last rendered in, kept (`keep_slots`) and
+    updated."""
     cfg = render_config(config, family)
     clock = time.perf_counter
     selecting, rendering = 0.0, 0.0
@@ -82,11 +92,27 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
         if ps.family is not family:
             continue
         selections[ps.port.name] = ps
-        fragment = render_service(ps.port, ps.selection, cfg)
+        selection = ps.selection if orders is None else _sticky(orders, ps)
+        fragment = render_service(ps.port, selection, cfg)
         rendering += clock() - selected
         yield ps.port.name, fragment
     if spent is not None:
         spent += (selecting, rendering)
+
+
+def _sticky(orders: SlotOrders, ps: PortSelection) -> Selection:
+    """The selection with its lists in the slot order last rendered (Maglev builds its own
+    table from the endpoints: left as it is)."""
+    sel = ps.selection
+    if ps.port.balancing == Algorithm.MAGLEV:
+        return sel
+    before = orders.get(ps.port.name)
+    cluster = keep_slots(before[0] if before else None, sel.cluster)
+    local = keep_slots(before[1] if before else None, sel.local)
+    orders[ps.port.name] = (cluster, local)
+    if cluster is sel.cluster and local is sel.local:
+        return sel
+    return replace(sel, cluster=cluster, local=local)
 
 
 def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> DesiredState:
@@ -121,6 +147,8 @@ class FamilyProxier:
         self._owners: dict[ServiceKey, set[ServicePortName]] = {}
         # The selection in force per service port (what the kernel was last asked to do).
         self.selections: dict[ServicePortName, PortSelection] = {}
+        # Its lists in the order of their slots in the endpoints maps (see `keep_slots`).
+        self.slot_orders: SlotOrders = {}
 
     def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
              full: bool = False) -> SyncResult:
@@ -147,6 +175,7 @@ class FamilyProxier:
             for gone in self._owners.get(key, set()) - now:
                 removed.append((gone, Fragment()))
                 self.selections.pop(gone, None)
+                self.slot_orders.pop(gone, None)
             if now:
                 self._owners[key] = now
             else:
@@ -156,7 +185,7 @@ class FamilyProxier:
         # Streamed: each fragment goes into the store as soon as it is rendered.
         updates = itertools.chain(
             rendered(state, self.config, self.family, None if changed is None else services,
-                     selections, spent),
+                     selections, spent, self.slot_orders),
             removed)
         result = self.applier.sync(updates, full=full)
         self.selections.update(selections)

@@ -1,0 +1,101 @@
+"""Endpoints keep their slots in the endpoints maps across changes (balancing.keep_slots),
+so that one endpoint more or less changes one or two map elements, not every slot after
+it in sorted order."""
+
+from __future__ import annotations
+
+import random
+import re
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.core.balancing import keep_slots
+from pyproxy.core.model import Endpoint, IPFamily, NodeConfig
+from pyproxy.sync.node import NodeProxier
+from pyproxy.sync.proxier import FamilyProxier
+from testkit.builders import ep, make_service, make_slice
+from testkit.fakes import FakeNft
+
+
+def eps(*numbers: int) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(f"10.244.{n // 250}.{n % 250}", 8080) for n in numbers)
+
+
+def ips(endpoints: tuple[Endpoint, ...] | None) -> list[str]:
+    return [e.ip for e in endpoints or ()]
+
+
+def test_a_new_endpoint_takes_a_free_slot_or_is_appended() -> None:
+    before = eps(1, 2, 3)
+    assert ips(keep_slots(before, eps(1, 2, 3, 4))) == ips(eps(1, 2, 3, 4))
+    # sorted, 0 would come first and move every other endpoint one slot on
+    assert ips(keep_slots(before, eps(0, 1, 2, 3))) == ips(eps(1, 2, 3, 0))
+    # 2 left, 0 came: 0 takes 2's slot
+    assert ips(keep_slots(before, eps(0, 1, 3))) == ips(eps(1, 0, 3))
+
+
+def test_when_the_list_shrinks_the_last_endpoints_fill_the_holes() -> None:
+    before = eps(1, 2, 3, 4, 5)
+    assert ips(keep_slots(before, eps(1, 3, 4, 5))) == ips(eps(1, 5, 3, 4))
+    assert ips(keep_slots(before, eps(3, 5))) == ips(eps(3, 5))  # both beyond the new end
+    assert keep_slots(before, ()) == ()
+
+
+def test_nothing_to_keep() -> None:
+    current = eps(3, 1, 2)
+    assert keep_slots(None, current) is current
+    assert keep_slots(eps(1, 2, 3), None) is None
+    same = eps(1, 2, 3)
+    assert keep_slots(eps(1, 2, 3), same) is same  # no copy when nothing moves
+
+
+def test_the_current_endpoint_objects_are_used() -> None:
+    """A kept endpoint's other fields (ready, terminating…) are today's, not the old ones."""
+    old = (Endpoint("10.0.0.1", 80, ready=True), Endpoint("10.0.0.2", 80))
+    now = (Endpoint("10.0.0.1", 80, ready=False, terminating=True), Endpoint("10.0.0.2", 80))
+    assert keep_slots(old, now) == now
+    assert keep_slots(old, now)[0].terminating  # type: ignore[index]
+
+
+@given(st.lists(st.integers(0, 60), unique=True), st.lists(st.integers(0, 60), unique=True))
+def test_slots_hold_exactly_the_current_endpoints_and_stayers_stay(
+        previous: list[int], current: list[int]) -> None:
+    before, now = eps(*previous), eps(*current)
+    kept = keep_slots(before, now)
+    assert kept is not None
+    assert sorted(ips(kept)) == sorted(ips(now))
+    moved = sum(1 for i, e in enumerate(kept) if i >= len(before) or before[i].ip != e.ip)
+    stayers = set(previous) & set(current)
+    # every endpoint in a slot that changed is a new one or one moved from the cut tail
+    assert moved <= len(current) - len(stayers) + max(0, len(previous) - len(current))
+
+
+def test_one_endpoint_more_changes_one_element_of_a_big_service() -> None:
+    """Through the proxier and the fake kernel: a 300-endpoint service gains an endpoint
+    whose address sorts first; the transaction adds one endpoint slot (and its hairpin
+    element), it does not rewrite the slots after it."""
+    nft = FakeNft()
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
+        IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)])
+    for source in ("Service", "EndpointSlice"):
+        proxier.expect(source)
+        proxier.source_synced(source)
+    addresses = [f"10.244.{n // 200 + 1}.{n % 200 + 10}" for n in range(300)]
+    random.Random(7).shuffle(addresses)
+    proxier.on_service(("ns", "big"), make_service("ns", "big", ip="10.96.0.50"))
+
+    def publish(ips_now: list[str]) -> None:
+        proxier.on_slice(("ns", "big-1"), make_slice(
+            "ns", "big", [ep(ip, "node-b") for ip in ips_now], name="big-1"))
+        proxier.sync()
+
+    publish(addresses)
+    publish(["10.244.0.1", *addresses])  # sorts before every other address
+    script = nft.last
+    slots = re.findall(r"10\.96\.0\.50 \. 80 \. \d+ :", script)
+    assert slots == ["10.96.0.50 . 80 . 300 :"], script
+    assert not re.search(r"delete element ip pyproxy endpoints-tcp", script), script
+    publish([*addresses[1:], "10.244.0.1"])  # the first one goes: the last one fills its slot
+    assert len(re.findall(r"10\.96\.0\.50 \. 80 \. \d+", nft.last)) <= 3, nft.last
