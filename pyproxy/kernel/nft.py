@@ -39,7 +39,7 @@ class NftError(RuntimeError):
 
 class Kernel(Protocol):
     """What the applier needs from the kernel's nftables: `LibNftables` in production, the
-    stateful fake (tests/fakes.py) where no namespace is needed. Every method names our
+    stateful fake (testkit/fakes.py) where no namespace is needed. Every method names our
     table by family; listings return None where the object does not exist."""
 
     def run(self, script: str) -> str:

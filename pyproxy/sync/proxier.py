@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import itertools
 import time
-from collections.abc import Hashable, Iterable, Iterator, MutableMapping
+from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 SKELETON = "skeleton"
 
-# Per service port: the cluster and local lists in the order their slots were last rendered.
+# Per service port whose slots are not in its selection's own order: the cluster and local
+# lists in the order their slots were last rendered.
 SlotOrders = MutableMapping[ServicePortName, tuple[tuple[Endpoint, ...] | None,
                                                    tuple[Endpoint, ...] | None]]
 
@@ -65,14 +66,15 @@ def select_and_render(
 def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
              services: Iterable[ServiceKey] | None,
              selections: dict[ServicePortName, PortSelection],
-             spent: list[float] | None = None,
-             orders: SlotOrders | None = None) -> Iterator[tuple[Hashable, Fragment]]:
+             spent: list[float] | None = None, orders: SlotOrders | None = None,
+             previous: Mapping[ServicePortName, PortSelection] | None = None,
+             ) -> Iterator[tuple[Hashable, Fragment]]:
     """The skeleton's and each service port's fragment, one at a time, recording the
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
     receives the seconds spent selecting and those spent rendering (not in the consumer).
-    `orders`: the slot order each port was last rendered in, kept (`keep_slots`) and
-    updated."""
+    `orders` and `previous` (the selections last rendered): the slot order each port was
+    last rendered in, kept (`keep_slots`); `orders` is updated."""
     cfg = render_config(config, family)
     clock = time.perf_counter
     selecting, rendering = 0.0, 0.0
@@ -92,7 +94,7 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
         if ps.family is not family:
             continue
         selections[ps.port.name] = ps
-        selection = ps.selection if orders is None else _sticky(orders, ps)
+        selection = ps.selection if orders is None else _sticky(orders, previous or {}, ps)
         fragment = render_service(ps.port, selection, cfg)
         rendering += clock() - selected
         yield ps.port.name, fragment
@@ -100,18 +102,23 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
         spent += (selecting, rendering)
 
 
-def _sticky(orders: SlotOrders, ps: PortSelection) -> Selection:
+def _sticky(orders: SlotOrders, previous: Mapping[ServicePortName, PortSelection],
+            ps: PortSelection) -> Selection:
     """The selection with its lists in the slot order last rendered (Maglev builds its own
-    table from the endpoints: left as it is)."""
-    sel = ps.selection
+    table from the endpoints: left as it is). Only an order that differs from the
+    selection's is remembered: almost every service keeps its sorted one."""
+    sel, name = ps.selection, ps.port.name
     if ps.port.balancing == Algorithm.MAGLEV:
         return sel
-    before = orders.get(ps.port.name)
+    before = orders.get(name)
+    if before is None and (last := previous.get(name)) is not None:
+        before = (last.selection.cluster, last.selection.local)
     cluster = keep_slots(before[0] if before else None, sel.cluster)
     local = keep_slots(before[1] if before else None, sel.local)
-    orders[ps.port.name] = (cluster, local)
     if cluster is sel.cluster and local is sel.local:
+        orders.pop(name, None)
         return sel
+    orders[name] = (cluster, local)
     return replace(sel, cluster=cluster, local=local)
 
 
@@ -185,7 +192,7 @@ class FamilyProxier:
         # Streamed: each fragment goes into the store as soon as it is rendered.
         updates = itertools.chain(
             rendered(state, self.config, self.family, None if changed is None else services,
-                     selections, spent, self.slot_orders),
+                     selections, spent, self.slot_orders, self.selections),
             removed)
         result = self.applier.sync(updates, full=full)
         self.selections.update(selections)
