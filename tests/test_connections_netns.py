@@ -162,7 +162,7 @@ def test_node_port_hairpin_ipv6_and_affinity_are_counted(cluster: Cluster, node:
     sticky_spec = {"sessionAffinity": "ClientIP"}
     node.apply([
         web(type="NodePort", ipFamilies=["IPv4", "IPv6"], clusterIPs=[VIP, VIP6]),
-        pods(cluster, ["pod-b", "pod-c"]), pods(cluster, ["pod-b", "pod-c"], v6=True),
+        pods(cluster, ["pod-a", "pod-c"]), pods(cluster, ["pod-a", "pod-c"], v6=True),
         web(STICKY_VIP, "sticky", **sticky_spec), pods(cluster, ["pod-a"], name="sticky")])
     expected: dict[Series, int] = {}
 
@@ -173,8 +173,9 @@ def test_node_port_hairpin_ipv6_and_affinity_are_counted(cluster: Cluster, node:
 
     add(cluster.lab.connect(cluster.client, cluster.node_ip4, NODEPORT, count=10, parallel=5))
     add(cluster.lab.connect(cluster.client, VIP6, 80, count=10, parallel=5), v6=True)
-    # from a pod back to itself through its own service (masqueraded), and with affinity
-    add(cluster.lab.connect(cluster.pods["pod-b"].ns, VIP, 80, count=4))
+    # from a pod of this node back to itself through its own service (masqueraded), and
+    # with affinity
+    add(cluster.lab.connect(cluster.pods["pod-a"].ns, VIP, 80, count=4))
     add(cluster.lab.connect(cluster.pods["pod-a"].ns, STICKY_VIP, 80, count=5),
         service="ns/sticky")
     assert node.totals() == expected

@@ -16,6 +16,7 @@ from pyproxy.render.objects import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,
     FIREWALL_IPS_SET,
+    HAIRPIN_SET,
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
     NODEPORT_IPS_SET,
@@ -209,11 +210,15 @@ class _Walker:
         for target in targets:
             counts[target] = counts.get(target, 0) + 1
         self.out.candidates = [(t, n / len(targets)) for t, n in counts.items()]
-        if any(_address(t) == self.out.src for t in counts):
-            self.note("hairpin: an endpoint reaching itself is masqueraded")
+        if any(_address(t) == self.out.src for t in counts) and self.hairpin(self.out.src):
+            self.note("hairpin: an endpoint of this node reaching itself is masqueraded")
             if len(counts) == 1:
                 self.out.masquerade = True
         return True
+
+    def hairpin(self, address: str) -> bool:
+        return self.state.value((Kind.ELEMENT, HAIRPIN_SET,
+                                 f"{address} . {address}")) is not None
 
     def pick(self, chain: str, rule: str) -> bool:
         match = _INDEX.search(rule)
