@@ -295,10 +295,13 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     res["gc_tracked_objects"] = len(gc.get_objects())
 
     # ---- checks (untimed) -------------------------------------------------------------------
-    # The mirror after all the partial syncs must equal a fresh full render of the final state,
-    # and the kernel must hold what the mirror says (counted on one map).
+    # The mirror after all the partial syncs must equal a fresh full render of the final state
+    # (with the slot order the endpoints keep across changes), and the kernel must hold what
+    # the mirror says (counted on one map).
     fresh = DesiredState()
-    for owner, fragment in proxier_mod.fragments(state, NODE_CONFIG, IPFamily.IPv4).items():
+    for owner, fragment in proxier_mod.rendered(
+            state, NODE_CONFIG, IPFamily.IPv4, None, {}, orders=dict(proxier.slot_orders),
+            previous=proxier.selections):
         fresh.set(owner, fragment, RChange())
     res["check_mirror_equals_full_render"] = dict(fresh.slots()) == dict(
         proxier.state.slots())

@@ -316,6 +316,35 @@ def test_incremental_changes_are_followed(cluster: Cluster, proxy: NodeProxy) ->
     assert tally(cluster.lab.connect(cluster.client, "10.96.0.11", 80, count=3)) == {"pod-c": 3}
 
 
+def test_a_big_service_gets_an_endpoints_map_of_its_own(
+        cluster: Cluster, proxy: NodeProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From OWN_MAP_SLOTS slots on (lowered to 3 here) a service port's slots live in a map
+    and a pick chain of its own; packets follow it there and back across the threshold,
+    and nothing of it is left behind."""
+    from pyproxy.render import services
+
+    monkeypatch.setattr(services, "OWN_MAP_SLOTS", 3)
+    objs = [*NODES, service(), endpoints(cluster, ["pod-a", "pod-b"])]
+    proxy.apply(objs)
+    assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8)).keys() == {
+        "pod-a", "pod-b"}
+    objs[-1] = endpoints(cluster, ["pod-a", "pod-b", "pod-c"])
+    result = proxy.apply(objs)[0]
+    assert not result.full
+    def listing() -> str:
+        return cluster.node.run(["nft", "list", "table", "ip", "pyproxy"]).stdout
+
+    own = [line for line in listing().splitlines() if "map endpoints-tcp-" in line]
+    assert len(own) == 1, listing()
+    counts = tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8))
+    assert counts.keys() == {"pod-a", "pod-b", "pod-c"}, counts
+    objs[-1] = endpoints(cluster, ["pod-b", "pod-c"])
+    proxy.apply(objs)
+    assert "endpoints-tcp-" not in listing()
+    assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8)).keys() == {
+        "pod-b", "pod-c"}
+
+
 def test_failed_transaction_leaves_rules_intact(cluster: Cluster, proxy: NodeProxy) -> None:
     objs = [*NODES, service(), endpoints(cluster, ["pod-a"])]
     proxy.apply(objs)

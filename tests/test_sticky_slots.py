@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import re
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -99,3 +100,25 @@ def test_one_endpoint_more_changes_one_element_of_a_big_service() -> None:
     assert not re.search(r"delete element ip pyproxy endpoints-tcp", script), script
     publish([*addresses[1:], "10.244.0.1"])  # the first one goes: the last one fills its slot
     assert len(re.findall(r"10\.96\.0\.50 \. 80 \. \d+", nft.last)) <= 3, nft.last
+
+
+def test_trace_follows_a_big_service_into_its_own_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyproxy.cluster.snapshot import build_state
+    from pyproxy.render import services
+    from pyproxy.render.services import render_config
+    from pyproxy.render.trace import trace
+    from pyproxy.sync.proxier import desired_state
+
+    monkeypatch.setattr(services, "OWN_MAP_SLOTS", 3)
+    config = NodeConfig("node-a", node_ips=("192.168.50.1",))
+    state = desired_state(build_state([
+        make_service("ns", "big", ip="10.96.0.50"),
+        make_slice("ns", "big", [ep(f"10.244.1.{i}", "node-b") for i in range(1, 5)])]),
+        config, IPFamily.IPv4)
+    own = sorted({c for _, c, _ in state.containers() if c.startswith("endpoints-tcp-")})
+    assert len(own) == 1
+    answer = trace(state, render_config(config, IPFamily.IPv4), "192.168.50.2",
+                   "10.96.0.50", 80, "tcp")
+    assert answer.verdict == "DNAT", answer
+    assert sorted(t for t, _ in answer.candidates) == [f"10.244.1.{i}:8080" for i in range(1, 5)]
+    assert any(f"@{own[0]}" in step for step in answer.steps), answer.steps

@@ -147,6 +147,18 @@ def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
     )
 
 
+def _endpoints_map_body(ip: str, proto: str) -> str:
+    return f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+
+
+# A service port with at least this many slots keeps them in an endpoints map of its own.
+# libnftables (1.0.6) reads every element of the map a new rule refers to before it takes
+# the rule, and every endpoint count of such a service is a new pick chain: with the shared
+# map of 100k elements that read was 7 ms of the 8 ms a new chain cost (1.7 ms with a small
+# map), 35-40 ms with 250k elements.
+OWN_MAP_SLOTS = 1000
+
+
 # ---------------------------------------------------------------------------------------------
 # Item constructors (the types: objects.py)
 
@@ -194,9 +206,7 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
              "comment \"nodeports without usable endpoints: reject or drop\";", is_map=True),
     ]
     for proto in PROTOCOLS:
-        items.append(_set(endpoints_map(proto),
-                          f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : "
-                          f"{ip} daddr . {proto} dport;", is_map=True))
+        items.append(_set(endpoints_map(proto), _endpoints_map_body(ip, proto), is_map=True))
         items.append(_set(nodeport_endpoints_map(proto),
                           f"typeof {proto} dport . numgen random mod 1 : "
                           f"{ip} daddr . {proto} dport;", is_map=True))
@@ -369,12 +379,20 @@ class _ServiceRender:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
             return [_elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip),
                           f"{self.comment()} : drop")]
-        chain = _cluster_pick_chain(self.picker(), len(endpoints))
-        return [chain,
+        own: list[Item] = []
+        container = endpoints_map(self.proto)
+        if len(endpoints) >= OWN_MAP_SLOTS:
+            suffix = _hash8(str(self.port.name))
+            container = f"{container}-{suffix}"
+            own.append(_set(container, _endpoints_map_body(self.cfg.ip, self.proto),
+                            is_map=True))
+            chain = _build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
+        else:
+            chain = _cluster_pick_chain(self.picker(), len(endpoints))
+        return [*own, chain,
                 _elem(SERVICE_IPS_MAP, self.key3(self.cip),
                       f"{self.comment()} : goto {chain.container}"),
-                *self.slots(endpoints_map(self.proto), f"{self.cip} . {self.port.port}",
-                            endpoints)]
+                *self.slots(container, f"{self.cip} . {self.port.port}", endpoints)]
 
     def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
               offset: int = 0) -> list[Item]:
@@ -481,12 +499,15 @@ class _Picker:
             return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
         return f"numgen random mod {count}{off}"
 
-    def dnat(self, count: int, offset: int, nodeport: bool) -> str:
+    def dnat(self, count: int, offset: int, nodeport: bool, own: str = "") -> str:
+        """`own`: the suffix of the service's own endpoints map (OWN_MAP_SLOTS)."""
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
             key, container = f"{proto} dport", nodeport_endpoints_map(proto)
         else:
             key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
+        if own:
+            container = f"{container}-{own}"
         return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
 
     def chain_name(self, base: str) -> str:
@@ -516,9 +537,10 @@ def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balanci
     return _build_cluster_pick_chain(_Picker(cfg, proto, balancing, None), count)
 
 
-def _build_cluster_pick_chain(picker: _Picker, count: int) -> Item:
+def _build_cluster_pick_chain(picker: _Picker, count: int, own: str = "") -> Item:
+    """`own`: the suffix of the service's own endpoints map: the chain is its own too."""
     cfg, proto = picker.cfg, picker.proto
-    name = picker.chain_name(f"cluster-{proto}-{count}")
+    name = picker.chain_name(f"cluster-{proto}-{count}" + (f"-{own}" if own else ""))
     rules = []
     if cfg.masquerade_all:
         rules.append(_masquerade(cfg))
@@ -528,7 +550,7 @@ def _build_cluster_pick_chain(picker: _Picker, count: int) -> Item:
         not_local = cfg.local_match(negate=True)
         if not_local:
             rules.append(f"{not_local} {_masquerade(cfg)}")
-    rules.append(picker.dnat(count, 0, nodeport=False))
+    rules.append(picker.dnat(count, 0, nodeport=False, own=own))
     return _chain(name, rules)
 
 
