@@ -213,6 +213,11 @@ class SideBySide:
 
 def island(lab: Lab, plane: ControlPlane) -> Island:
     cluster = lab.standard_topology(backends=3, udp_ports=(5353,))
+    # Rejects are ICMP errors, which the node rate-limits per destination (6, then 1/s):
+    # the flows that expect "refused", run back to back from one client, would otherwise
+    # see timeouts depending on timing. The node's namespace is this test's own.
+    cluster.node.run(["sysctl", "-qw", "net.ipv4.icmp_ratelimit=0",
+                      "net.ipv6.icmp.ratelimit=0"])
     plane.attach(cluster.node)
     return Island(lab, cluster)
 
