@@ -324,7 +324,7 @@ def test_a_big_service_gets_an_endpoints_map_of_its_own(
     from pyproxy.render import services
 
     monkeypatch.setattr(services, "OWN_MAP_SLOTS", 3)
-    objs = [*NODES, service(), endpoints(cluster, ["pod-a", "pod-b"])]
+    objs = [*NODES, service(spec(type="NodePort")), endpoints(cluster, ["pod-a", "pod-b"])]
     proxy.apply(objs)
     assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8)).keys() == {
         "pod-a", "pod-b"}
@@ -334,15 +334,21 @@ def test_a_big_service_gets_an_endpoints_map_of_its_own(
     def listing() -> str:
         return cluster.node.run(["nft", "list", "table", "ip", "pyproxy"]).stdout
 
-    own = [line for line in listing().splitlines() if "map endpoints-tcp-" in line]
-    assert len(own) == 1, listing()
+    own = [line for line in listing().splitlines() if "endpoints-tcp-" in line
+           and line.strip().startswith("map ")]
+    assert len(own) == 2, listing()  # the ClusterIP's and the NodePort's
     counts = tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8))
+    assert counts.keys() == {"pod-a", "pod-b", "pod-c"}, counts
+    counts = tally(cluster.lab.connect(cluster.client, cluster.node_ip4, NODEPORT, count=N,
+                                       parallel=8))
     assert counts.keys() == {"pod-a", "pod-b", "pod-c"}, counts
     objs[-1] = endpoints(cluster, ["pod-b", "pod-c"])
     proxy.apply(objs)
     assert "endpoints-tcp-" not in listing()
     assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=N, parallel=8)).keys() == {
         "pod-b", "pod-c"}
+    assert tally(cluster.lab.connect(cluster.client, cluster.node_ip4, NODEPORT, count=N,
+                                     parallel=8)).keys() == {"pod-b", "pod-c"}
 
 
 def test_failed_transaction_leaves_rules_intact(cluster: Cluster, proxy: NodeProxy) -> None:

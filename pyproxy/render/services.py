@@ -303,6 +303,7 @@ class _ServiceRender:
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
         self._comment = f' comment "{port.name}"'
         self._picker: _Picker | None = None
+        self._own_maps: set[str] = set()
 
     def comment(self) -> str:
         return self._comment
@@ -379,20 +380,34 @@ class _ServiceRender:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
             return [_elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip),
                           f"{self.comment()} : drop")]
-        own: list[Item] = []
-        container = endpoints_map(self.proto)
-        if len(endpoints) >= OWN_MAP_SLOTS:
-            suffix = _hash8(str(self.port.name))
-            container = f"{container}-{suffix}"
-            own.append(_set(container, _endpoints_map_body(self.cfg.ip, self.proto),
-                            is_map=True))
+        suffix, own = self.own_map(len(endpoints), nodeport=False)
+        if suffix:
             chain = _build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
         else:
             chain = _cluster_pick_chain(self.picker(), len(endpoints))
         return [*own, chain,
                 _elem(SERVICE_IPS_MAP, self.key3(self.cip),
                       f"{self.comment()} : goto {chain.container}"),
-                *self.slots(container, f"{self.cip} . {self.port.port}", endpoints)]
+                *self.slots(_own(endpoints_map(self.proto), suffix),
+                            f"{self.cip} . {self.port.port}", endpoints)]
+
+    def own_map(self, slots: int, nodeport: bool) -> tuple[str, list[Item]]:
+        """For a service port with OWN_MAP_SLOTS slots or more: the suffix of its own
+        endpoints map (and pick chains), and the map's declaration the first time this
+        render asks for it. ("", []) for every other one: the shared maps."""
+        if slots < OWN_MAP_SLOTS:
+            return "", []
+        suffix = _hash8(str(self.port.name))
+        ip, proto = self.cfg.ip, self.proto
+        if nodeport:
+            name = _own(nodeport_endpoints_map(proto), suffix)
+            body = f"typeof {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+        else:
+            name, body = _own(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
+        if name in self._own_maps:
+            return suffix, []
+        self._own_maps.add(name)
+        return suffix, [_set(name, body, is_map=True)]
 
     def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
               offset: int = 0) -> list[Item]:
@@ -424,16 +439,23 @@ class _ServiceRender:
                 # service has no endpoints.
                 yield _elem(no_endpoints, key, f"{self.comment()} : goto {REJECT_CHAIN}")
                 return
-            chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport)
+            suffix, own = self.own_map(len(cluster), nodeport)
+            yield from own
+            chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport,
+                                         suffix)
             yield chain
             yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
-            yield from self.slots(slots, prefix, cluster)
+            yield from self.slots(_own(slots, suffix), prefix, cluster)
             return
         local = self.weighted(self.sel.local or ())
         if not cluster and not local:
             yield _elem(no_endpoints, key, f"{self.comment()} : drop")
             return
-        chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport)
+        suffix, own = self.own_map(len(cluster) + len(local), nodeport)
+        yield from own
+        slots = _own(slots, suffix)
+        chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport,
+                                     suffix)
         yield chain
         yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
         yield from self.slots(slots, prefix, local)
@@ -506,8 +528,7 @@ class _Picker:
             key, container = f"{proto} dport", nodeport_endpoints_map(proto)
         else:
             key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
-        if own:
-            container = f"{container}-{own}"
+        container = _own(container, own)
         return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
 
     def chain_name(self, base: str) -> str:
@@ -540,7 +561,7 @@ def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balanci
 def _build_cluster_pick_chain(picker: _Picker, count: int, own: str = "") -> Item:
     """`own`: the suffix of the service's own endpoints map: the chain is its own too."""
     cfg, proto = picker.cfg, picker.proto
-    name = picker.chain_name(f"cluster-{proto}-{count}" + (f"-{own}" if own else ""))
+    name = picker.chain_name(_own(f"cluster-{proto}-{count}", own))
     rules = []
     if cfg.masquerade_all:
         rules.append(_masquerade(cfg))
@@ -554,17 +575,23 @@ def _build_cluster_pick_chain(picker: _Picker, count: int, own: str = "") -> Ite
     return _chain(name, rules)
 
 
+def _own(name: str, suffix: str) -> str:
+    """A shared map's or pick chain's name, or that of a service's own (OWN_MAP_SLOTS)."""
+    return f"{name}-{suffix}" if suffix else name
+
+
 def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bool,
-                         nodeport: bool) -> Item:
+                         nodeport: bool, own: str = "") -> Item:
+    """`own`: the suffix of the service's own endpoints map: the chain is its own too."""
     cfg, proto = picker.cfg, picker.proto
     kind = "nodeport" if nodeport else "external"
     if not is_local:
         # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
-        return _chain(picker.chain_name(f"{kind}-{proto}-{cluster}"),
-                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport)))
+        return _chain(picker.chain_name(_own(f"{kind}-{proto}-{cluster}", own)),
+                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport, own)))
     rules = []
     if cluster:
-        to_cluster = picker.dnat(cluster, local, nodeport)
+        to_cluster = picker.dnat(cluster, local, nodeport, own)
         local_pods = cfg.local_match()
         if local_pods:
             # Pod traffic to an external address behaves as if it left and came back:
@@ -573,8 +600,9 @@ def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bo
         # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
         rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
     if local:
-        rules.append(picker.dnat(local, 0, nodeport))
-    return _chain(picker.chain_name(f"{kind}-local-{proto}-{local}-{cluster}"), rules)
+        rules.append(picker.dnat(local, 0, nodeport, own))
+    return _chain(picker.chain_name(_own(f"{kind}-local-{proto}-{local}-{cluster}", own)),
+                  rules)
 
 
 # ---------------------------------------------------------------------------------------------
