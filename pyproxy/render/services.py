@@ -151,6 +151,10 @@ def _endpoints_map_body(ip: str, proto: str) -> str:
     return f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
 
 
+def _nodeport_endpoints_map_body(ip: str, proto: str) -> str:
+    return f"typeof {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+
+
 # A service port with at least this many slots keeps them in an endpoints map of its own.
 # libnftables (1.0.6) reads every element of the map a new rule refers to before it takes
 # the rule, and every endpoint count of such a service is a new pick chain: with the shared
@@ -207,9 +211,8 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
     ]
     for proto in PROTOCOLS:
         items.append(_set(endpoints_map(proto), _endpoints_map_body(ip, proto), is_map=True))
-        items.append(_set(nodeport_endpoints_map(proto),
-                          f"typeof {proto} dport . numgen random mod 1 : "
-                          f"{ip} daddr . {proto} dport;", is_map=True))
+        items.append(_set(nodeport_endpoints_map(proto), _nodeport_endpoints_map_body(ip, proto),
+                          is_map=True))
     items.extend(_elem(SERVICE_CIDRS_SET, cidr)
                  for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
     if cfg.nodeport_ips is not None:
@@ -401,7 +404,7 @@ class _ServiceRender:
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
             name = _own(nodeport_endpoints_map(proto), suffix)
-            body = f"typeof {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+            body = _nodeport_endpoints_map_body(ip, proto)
         else:
             name, body = _own(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
         if name in self._own_maps:
