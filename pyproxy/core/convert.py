@@ -808,25 +808,22 @@ _VALID_ZONES: dict[str, str] = {}
 
 
 def _node_name(value: Any) -> str:
-    known = _VALID_NODE_NAMES.get(value) if type(value) is str else None
-    if known is not None:
-        return known
-    name = sys.intern(_dns_subdomain(value, "nodeName"))
-    if len(_VALID_NODE_NAMES) > 10_000:
-        _VALID_NODE_NAMES.clear()
-    _VALID_NODE_NAMES[name] = name
-    return name
+    return _validated_once(value, _VALID_NODE_NAMES, lambda v: _dns_subdomain(v, "nodeName"))
 
 
 def _zone(value: Any) -> str:
-    known = _VALID_ZONES.get(value) if type(value) is str else None
+    return _validated_once(value, _VALID_ZONES, lambda v: _label_value(v, "zone"))
+
+
+def _validated_once(value: Any, valid: dict[str, str], validate: Callable[[Any], str]) -> str:
+    known = valid.get(value) if type(value) is str else None
     if known is not None:
         return known
-    zone = sys.intern(_label_value(value, "zone"))
-    if len(_VALID_ZONES) > 10_000:
-        _VALID_ZONES.clear()
-    _VALID_ZONES[zone] = zone
-    return zone
+    checked = sys.intern(validate(value))
+    if len(valid) > 10_000:
+        valid.clear()
+    valid[checked] = checked
+    return checked
 
 
 def _label_value(value: Any, field: str) -> str:
