@@ -233,8 +233,12 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
         kube.node(NODE, (cluster.node_ip4, cluster.node_ip6), zone="zone-1")
         kube.node("node-b", ("192.168.50.3",), zone="zone-1")
         kube.node("node-z", ("192.168.50.4",), zone="zone-2")
-        node_ports = {s.name: 30100 + i for i, s in enumerate(SERVICES)
+        # In the static band of the NodePort range (30000–30085 for the default range): the
+        # API server allocates other tests' NodePorts from above it first, so a fixed port
+        # up there could already be taken (a 422 "provided port is already allocated").
+        node_ports = {s.name: 30040 + i for i, s in enumerate(SERVICES)
                       if s.spec.get("type") in ("NodePort", "LoadBalancer")}
+        assert max(node_ports.values(), default=0) < 30080  # test_k8s.py uses 30080
         for svc in SERVICES:
             kube.core.create_namespaced_service(NS, service_object(svc, node_ports))
             if svc.name in LB_IPS:
