@@ -752,26 +752,29 @@ def _endpoint_at(index: int, raw: Any, family: IPFamily, number: int,
                  weight: int | None) -> Endpoint:
     """Endpoint `index` of a slice. Its fields are named relative to the endpoint and get
     the `endpoints[i].` prefix only when one is invalid: 100k endpoints per initial list,
-    and formatting a dozen field paths for each was a third of the conversion."""
-    where = f"endpoints[{index}]"
+    and formatting a dozen field paths for each was a third of the conversion. The
+    addresses it read leniently get the prefix the same way."""
+    notes = _lenient.get()
+    noted = len(notes) if notes is not None else 0
     try:
-        return _endpoint(raw, where, family, number, weight)
+        endpoint = _endpoint(raw, family, number, weight)
     except Invalid as err:
         text = str(err)
-        if text.startswith(where):  # named in full already
-            raise
-        raise Invalid(f"{where}{'' if text.startswith(':') else '.'}{text}") from None
+        raise Invalid(f"endpoints[{index}]{'' if text.startswith(':') else '.'}{text}") \
+            from None
+    if notes is not None and len(notes) > noted:
+        notes[noted:] = [(f"endpoints[{index}].{field}", text, canonical)
+                         for field, text, canonical in notes[noted:]]
+    return endpoint
 
 
-def _endpoint(raw: Any, where: str, family: IPFamily, number: int,
-              weight: int | None = None) -> Endpoint:
+def _endpoint(raw: Any, family: IPFamily, number: int, weight: int | None = None) -> Endpoint:
     raw = _mapping(raw, "")
     addresses = _list(raw.get("addresses"), "addresses", 100)
     if not addresses:
         raise Invalid("addresses: empty")
     # Only the first address is used, as upstream does (the API allows exactly one today).
-    # Named in full: a leniently read address is logged with its field.
-    ip = _ip(addresses[0], f"{where}.addresses[0]")
+    ip = _ip(addresses[0], "addresses[0]")
     if ip_family(ip) != family:
         raise Invalid(f"addresses[0]: {ip} is not an {family} address")
     conditions = _mapping(raw.get("conditions"), "conditions")
