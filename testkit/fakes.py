@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pyproxy.kernel.nft import NftError, parse_elements, table_block
+from pyproxy.kernel.nft import NftError, parse_elements, split_top_level, table_block
 
 _REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
 
@@ -55,20 +55,6 @@ def element_key(element: str) -> str:
     for word in (" comment ", " timeout ", " expires "):
         key = key.split(word, 1)[0]
     return " ".join(key.split())
-
-
-def _split_top(body: str) -> list[str]:
-    """`a, b { c, d }, e` → the parts at the top-level commas."""
-    out, current, depth = [], [], 0
-    for char in body:
-        depth += (char == "{") - (char == "}")
-        if char == "," and depth == 0:
-            out.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    out.append("".join(current))
-    return [" ".join(part.split()) for part in out if part.strip()]
 
 
 def _braced(rest: str) -> tuple[str, str]:
@@ -245,7 +231,7 @@ class FakeKernel:
         found = table.sets.get(name)
         if found is None:
             raise NftError(f"No such file or directory: set {name}")
-        for element in _split_top(body):
+        for element in split_top_level(body):
             key = element_key(element)
             have = found.elements.get(key)
             if verb == "add":

@@ -316,7 +316,12 @@ def parse_elements(listing: str) -> list[str]:
     start = listing.find("elements = {")
     if start < 0:
         return []
-    body = listing[start + len("elements = {"):]
+    return split_top_level(listing[start + len("elements = {"):])
+
+
+def split_top_level(body: str) -> list[str]:
+    """`a, b { c, d }, e` → its parts at the top-level commas, white space folded; an
+    unmatched `}` ends the body."""
     depth = 0
     current: list[str] = []
     out: list[str] = []
