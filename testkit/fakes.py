@@ -13,7 +13,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.nft import NftError, parse_elements, split_top_level, table_block
+from pyproxy.sync.node import NodeProxier
+from pyproxy.sync.proxier import FamilyProxier
 
 _REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
 
@@ -261,6 +265,20 @@ class FakeNft(FakeKernel):
     @property
     def last(self) -> str:
         return self.scripts[-1] if self.scripts else ""
+
+
+def fake_node_proxier(nft: FakeNft | None = None) -> tuple[NodeProxier, FakeNft, list[int]]:
+    """node-a (192.168.50.1, IPv4) on the recording fake kernel, expecting the Service and
+    EndpointSlice lists (not yet complete); the list counts the syncs it asked for."""
+    nft = nft or FakeNft()
+    requests: list[int] = []
+    proxier = NodeProxier(
+        ClusterCache("node-a"),
+        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
+        request_sync=lambda: requests.append(1))
+    for source in ("Service", "EndpointSlice"):
+        proxier.expect(source)
+    return proxier, nft, requests
 
 
 class FakeClock:

@@ -18,7 +18,7 @@ from pyproxy.sync.node import REPAIR_REASON, NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
-from testkit.fakes import FakeClock, FakeNft
+from testkit.fakes import FakeClock, FakeNft, fake_node_proxier
 
 WEB = ServiceKey("ns", "web")
 
@@ -142,16 +142,7 @@ def test_an_unusable_annotation_is_warned_once_not_on_every_update() -> None:
 
 
 def make_proxier() -> tuple[NodeProxier, FakeNft, list[int]]:
-    nft = FakeNft()
-    requests: list[int] = []
-    proxier = NodeProxier(
-        ClusterCache("node-a"),
-        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
-        request_sync=lambda: requests.append(1),
-    )
-    proxier.expect("Service")
-    proxier.expect("EndpointSlice")
-    return proxier, nft, requests
+    return fake_node_proxier()
 
 
 def test_nothing_is_written_before_every_initial_list() -> None:

@@ -22,10 +22,10 @@ from pyproxy.render.objects import Kind
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.node import NodeProxier
-from pyproxy.sync.proxier import SKELETON, FamilyProxier, desired_state, fragments
+from pyproxy.sync.proxier import SKELETON, desired_state, fragments
 from testkit.apiemu import ApiEmulator
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
-from testkit.fakes import FakeNft
+from testkit.fakes import FakeNft, fake_node_proxier
 
 CONFIG = NodeConfig("node-a", node_ips=("192.168.50.1", "fd00:50::1"),
                     cluster_cidrs=("10.244.0.0/16",))
@@ -105,14 +105,8 @@ def test_the_cache_follows_service_cidrs() -> None:
 
 
 def make_proxier() -> tuple[NodeProxier, FakeNft, list[int]]:
-    nft = FakeNft()
-    requests: list[int] = []
-    proxier = NodeProxier(
-        ClusterCache("node-a"),
-        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
-        request_sync=lambda: requests.append(1))
+    proxier, nft, requests = fake_node_proxier()
     for source in ("Service", "EndpointSlice"):
-        proxier.expect(source)
         proxier.source_synced(source)
     return proxier, nft, requests
 

@@ -11,13 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.balancing import keep_slots
 from pyproxy.core.model import Endpoint, IPFamily, NodeConfig
-from pyproxy.sync.node import NodeProxier
-from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice
-from testkit.fakes import FakeNft
+from testkit.fakes import fake_node_proxier
 
 
 def eps(*numbers: int) -> tuple[Endpoint, ...]:
@@ -77,11 +74,8 @@ def test_one_endpoint_more_changes_one_element_of_a_big_service() -> None:
     """Through the proxier and the fake kernel: a 300-endpoint service gains an endpoint
     whose address sorts first; the transaction adds one endpoint slot (and its hairpin
     element), it does not rewrite the slots after it."""
-    nft = FakeNft()
-    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
-        IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)])
+    proxier, nft, _ = fake_node_proxier()
     for source in ("Service", "EndpointSlice"):
-        proxier.expect(source)
         proxier.source_synced(source)
     addresses = [f"10.244.{n // 200 + 1}.{n % 200 + 10}" for n in range(300)]
     random.Random(7).shuffle(addresses)
