@@ -306,7 +306,6 @@ class _ServiceRender:
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
         self._comment = f' comment "{port.name}"'
         self._picker: _Picker | None = None
-        self._own_maps: set[str] = set()
 
     def comment(self) -> str:
         return self._comment
@@ -396,8 +395,9 @@ class _ServiceRender:
 
     def own_map(self, slots: int, nodeport: bool) -> tuple[str, list[Item]]:
         """For a service port with OWN_MAP_SLOTS slots or more: the suffix of its own
-        endpoints map (and pick chains), and the map's declaration the first time this
-        render asks for it. ("", []) for every other one: the shared maps."""
+        endpoints map (and pick chains), and the map's declaration (the ClusterIP and the
+        external paths may both declare it: a Fragment keeps an item once). ("", []) for
+        every other one: the shared maps."""
         if slots < OWN_MAP_SLOTS:
             return "", []
         suffix = _hash8(str(self.port.name))
@@ -407,9 +407,6 @@ class _ServiceRender:
             body = _nodeport_endpoints_map_body(ip, proto)
         else:
             name, body = _own(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
-        if name in self._own_maps:
-            return suffix, []
-        self._own_maps.add(name)
         return suffix, [_set(name, body, is_map=True)]
 
     def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
