@@ -14,7 +14,8 @@ import pytest
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import NodeConfig
-from pyproxy.kernel.nlsets import KernelCounters, netlink_socket
+from pyproxy.kernel.nlelements import netlink_socket
+from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.serve.connections import (
     ConnectionCounters,
     CountingContext,

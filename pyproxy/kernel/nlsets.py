@@ -24,6 +24,7 @@ from typing import Any
 
 from pyproxy.core.model import IPFamily
 from pyproxy.kernel.nft import LibNftables, NftError
+from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.render.objects import CONNECTION_SHARDS, TABLE, connections_set
 from pyproxy.serve.connections import element_text
 
@@ -52,13 +53,6 @@ _RECV_SIZE = 1 << 16
 
 class SetDumpError(OSError):
     """The kernel refused the dump (other than: no such set)."""
-
-
-def netlink_socket() -> socket.socket:
-    """A NETLINK_NETFILTER socket in the calling thread's network namespace."""
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    sock.bind((0, 0))
-    return sock
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
