@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.nft import NftError, parse_elements, split_top_level, table_block
+from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 
@@ -101,6 +102,9 @@ class FakeKernel:
         self.tables = tables
         self.transactions += 1
         return ""
+
+    def add_elements(self, family: str, chunk: ElementChunk) -> None:
+        self.run(chunk.script(family))
 
     def renew(self) -> None:
         pass

@@ -13,12 +13,16 @@ from typing import Any
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.nft import OWN_SOCKETS, LibNftables, OwnSockets
+from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.inproc import call_in_netns
 
 
-def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS) -> LibNftables:
-    """A LibNftables whose contexts' sockets live in the named namespace."""
+def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS,
+              raw_elements: bool = True) -> LibNftables:
+    """A LibNftables whose contexts' sockets, and the raw netlink socket its staged element
+    loads use (unless `raw_elements` is false: then libnftables adds them), live in the
+    named namespace."""
     import nftables
 
     def context() -> Any:
@@ -26,7 +30,8 @@ def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS) -> LibNftables:
         ctx.set_echo_output(False)
         return ctx
 
-    return LibNftables(context, sockets)
+    return LibNftables(context, sockets, netlink=(lambda: call_in_netns(netns, netlink_socket))
+                       if raw_elements else None)
 
 
 class NodeProxy:

@@ -1,11 +1,14 @@
 """pyproxy's rulesets against a real kernel (in throwaway namespaces), without traffic:
 every rendered ruleset loads, incremental syncs end where a fresh full load ends, a restart
-adopts the existing table without losing affinity state, stale chains are removed."""
+adopts the existing table without losing affinity state, stale chains are removed, and the
+elements a staged full sync adds over raw netlink (pyproxy/kernel/nlelements.py) are what
+libnftables would have added."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import struct
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,10 +18,16 @@ from hypothesis import strategies as st
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
-from pyproxy.kernel.nft import LibNftables, listing_shape
+from pyproxy.kernel import nlelements as nle
+from pyproxy.kernel import nlsets
+from pyproxy.kernel.nft import LibNftables, NftError, OwnSockets, listing_shape
+from pyproxy.render import staging
+from pyproxy.render.objects import TABLE
+from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.proxier import FamilyProxier, render_script
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
 from testkit.nftns import libnft_in
 
@@ -288,3 +297,116 @@ def test_tampering_after_our_own_structure_change_is_found(ns: Netns) -> None:
     proxier.applier.adopt_structure()
     ns.run(["nft", "add", "chain", "ip", "pyproxy", "intruder"])
     assert not proxier.applier.structure_intact()  # the exact comparison, as before
+
+
+# --- elements over raw netlink ---------------------------------------------------------------
+
+
+def raw_elements(netns: str, family: IPFamily, name: str) -> list[bytes]:
+    """Every element of one set as the kernel dumps it (its attributes' bytes), sorted."""
+    sock = call_in_netns(netns, nle.netlink_socket)
+    out: list[bytes] = []
+    with sock:
+        sock.send(nlsets.dump_request(family, TABLE, name, 7))
+        while True:
+            data = sock.recv(1 << 16)
+            offset = 0
+            while offset < len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == nlsets.NLMSG_DONE:
+                    return sorted(out)
+                assert kind != nlsets.NLMSG_ERROR, f"dump of {name} refused"
+                for attr, a, b in nlsets._attrs(data, offset + 20, offset + length):
+                    if attr == nlsets.NFTA_SET_ELEM_LIST_ELEMENTS:
+                        out += [data[x:y] for _, x, y in nlsets._attrs(data, a, b)]
+                offset += (length + 3) & ~3
+
+
+def loads_of(proxier: FamilyProxier) -> list[tuple[str, str, tuple[str, ...]]]:
+    """Each static set of the proxier's store with its elements (what a staged sync loads)."""
+    chunks = [t for t in staging.transactions(proxier.family.nft_family, proxier.state,
+                                              proxier.applier._commands(None, True), False,
+                                              chunk=10**9)
+              if isinstance(t, ElementChunk)]
+    return [load for chunk in chunks for load in chunk.loads]
+
+
+@pytest.mark.parametrize("family", [IPFamily.IPv4, IPFamily.IPv6])
+def test_the_kernel_holds_what_libnftables_would_have_added(ns: Netns,
+                                                            family: IPFamily) -> None:
+    """Every kind of set and map the example renders (affinity, source ranges, eTP=Local,
+    NodePorts, Maglev, …): loaded into an empty twin of each set by each way, the kernel's
+    dumps are the same bytes (keys, data, verdicts, comments)."""
+    nft = libnft_in(ns.full)
+    proxier = FamilyProxier(family, CONFIG, nft)
+    proxier.sync(example_state())
+    fam = family.nft_family
+    loads = loads_of(proxier)
+    encoded, left = nle.encode_loads(loads)
+    # everything but the interval sets (source ranges, ServiceCIDRs) goes over netlink
+    assert {name for name, _, _ in left} <= {"firewall-allow", "service-cidrs"}
+    assert {"service-ips", "endpoints-tcp", "hairpin", "cluster-ips"} <= {n for n, _ in encoded}
+    twins = "".join(staging._declare(fam, f"{name}-twin", decl) + "\n"
+                    for name, decl, _ in loads if name not in {n for n, _, _ in left})
+    nft.run(twins)
+    nle.commit(call_in_netns(ns.full, nle.netlink_socket),
+               nle.build_batch(fam, TABLE, [(f"{name}-twin", p) for name, p in encoded]))
+    for name, _ in encoded:
+        text_way = raw_elements(ns.full, family, name)
+        assert text_way, name
+        assert raw_elements(ns.full, family, f"{name}-twin") == text_way, name
+
+
+@given(snapshots())
+@settings(max_examples=15, deadline=None, suppress_health_check=[
+    HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+def test_a_staged_sync_over_netlink_lists_as_the_text_sync(lab: Lab,
+                                                            objs: list[dict[str, Any]]) -> None:
+    a, b = lab.add_ns(f"stg-a{next(_ids)}"), lab.add_ns(f"stg-b{next(_ids)}")
+    try:
+        state = build_state(objs)
+        for family in (IPFamily.IPv4, IPFamily.IPv6):
+            staged = FamilyProxier(family, CONFIG, libnft_in(a.full))
+            staged.applier.stage_chunk = 3  # every few elements a transaction of their own
+            staged.sync(state)
+            assert "staged full sync" in staged.applier.last_script
+            text = FamilyProxier(family, CONFIG, libnft_in(b.full, raw_elements=False))
+            text.applier.stage_chunk = 10**9
+            text.sync(state)
+            got = listing(a, family.nft_family)["objects"]
+            want = listing(b, family.nft_family)["objects"]
+            assert sorted(set(got) ^ set(want)) == []
+    finally:
+        lab.del_ns(a)
+        lab.del_ns(b)
+
+
+def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
+    nft = libnft_in(ns.full)
+    proxier = FamilyProxier(IPFamily.IPv4, CONFIG, nft)
+    proxier.sync(example_state())
+    nft.run("add set ip pyproxy spare { type ipv4_addr; }\n")
+    chunk = ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.1", "10.0.0.2")),
+                          ("no-such-set", "set type ipv4_addr;", ("10.0.0.3",))))
+    with pytest.raises(NftError, match="no-such-set: ENOENT"):
+        nft.add_elements("ip", chunk)
+    assert nft.list_elements("ip", "set", "spare") == []
+    # and an accepted one adds everything, over netlink and (for what it does not
+    # understand) through libnftables
+    nft.run("add set ip pyproxy ranges { type ipv4_addr; flags interval; }\n")
+    nft.add_elements("ip", ElementChunk((
+        ("spare", "set type ipv4_addr;", ("10.0.0.1", "10.0.0.2")),
+        ("ranges", "set type ipv4_addr; flags interval;", ("10.1.0.0/16",)))))
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+    assert nft.list_elements("ip", "set", "ranges") == ["10.1.0.0/16"]
+
+
+def test_its_commits_are_our_own(ns: Netns) -> None:
+    """The change events of the netlink batches carry a port id the proxier knows as its
+    own, or each staged sync would look like someone else's change to the table."""
+    sockets = OwnSockets()
+    nft = libnft_in(ns.full, sockets)
+    assert nft._netlink is not None
+    assert int(nft._netlink.getsockname()[0]) in sockets.current()
+    nft.renew()
+    assert int(nft._netlink.getsockname()[0]) in sockets.current()

@@ -30,7 +30,9 @@ def store(services: int) -> Any:
     return desired_state(state, CONFIG, IPFamily.IPv4)
 
 
-def elements_in(script: str) -> int:
+def elements_in(script: str | staging.ElementChunk) -> int:
+    if isinstance(script, staging.ElementChunk):
+        return len(script)
     return sum(line.count(",") + 1 for line in script.splitlines()
                if line.startswith("add element "))
 
@@ -38,8 +40,10 @@ def elements_in(script: str) -> int:
 def test_fresh_table_hooks_come_last_and_chunks_are_bounded() -> None:
     desired = store(40)
     cmds = full_commands("ip", desired)
-    scripts = list(staging.scripts("ip", desired, cmds, table_exists=False, chunk=25))
+    scripts = list(staging.transactions("ip", desired, cmds, table_exists=False, chunk=25))
     first, *chunks, hooks = scripts
+    assert isinstance(first, str) and isinstance(hooks, str)
+    assert all(isinstance(c, staging.ElementChunk) for c in chunks)
     assert not any(f" {base} " in first or first.endswith(base) for base in BASE_CHAINS
                    if f"chain ip pyproxy {base} " in first)
     assert "add element" not in first and "add element" not in hooks
@@ -47,23 +51,33 @@ def test_fresh_table_hooks_come_last_and_chunks_are_bounded() -> None:
     assert all(0 < elements_in(c) <= 25 for c in chunks)
     # the same elements as the one transaction
     assert sum(elements_in(c) for c in chunks) == elements_in(cmds.text())
+    # their text form holds the one transaction's elements
+    as_text = "".join(c.script("ip") for c in chunks if isinstance(c, staging.ElementChunk))
+    assert elements_in(as_text) == elements_in(cmds.text())
 
 
 def test_existing_table_switches_to_copies_and_back() -> None:
     desired = store(40)
     cmds = full_commands("ip", desired, ["services"], ["service-ips"])
-    scripts = list(staging.scripts("ip", desired, cmds, table_exists=True, chunk=30))
+    scripts = list(staging.transactions("ip", desired, cmds, table_exists=True, chunk=30))
     copies = scripts[0]
+    assert isinstance(copies, str)
     assert "add map ip pyproxy service-ips-staged" in copies
-    switch = next(s for s in scripts if "flush chain" in s)
+    switch = next(s for s in scripts if isinstance(s, str) and "flush chain" in s)
     back = scripts[-1]
+    assert isinstance(switch, str) and isinstance(back, str)
     assert "vmap @service-ips-staged" in switch and "@service-ips-staged" not in back
     assert "vmap @service-ips" in back
     assert "delete map ip pyproxy service-ips-staged" in back
     loaded = scripts[1:scripts.index(switch)]
     refilled = scripts[scripts.index(switch) + 1:-1]
-    assert all("-staged {" in line for s in loaded for line in s.splitlines())
-    assert not any("-staged" in s for s in refilled)
+    assert all(isinstance(s, staging.ElementChunk) for s in [*loaded, *refilled])
+    assert all(name.endswith("-staged") for s in loaded for name, _, _ in s.loads)
+    assert not any(name.endswith("-staged") for s in refilled for name, _, _ in s.loads)
+    # each load carries its set's declaration, which the netlink encoder reads
+    sets = staging.static_sets(desired)
+    assert all(decl == sets[name.removesuffix("-staged")]
+               for s in [*loaded, *refilled] for name, decl, _ in s.loads)
     assert sum(map(elements_in, loaded)) == sum(map(elements_in, refilled)) == \
         elements_in(cmds.text())
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pyproxy.kernel import nlelements
 from pyproxy.render import staging
 from pyproxy.render.objects import TABLE, Fragment
 from pyproxy.render.ruleset import (
@@ -44,6 +45,11 @@ class Kernel(Protocol):
 
     def run(self, script: str) -> str:
         """Commit `script` as one transaction (all or nothing); NftError if refused."""
+        ...
+
+    def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
+        """Add elements to sets and maps that nothing references yet, as one transaction
+        (all or nothing; NftError if refused)."""
         ...
 
     def renew(self) -> None:
@@ -81,9 +87,17 @@ class FaultyKernel:
 
     def run(self, script: str) -> str:
         if self.fail_next > 0 and script and not _only_chain_deletions(script):
-            self.fail_next -= 1
-            raise NftError("injected fault: transaction refused (debug socket /fault)")
+            self._fail()
         return self.inner.run(script)
+
+    def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
+        if self.fail_next > 0:
+            self._fail()
+        self.inner.add_elements(family, chunk)
+
+    def _fail(self) -> None:
+        self.fail_next -= 1
+        raise NftError("injected fault: transaction refused (debug socket /fault)")
 
     def renew(self) -> None:
         self.inner.renew()
@@ -202,12 +216,21 @@ class LibNftables:
     `factory` makes contexts (tests bind them to a network namespace).
 
     The transaction context's netlink port id goes into `sockets`, so that the change events
-    of our own commits are told from someone else's."""
+    of our own commits are told from someone else's.
+
+    `netlink` makes the raw netlink socket that the elements of staged full syncs go
+    through (pyproxy/kernel/nlelements.py), in the namespace the contexts talk to: by
+    default the current one with the default factory; with another factory, none unless
+    given (then libnftables adds them too)."""
 
     def __init__(self, factory: Callable[[], Any] = _new_context,
-                 sockets: OwnSockets = OWN_SOCKETS) -> None:
+                 sockets: OwnSockets = OWN_SOCKETS,
+                 netlink: Callable[[], socket.socket] | None = None) -> None:
         self._factory = factory
         self._sockets = sockets
+        if netlink is None and factory is _new_context:
+            netlink = nlelements.netlink_socket
+        self._netlink = netlink() if netlink is not None else None
         self._nft = self._writer()
 
     def _writer(self) -> Any:
@@ -223,7 +246,8 @@ class LibNftables:
             ctx.cmd("list flowtables")
         opened = {fd: portid for fd, portid in netfilter_sockets().items()
                   if fd not in before and portid}
-        self._sockets.replace(self, opened.values())
+        own = [] if self._netlink is None else [int(self._netlink.getsockname()[0])]
+        self._sockets.replace(self, [*opened.values(), *own])
         return ctx
 
     def run(self, script: str) -> str:
@@ -231,6 +255,20 @@ class LibNftables:
         if rc != 0:
             raise NftError(_first_lines(err or out or f"nft exited {rc}"))
         return str(out)
+
+    def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
+        """Over raw netlink the sets whose declaration and elements nlelements understands
+        (all of a table pyproxy renders, but for its interval sets), through libnftables the
+        rest, in a transaction of their own: either way into sets nothing uses yet."""
+        left = list(chunk.loads)
+        if self._netlink is not None:
+            encoded, left = nlelements.encode_loads(chunk.loads)
+            try:
+                nlelements.commit(self._netlink, nlelements.build_batch(family, TABLE, encoded))
+            except OSError as err:
+                raise NftError(f"Error: {err}") from None
+        if left:
+            self.run(staging.ElementChunk(tuple(left)).script(family))
 
     def renew(self) -> None:
         """A fresh transaction context (drops libnftables' cache of the whole table)."""
@@ -459,12 +497,17 @@ class Applier:
         saw the elements of the last would read them all back first). Returns the last
         transaction's text, with a line saying how many went before it."""
         count, last = 0, ""
-        for script in staging.scripts(self.family, self.state, cmds, table_exists,
-                                      self.stage_chunk):
-            if not script:
+        for transaction in staging.transactions(self.family, self.state, cmds, table_exists,
+                                                self.stage_chunk):
+            if isinstance(transaction, staging.ElementChunk):
+                # over netlink where possible: the context sees none of these elements
+                self.nft.add_elements(self.family, transaction)
+                count += 1
                 continue
-            self.nft.run(script)
-            count, last = count + 1, script
+            if not transaction:
+                continue
+            self.nft.run(transaction)
+            count, last = count + 1, transaction
             self.nft.renew()
         return f"# staged full sync: {count} transactions, the last:\n{last}"
 
