@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
@@ -388,10 +389,18 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     nft.run("add set ip pyproxy spare { type ipv4_addr; }\n")
     chunk = ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.1", "10.0.0.2")),
                           ("no-such-set", "set type ipv4_addr;", ("10.0.0.3",))))
-    with pytest.raises(NftError, match="no-such-set: ENOENT"):
+    encoded, _ = nle.encode_loads(chunk.loads)
+    with pytest.raises(nle.BatchRefused, match="no-such-set: ENOENT"):
+        nle.commit(call_in_netns(ns.full, nle.netlink_socket),
+                   nle.build_batch("ip", TABLE, encoded))
+    assert nft.list_elements("ip", "set", "spare") == []
+    # the applier's kernel hands a refused chunk to libnftables, which refuses it in its words
+    with capture_logs() as logs, pytest.raises(NftError, match="No such file"):
         nft.add_elements("ip", chunk)
     assert nft.list_elements("ip", "set", "spare") == []
-    # and an accepted one adds everything, over netlink and (for what it does not
+    assert [e["event"] for e in logs] == ["raw_netlink_batch_refused"]
+    assert nft._netlink is not None  # still used: the kernel, not the socket, said no
+    # an accepted one adds everything, over netlink and (for what the encoder does not
     # understand) through libnftables
     nft.run("add set ip pyproxy ranges { type ipv4_addr; flags interval; }\n")
     nft.add_elements("ip", ElementChunk((
@@ -399,6 +408,21 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
         ("ranges", "set type ipv4_addr; flags interval;", ("10.1.0.0/16",)))))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
     assert nft.list_elements("ip", "set", "ranges") == ["10.1.0.0/16"]
+
+
+def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
+    nft = libnft_in(ns.full)
+    nft.run("add table ip pyproxy\nadd set ip pyproxy spare { type ipv4_addr; }\n")
+    assert nft._netlink is not None
+    nft._netlink.close()  # sending on it fails: EBADF
+    with capture_logs() as logs:
+        nft.add_elements("ip", ElementChunk((("spare", "set type ipv4_addr;",
+                                              ("10.0.0.1",)),)))
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
+    assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
+    assert nft._netlink is None  # libnftables from now on
+    nft.add_elements("ip", ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.2",)),)))
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
 
 
 def test_its_commits_are_our_own(ns: Netns) -> None:

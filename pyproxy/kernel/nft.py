@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import structlog
+
 from pyproxy.kernel import nlelements
 from pyproxy.render import staging
 from pyproxy.render.objects import TABLE, Fragment
@@ -26,6 +28,8 @@ from pyproxy.render.ruleset import (
     incremental_commands,
     table_shape,
 )
+
+log = structlog.get_logger("pyproxy.nft")
 
 # Chains left without references are deleted this long after they were flushed: on kernels
 # before 6.2 the kernel notices a chain is unreferenced only a short time after the vmap
@@ -265,8 +269,19 @@ class LibNftables:
             encoded, left = nlelements.encode_loads(chunk.loads)
             try:
                 nlelements.commit(self._netlink, nlelements.build_batch(family, TABLE, encoded))
+            except nlelements.BatchRefused as err:
+                # Nothing of it was applied. libnftables gets the same elements: it refuses
+                # them in its own words (a set deleted under us), or takes them (then the
+                # encoder is wrong, and this says so).
+                log.warning("raw_netlink_batch_refused", error=str(err))
+                left = list(chunk.loads)
             except OSError as err:
-                raise NftError(f"Error: {err}") from None
+                # The socket itself failed (a send buffer it may not raise, no answer):
+                # libnftables adds every element from now on, as before this path existed.
+                log.warning("raw_netlink_elements_off", error=str(err))
+                self._netlink.close()
+                self._netlink = None
+                left = list(chunk.loads)
         if left:
             self.run(staging.ElementChunk(tuple(left)).script(family))
 

@@ -418,7 +418,8 @@ def _error_text(data: bytes, offset: int, length: int) -> str:
 
 def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> None:
     """Send one batch and wait for the kernel's answer to each of its messages. Raises
-    BatchRefused (nothing applied) on any error."""
+    BatchRefused when the kernel refused it (nothing applied), another OSError when the
+    socket failed or no answer came."""
     if not batch.sets:
         return
     sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)  # acks without a copy of the request
@@ -452,8 +453,11 @@ def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> N
                     pending.discard(seq)
                 offset += (length + 3) & ~3
     except TimeoutError:
-        errors.append(f"no answer from the kernel for {len(pending)} of "
-                      f"{len(batch.sets)} messages in {timeout:g} s")
+        missing = (f"no answer from the kernel for {len(pending)} of {len(batch.sets)} "
+                   f"messages in {timeout:g} s")
+        if not errors:  # applied or not: unknown (OSError, not BatchRefused)
+            raise OSError(errno.ETIMEDOUT, missing) from None
+        errors.append(missing)
     if errors:
         raise BatchRefused(errno.EINVAL, "; ".join(errors[:3]))
 
