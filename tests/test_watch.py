@@ -211,6 +211,27 @@ def test_a_bigger_list_is_streamed_through_one_watch(emu: ApiEmulator) -> None:
         assert emu.count("watch", "services") == 2  # the streamed list, then the watch
 
 
+def test_the_first_page_is_not_handed_over_again_by_the_stream(emu: ApiEmulator) -> None:
+    """The streamed list repeats the first page's objects: only a changed one (a newer
+    resourceVersion) reaches the handler a second time."""
+    for i in range(5):
+        emu.create("services", service(f"svc-{i}"))
+    rec = Recorder()
+    changed = threading.Event()
+
+    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
+        rec.handle(key, obj)
+        if key[1] == "svc-1" and obj is not None and not changed.is_set():
+            changed.set()  # between the first page and the streamed list
+            emu.patch("services", "svc-1", {"metadata": {"labels": {"v": "2"}}}, "ns")
+
+    with running(emu, handle, rec.synced, watch_list=True, small_list=2):
+        assert rec.synced.wait(5)
+        assert rec.names() == {f"svc-{i}" for i in range(5)}
+        assert rec.events == 6  # 2 from the page, 3 new and the changed svc-1 from the stream
+        assert rec.objects[("ns", "svc-1")]["metadata"].get("labels") == {"v": "2"}
+
+
 def test_an_object_of_the_first_page_gone_from_the_stream_is_deleted(
         emu: ApiEmulator) -> None:
     for i in range(4):
