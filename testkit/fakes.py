@@ -6,11 +6,13 @@ when the code under test waits."""
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import math
 import re
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 from pyproxy.cluster.cache import ClusterCache
@@ -105,6 +107,9 @@ class FakeKernel:
 
     def add_elements(self, family: str, chunk: ElementChunk) -> None:
         self.run(chunk.script(family))
+
+    def bulk(self) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def renew(self) -> None:
         pass
