@@ -314,12 +314,12 @@ def raw_elements(netns: str, family: IPFamily, name: str) -> list[bytes]:
             offset = 0
             while offset < len(data):
                 length, kind = struct.unpack_from("=IH", data, offset)
-                if kind == nlsets.NLMSG_DONE:
+                if kind == nle.NLMSG_DONE:
                     return sorted(out)
-                assert kind != nlsets.NLMSG_ERROR, f"dump of {name} refused"
-                for attr, a, b in nlsets._attrs(data, offset + 20, offset + length):
-                    if attr == nlsets.NFTA_SET_ELEM_LIST_ELEMENTS:
-                        out += [data[x:y] for _, x, y in nlsets._attrs(data, a, b)]
+                assert kind != nle.NLMSG_ERROR, f"dump of {name} refused"
+                for attr, a, b in nle.attributes(data, offset + 20, offset + length):
+                    if attr == nle.NFTA_SET_ELEM_LIST_ELEMENTS:
+                        out += [data[x:y] for _, x, y in nle.attributes(data, a, b)]
                 offset += (length + 3) & ~3
 
 

@@ -14,6 +14,9 @@ elements with an optional comment. Anything else (an interval set, a timeout, a 
 differently) raises `Unencodable`, and the caller gives that set's elements to libnftables.
 The encoding is libnftables' own, byte for byte: tests/test_nft_kernel.py adds the same
 elements both ways into a namespace's kernel and compares the kernel's dumps.
+
+The netlink framing (headers, attributes, the nftables constants) lives here; the counter
+dumps (pyproxy/kernel/nlsets.py) use it too.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import functools
 import socket
 import struct
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 NETLINK_NETFILTER = 12
@@ -34,9 +37,10 @@ NFNL_SUBSYS_NFTABLES = 10
 NFNL_MSG_BATCH_BEGIN, NFNL_MSG_BATCH_END = 0x10, 0x11
 NFT_MSG_NEWSETELEM = 12
 NLM_F_REQUEST, NLM_F_ACK, NLM_F_CREATE = 0x1, 0x4, 0x400
-NLMSG_ERROR = 2
+NLMSG_ERROR, NLMSG_DONE = 2, 3
 NLMSGERR_ATTR_MSG = 1
 NLA_F_NESTED = 0x8000
+NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
 # include/uapi/linux/netfilter/nf_tables.h
 NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
 NFTA_LIST_ELEM = 1
@@ -53,8 +57,8 @@ PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132, "icmp": 1, "icmpv6": 58}
 MESSAGE_PAYLOAD = 60_000
 ACK_TIMEOUT = 30.0
 
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
-_ATTR = struct.Struct("=HH")
+HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
+ATTR = struct.Struct("=HH")
 _VERDICT = struct.Struct(">i")
 
 
@@ -180,13 +184,24 @@ class Layout:
 
 # ---- elements ----------------------------------------------------------------------------
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = _ATTR.size + len(payload)
-    return _ATTR.pack(length, kind) + payload + b"\0" * (-length % 4)
+def attribute(kind: int, payload: bytes) -> bytes:
+    """One netlink attribute, padded to 4 bytes."""
+    length = ATTR.size + len(payload)
+    return ATTR.pack(length, kind) + payload + b"\0" * (-length % 4)
+
+
+def attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+    """(type, payload start, payload end) of the attributes in data[start:end]."""
+    while start + ATTR.size <= end:
+        length, kind = ATTR.unpack_from(data, start)
+        if length < ATTR.size:
+            return
+        yield kind & NLA_TYPE_MASK, start + ATTR.size, start + length
+        start += (length + 3) & ~3
 
 
 def _nest(kind: int, payload: bytes) -> bytes:
-    return _attr(kind | NLA_F_NESTED, payload)
+    return attribute(kind | NLA_F_NESTED, payload)
 
 
 class ElementEncoder:
@@ -213,7 +228,7 @@ class ElementEncoder:
             _column_encoder(t, self._data[i]) for i, t in enumerate(data)]
         data_size = 0 if not self._data_columns or not isinstance(data, tuple) else \
             len(self._data_head) + _size(data)
-        self._element_head = _ATTR.pack(4 + len(self._key_head) + self._key_size + data_size,
+        self._element_head = ATTR.pack(4 + len(self._key_head) + self._key_size + data_size,
                                         NFTA_LIST_ELEM | NLA_F_NESTED)
 
     def __call__(self, text: str) -> bytes:
@@ -225,7 +240,7 @@ class ElementEncoder:
             if end < 0 or "\\" in note or len(note) > 128:
                 raise Unencodable(f"comment in {text!r}")
             text = text[:at] + text[end + 1:]
-            comment = _attr(NFTA_SET_ELEM_USERDATA, bytes((NFTNL_UDATA_SET_ELEM_COMMENT,
+            comment = attribute(NFTA_SET_ELEM_USERDATA, bytes((NFTNL_UDATA_SET_ELEM_COMMENT,
                                                            len(note) + 1)) + note.encode() + b"\0")
         key_text, colon, data_text = text.partition(" : ")
         if self._is_map != bool(colon):
@@ -237,7 +252,7 @@ class ElementEncoder:
             else:
                 payload += self._verdict(data_text)
         payload += comment
-        return _ATTR.pack(len(payload) + 4, NFTA_LIST_ELEM | NLA_F_NESTED) + payload
+        return ATTR.pack(len(payload) + 4, NFTA_LIST_ELEM | NLA_F_NESTED) + payload
 
     def encode(self, texts: Sequence[str]) -> list[bytes]:
         """Every element of `texts`, grouped into message payloads (whole elements, at most
@@ -301,7 +316,7 @@ class ElementEncoder:
                 parts[2 + key_fields + i::width] = column
         whole = b"".join(parts)
         size, rest = divmod(len(whole), count)
-        if rest or size != _ATTR.unpack_from(self._element_head)[0]:
+        if rest or size != ATTR.unpack_from(self._element_head)[0]:
             return None
         return whole, size
 
@@ -347,16 +362,16 @@ def _heads(kind: int, size: int) -> bytes:
     the padding follows)."""
     if size % 4:
         raise Unencodable(f"a {size}-byte value")  # a lone port or protocol: not ours
-    return _ATTR.pack(8 + size, kind | NLA_F_NESTED) + _ATTR.pack(4 + size, NFTA_DATA_VALUE)
+    return ATTR.pack(8 + size, kind | NLA_F_NESTED) + ATTR.pack(4 + size, NFTA_DATA_VALUE)
 
 
 def _verdict(text: str) -> bytes:
     words = text.split(" ")
     if len(words) == 1 and words[0] in VERDICTS:
-        inner = _attr(NFTA_VERDICT_CODE, _VERDICT.pack(VERDICTS[words[0]]))
+        inner = attribute(NFTA_VERDICT_CODE, _VERDICT.pack(VERDICTS[words[0]]))
     elif len(words) == 2 and words[0] in CHAIN_VERDICTS and '"' not in words[1]:
-        inner = (_attr(NFTA_VERDICT_CODE, _VERDICT.pack(CHAIN_VERDICTS[words[0]]))
-                 + _attr(NFTA_VERDICT_CHAIN, words[1].encode() + b"\0"))
+        inner = (attribute(NFTA_VERDICT_CODE, _VERDICT.pack(CHAIN_VERDICTS[words[0]]))
+                 + attribute(NFTA_VERDICT_CHAIN, words[1].encode() + b"\0"))
     else:
         raise Unencodable(f"verdict {text!r}")
     return _nest(NFTA_DATA_VERDICT, inner)
@@ -375,7 +390,7 @@ class Batch:
 
 def _message(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
     head = struct.pack("=BBH", family, 0, socket.htons(res_id))
-    return _HEADER.pack(_HEADER.size + 4 + len(body), kind, flags, seq, 0) + head + body
+    return HEADER.pack(HEADER.size + 4 + len(body), kind, flags, seq, 0) + head + body
 
 
 def build_batch(family: str, table: str, loads: Iterable[tuple[str, Iterable[bytes]]],
@@ -384,7 +399,7 @@ def build_batch(family: str, table: str, loads: Iterable[tuple[str, Iterable[byt
     payload (`ElementEncoder.encode`: whole elements, within the 16-bit length of the
     attribute that holds them)."""
     nfproto = NFPROTO[family]
-    prefix = _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+    prefix = attribute(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
     kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM
     flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK
     begin = seq
@@ -395,7 +410,7 @@ def build_batch(family: str, table: str, loads: Iterable[tuple[str, Iterable[byt
         for payload in payloads:
             seq += 1
             sets[seq] = name
-            body = (prefix + _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0")
+            body = (prefix + attribute(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0")
                     + _nest(NFTA_SET_ELEM_LIST_ELEMENTS, payload))
             parts.append(_message(kind, flags, seq, nfproto, 0, body))
     seq += 1
@@ -405,14 +420,9 @@ def build_batch(family: str, table: str, loads: Iterable[tuple[str, Iterable[byt
 
 def _error_text(data: bytes, offset: int, length: int) -> str:
     """The kernel's extended ack message, when it sent one (after the capped request)."""
-    start = offset + _HEADER.size + 4 + _HEADER.size
-    while start + _ATTR.size <= offset + length:
-        size, kind = _ATTR.unpack_from(data, start)
-        if size < _ATTR.size:
-            break
-        if kind & 0x3FFF == NLMSGERR_ATTR_MSG:
-            return data[start + _ATTR.size:start + size].rstrip(b"\0").decode(errors="replace")
-        start += (size + 3) & ~3
+    for kind, a, b in attributes(data, offset + HEADER.size + 4 + HEADER.size, offset + length):
+        if kind == NLMSGERR_ATTR_MSG:
+            return data[a:b].rstrip(b"\0").decode(errors="replace")
     return ""
 
 
@@ -436,12 +446,12 @@ def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> N
         while pending:
             data = sock.recv(1 << 16)
             offset = 0
-            while offset + _HEADER.size <= len(data):
-                length, kind, _, seq, _ = _HEADER.unpack_from(data, offset)
-                if length < _HEADER.size:
+            while offset + HEADER.size <= len(data):
+                length, kind, _, seq, _ = HEADER.unpack_from(data, offset)
+                if length < HEADER.size:
                     break
                 if kind == NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
+                    (code,) = struct.unpack_from("=i", data, offset + HEADER.size)
                     if code:
                         name = batch.sets.get(seq, "the batch")
                         detail = _error_text(data, offset, length)

@@ -18,33 +18,40 @@ import contextlib
 import errno
 import socket
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pyproxy.core.model import IPFamily
+from pyproxy.kernel import nlelements
 from pyproxy.kernel.nft import LibNftables, NftError
-from pyproxy.kernel.nlelements import netlink_socket
+from pyproxy.kernel.nlelements import (
+    ATTR,
+    HEADER,
+    NFNL_SUBSYS_NFTABLES,
+    NFTA_DATA_VALUE,
+    NFTA_LIST_ELEM,
+    NFTA_SET_ELEM_KEY,
+    NFTA_SET_ELEM_LIST_ELEMENTS,
+    NFTA_SET_ELEM_LIST_SET,
+    NFTA_SET_ELEM_LIST_TABLE,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    attribute,
+    attributes,
+    netlink_socket,
+)
 from pyproxy.render.objects import CONNECTION_SHARDS, TABLE, connections_set
 from pyproxy.serve.connections import element_text
 
-NETLINK_NETFILTER = 12
-NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_GETSETELEM = 13
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLM_F_DUMP_INTR = 0x10  # the table changed while the dump ran: its parts may disagree
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NFPROTO = {IPFamily.IPv4: 2, IPFamily.IPv6: 10}
+NFPROTO = {family: nlelements.NFPROTO[family.nft_family] for family in IPFamily}
 # include/uapi/linux/netfilter/nf_tables.h
-NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET, NFTA_SET_ELEM_LIST_ELEMENTS = 1, 2, 3
-NFTA_SET_ELEM_KEY, NFTA_SET_ELEM_EXPR, NFTA_SET_ELEM_EXPRESSIONS = 1, 7, 11
-NFTA_DATA_VALUE = 1
+NFTA_SET_ELEM_EXPR, NFTA_SET_ELEM_EXPRESSIONS = 7, 11
 NFTA_EXPR_NAME, NFTA_EXPR_DATA = 1, 2
 NFTA_COUNTER_PACKETS = 2
-NFTA_LIST_ELEM = 1
-_NLA_TYPE_MASK = 0x3FFF  # without NLA_F_NESTED / NLA_F_NET_BYTEORDER
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
-_ATTR = struct.Struct("=HH")
 _U64 = struct.Struct(">Q")
 _U16 = struct.Struct("=H")
 _DUMP_ATTEMPTS = 3
@@ -55,38 +62,23 @@ class SetDumpError(OSError):
     """The kernel refused the dump (other than: no such set)."""
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = _ATTR.size + len(payload)
-    return _ATTR.pack(length, kind) + payload + b"\0" * (-length % 4)
-
-
 def dump_request(family: IPFamily, table: str, name: str, seq: int) -> bytes:
     body = (struct.pack("=BBH", NFPROTO[family], 0, 0)
-            + _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
-            + _attr(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0"))
+            + attribute(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+            + attribute(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0"))
     kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETSETELEM
-    return _HEADER.pack(_HEADER.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
-
-
-def _attrs(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int]]:
-    """(type, payload start, payload end) of the attributes in data[start:end]."""
-    while start + _ATTR.size <= end:
-        length, kind = _ATTR.unpack_from(data, start)
-        if length < _ATTR.size:
-            return
-        yield kind & _NLA_TYPE_MASK, start + _ATTR.size, start + length
-        start += (length + 3) & ~3
+    return HEADER.pack(HEADER.size + len(body), kind, NLM_F_REQUEST | NLM_F_DUMP, seq, 0) + body
 
 
 def _packets_at(data: bytes, start: int, end: int) -> int | None:
     """Offset of the counter's packets in one element expression (None: not a counter)."""
     name = b""
     found = None
-    for kind, a, b in _attrs(data, start, end):
+    for kind, a, b in attributes(data, start, end):
         if kind == NFTA_EXPR_NAME:
             name = data[a:b].rstrip(b"\0")
         elif kind == NFTA_EXPR_DATA:
-            found = next((x for k, x, _ in _attrs(data, a, b) if k == NFTA_COUNTER_PACKETS),
+            found = next((x for k, x, _ in attributes(data, a, b) if k == NFTA_COUNTER_PACKETS),
                          None)
     return found if name == b"counter" else None
 
@@ -95,13 +87,13 @@ def _decode_element(data: bytes, start: int, end: int) -> tuple[int, int, int | 
     """(key start, key end, packets offset or None) of one element, or None without a key."""
     key = None
     packets = None
-    for kind, a, b in _attrs(data, start, end):
+    for kind, a, b in attributes(data, start, end):
         if kind == NFTA_SET_ELEM_KEY:
-            key = next(((x, y) for k, x, y in _attrs(data, a, b) if k == NFTA_DATA_VALUE), None)
+            key = next(((x, y) for k, x, y in attributes(data, a, b) if k == NFTA_DATA_VALUE), None)
         elif kind == NFTA_SET_ELEM_EXPR:
             packets = _packets_at(data, a, b)
         elif kind == NFTA_SET_ELEM_EXPRESSIONS:
-            for k, x, y in _attrs(data, a, b):
+            for k, x, y in attributes(data, a, b):
                 if k == NFTA_LIST_ELEM and packets is None:
                     packets = _packets_at(data, x, y)
     return None if key is None else (key[0], key[1], packets)
@@ -137,32 +129,32 @@ class DumpParser:
 
     def feed(self, data: bytes) -> None:
         offset = 0
-        while offset + _HEADER.size <= len(data) and not self.done:
-            length, kind, flags, _, _ = _HEADER.unpack_from(data, offset)
-            if length < _HEADER.size:
+        while offset + HEADER.size <= len(data) and not self.done:
+            length, kind, flags, _, _ = HEADER.unpack_from(data, offset)
+            if length < HEADER.size:
                 raise SetDumpError(errno.EPROTO, "truncated netlink message")
             if flags & NLM_F_DUMP_INTR:
                 self.interrupted = True
             if kind == NLMSG_DONE:
                 self.done = True
             elif kind == NLMSG_ERROR:
-                (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
+                (code,) = struct.unpack_from("=i", data, offset + HEADER.size)
                 if code == -errno.ENOENT:
                     self.missing = self.done = True
                 elif code:
                     raise SetDumpError(-code, f"set element dump: {errno.errorcode.get(-code)}")
             else:
                 # nlmsghdr, then nfgenmsg (4 bytes), then the attributes
-                for attr, a, b in _attrs(data, offset + _HEADER.size + 4, offset + length):
+                for attr, a, b in attributes(data, offset + HEADER.size + 4, offset + length):
                     if attr == NFTA_SET_ELEM_LIST_ELEMENTS:
                         self._elements(data, a, b)
             offset += (length + 3) & ~3
 
     def _elements(self, data: bytes, start: int, end: int) -> None:
         counts, unpack, layout = self.counts, _U64.unpack_from, self._layout
-        while start + _ATTR.size <= end:
+        while start + ATTR.size <= end:
             (length,) = _U16.unpack_from(data, start)
-            if length < _ATTR.size:
+            if length < ATTR.size:
                 return
             # inline, not a method: this runs for every element (110k at 10k services)
             if layout is not None and data[start:start + 4] == layout.head:
@@ -173,7 +165,7 @@ class DumpParser:
                     counts[data[start + a:start + b]] = unpack(data, start + p)[0]
                     start += (length + 3) & ~3
                     continue
-            decoded = _decode_element(data, start + _ATTR.size, start + length)
+            decoded = _decode_element(data, start + ATTR.size, start + length)
             if decoded is not None:
                 a, b, packets = decoded
                 counts[data[a:b]] = unpack(data, packets)[0] if packets else 0
