@@ -215,19 +215,19 @@ class ElementEncoder:
         self._key_size = _size(layout.key)
         self._key_head = _heads(NFTA_SET_ELEM_KEY, self._key_size)
         data = layout.data
-        self._data = None if data is None or isinstance(data, str) else [
-            _Cached(_ENCODERS[t], len(data) > 1).__getitem__ for t in data]
-        self._data_head = b"" if self._data is None or not isinstance(data, tuple) else \
-            _heads(NFTA_SET_ELEM_DATA, _size(data))
         self._verdicts: dict[str, bytes] = {}
         self._is_map = data is not None
+        # value data (not a set, not a verdict map): as fixed in size as the key
+        values = data if isinstance(data, tuple) else ()
+        self._data = [_Cached(_ENCODERS[t], len(values) > 1).__getitem__
+                      for t in values] if values else None
+        self._data_head = _heads(NFTA_SET_ELEM_DATA, _size(values)) if values else b""
         # column-wise: addresses straight through inet_pton (each pod address appears once
         # or twice), the rest through the caches
         self._key_columns = [_column_encoder(t, self._key[i]) for i, t in enumerate(layout.key)]
-        self._data_columns = [] if self._data is None or not isinstance(data, tuple) else [
-            _column_encoder(t, self._data[i]) for i, t in enumerate(data)]
-        data_size = 0 if not self._data_columns or not isinstance(data, tuple) else \
-            len(self._data_head) + _size(data)
+        self._data_columns = [_column_encoder(t, encode)
+                              for t, encode in zip(values, self._data or (), strict=True)]
+        data_size = len(self._data_head) + _size(values) if values else 0
         self._element_head = ATTR.pack(4 + len(self._key_head) + self._key_size + data_size,
                                         NFTA_LIST_ELEM | NLA_F_NESTED)
 
@@ -305,8 +305,8 @@ class ElementEncoder:
                        for i, encode in enumerate([*self._key_columns, *self._data_columns])]
         except (ValueError, OverflowError, OSError):
             return None
-        parts: list[bytes] = [b""] * (count * (len(columns) + 1 + bool(data)))
         width = len(columns) + 1 + bool(data)
+        parts: list[bytes] = [b""] * (count * width)
         parts[0::width] = [self._element_head + self._key_head] * count
         for i, column in enumerate(columns[:key_fields]):
             parts[1 + i::width] = column
