@@ -89,7 +89,7 @@ def transactions(family: str, state: DesiredState, cmds: Commands, table_exists:
     if not table_exists:
         lines = [*cmds.declare, *cmds.flush, *cmds.rules]
         yield _script([line for line in lines if not _on_base(line)])
-        yield from _chunks(state, chunk, {})
+        yield from _chunks(state, chunk, sets, {})
         yield _script([line for line in lines if _on_base(line)])
         return
     renamed = {name: shadow(name) for name in sets}
@@ -106,9 +106,9 @@ def transactions(family: str, state: DesiredState, cmds: Commands, table_exists:
             *(f"delete {sets[n].split(' ', 1)[0]} {family} {TABLE} {shadow(n)}"
               for n in sorted(sets))]
     yield _script(declare_shadows)
-    yield from _chunks(state, chunk, renamed)
+    yield from _chunks(state, chunk, sets, renamed)
     yield _script(switch)
-    yield from _chunks(state, chunk, {})
+    yield from _chunks(state, chunk, sets, {})
     yield _script(back)
 
 
@@ -131,9 +131,10 @@ def _script(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def _chunks(state: DesiredState, chunk: int, renamed: dict[str, str]) -> Iterator[ElementChunk]:
-    """Transactions of at most `chunk` elements, in container order."""
-    sets = static_sets(state)
+def _chunks(state: DesiredState, chunk: int, sets: dict[str, str],
+            renamed: dict[str, str]) -> Iterator[ElementChunk]:
+    """Transactions of at most `chunk` elements, in container order; `sets`: the
+    declarations (`static_sets`) each load carries."""
     loads: list[tuple[str, str, tuple[str, ...]]] = []
     size = 0
     for kind, container, entries in state.containers():
