@@ -211,25 +211,34 @@ def test_a_bigger_list_is_streamed_through_one_watch(emu: ApiEmulator) -> None:
         assert emu.count("watch", "services") == 2  # the streamed list, then the watch
 
 
+def once_handed(rec: Recorder, name: str, action: Callable[[], object]) -> Handler:
+    """A handler recording into `rec` that runs `action` once, when `name` is first handed
+    over: with small_list=2 and svc-0/svc-1, between the first page and the streamed list."""
+    done = threading.Event()
+
+    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
+        rec.handle(key, obj)
+        if key[1] == name and obj is not None and not done.is_set():
+            done.set()
+            action()
+
+    return handle
+
+
 def test_the_first_page_is_not_handed_over_again_by_the_stream(emu: ApiEmulator) -> None:
     """The streamed list repeats the first page's objects: only a changed one (a newer
     resourceVersion) reaches the handler a second time."""
     for i in range(5):
         emu.create("services", service(f"svc-{i}"))
     rec = Recorder()
-    changed = threading.Event()
-
-    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
-        rec.handle(key, obj)
-        if key[1] == "svc-1" and obj is not None and not changed.is_set():
-            changed.set()  # between the first page and the streamed list
-            emu.patch("services", "svc-1", {"metadata": {"labels": {"v": "2"}}}, "ns")
-
+    handle = once_handed(rec, "svc-1", lambda: emu.patch(
+        "services", "svc-1", {"metadata": {"labels": {"v": "2"}}}, "ns"))
     with running(emu, handle, rec.synced, watch_list=True, small_list=2):
         assert rec.synced.wait(5)
         assert rec.names() == {f"svc-{i}" for i in range(5)}
         assert rec.events == 6  # 2 from the page, 3 new and the changed svc-1 from the stream
-        assert rec.objects[("ns", "svc-1")]["metadata"].get("labels") == {"v": "2"}
+        svc1 = rec.objects[("ns", "svc-1")]
+        assert svc1 is not None and svc1["metadata"].get("labels") == {"v": "2"}
 
 
 def test_an_object_of_the_first_page_gone_from_the_stream_is_deleted(
@@ -237,14 +246,7 @@ def test_an_object_of_the_first_page_gone_from_the_stream_is_deleted(
     for i in range(4):
         emu.create("services", service(f"svc-{i}"))
     rec = Recorder()
-    gone = threading.Event()
-
-    def handle(key: tuple[str, str], obj: dict[str, Any] | None) -> None:
-        rec.handle(key, obj)
-        if key[1] == "svc-0" and obj is not None and not gone.is_set():
-            gone.set()  # between the first page and the streamed list
-            emu.delete("services", "svc-0", "ns")
-
+    handle = once_handed(rec, "svc-0", lambda: emu.delete("services", "svc-0", "ns"))
     with running(emu, handle, rec.synced, watch_list=True, small_list=2):
         assert rec.synced.wait(5)
         wait(lambda: rec.names() == {"svc-1", "svc-2", "svc-3"})
