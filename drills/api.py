@@ -14,7 +14,6 @@ from drills.harness import (
     ApiBench,
     DrillError,
     Env,
-    Obj,
     Probe,
     Result,
     api_bench,
@@ -193,18 +192,20 @@ def reflector_read_timeout(env: Env, read_timeout: float = 2.0) -> Result:
     is abandoned after read_timeout and a new one resumes from the last position (no relist:
     only 410 Gone lists again); the change made meanwhile arrives once the server streams."""
     from pyproxy.cluster.watch import Reflector, endpoint_slices_resource
+    from pyproxy.core.wire import SliceDoc
 
     r = Result("stalled-watch (reflector)", f"Reflector(read_timeout={read_timeout:g}) on a "
                "silent watch, change made while stalled")
     emu = env.emulator()
-    seen: list[tuple[float, Obj | None]] = []
+    # EndpointSlices are handed over as msgspec decodes them (pyproxy/core/wire.py)
+    seen: list[tuple[float, SliceDoc | None]] = []
     synced = threading.Event()
     stop = threading.Event()
     client = emu.api_client()
     try:
         emu.create("EndpointSlice", web(env, ["pod-a", "pod-b", "pod-c"])[1])
 
-        def handler(key: tuple[str, str], obj: Obj | None) -> None:
+        def handler(key: tuple[str, str], obj: SliceDoc | None) -> None:
             seen.append((time.monotonic(), obj))
 
         reflector = Reflector(client, endpoint_slices_resource(), handler, synced.set, stop,
@@ -218,7 +219,7 @@ def reflector_read_timeout(env: Env, read_timeout: float = 2.0) -> Result:
         stalled = time.monotonic()
 
         def arrived() -> bool:
-            return any(t > stalled and obj is not None and len(obj["endpoints"]) == 1
+            return any(t > stalled and obj is not None and len(obj.endpoints or ()) == 1
                        for t, obj in seen)
 
         abandoned = until(lambda: reflector.status.watches >= 2, read_timeout + 15,

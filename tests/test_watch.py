@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from pyproxy.cluster.watch import Handler, Reflector, Resource, services_resource
+from pyproxy.cluster.codec import JSON
+from pyproxy.cluster.watch import (
+    SLICE_CODEC,
+    Handler,
+    Reflector,
+    Resource,
+    _lines,
+    endpoint_slices_resource,
+    services_resource,
+)
+from pyproxy.core.convert import convert_endpoint_slice
+from pyproxy.core.model import Skipped, SliceEndpoints
+from pyproxy.core.wire import SliceDoc
 from testkit.apiemu import ApiEmulator
 
 
@@ -151,9 +166,9 @@ def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
 @contextlib.contextmanager
 def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
             page_size: int = 500, watch_list: bool = False,
-            small_list: int = 2000) -> Iterator[Reflector]:
+            small_list: int = 2000, resource: Resource | None = None) -> Iterator[Reflector]:
     stop = threading.Event()
-    refl = Reflector(emu.api_client(), services_resource(), handle, synced.set, stop,
+    refl = Reflector(emu.api_client(), resource or services_resource(), handle, synced.set, stop,
                      page_size=page_size, watch_list=watch_list, small_list=small_list)
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
@@ -307,3 +322,78 @@ def test_list_snapshot_expiring_between_pages_lists_again_in_one_piece(
 
 def test_resource_is_plain_data() -> None:
     assert isinstance(services_resource(), Resource)
+
+
+# ---- EndpointSlices: decoded into typed documents -------------------------------------------
+
+
+def endpoint_slice(name: str, *ready: object) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns",
+                         "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}],
+            "endpoints": [{"addresses": [f"10.0.{int(name[-1])}.{i}"],
+                           "conditions": {"ready": r}, "nodeName": "node-a",
+                           "targetRef": {"kind": "Pod", "name": f"{name}-{i}"}}
+                          for i, r in enumerate(ready, 1)]}
+
+
+@pytest.mark.parametrize("small_list", [2, 10], ids=["first page, then streamed", "one page"])
+def test_endpoint_slices_are_handed_over_typed_and_a_misfit_as_it_came(
+        emu: ApiEmulator, small_list: int) -> None:
+    """Slices arrive as SliceDoc from a list page, the streamed list and the watch; one whose
+    condition is not a boolean arrives as the dicts the API sent (with a page, its whole
+    page does), and its conversion names the field."""
+    for i in range(4):
+        emu.create("endpointslices", endpoint_slice(f"s{i}", True, False))
+    emu.create("endpointslices", endpoint_slice("s4", True, "yes"))
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, watch_list=True, small_list=small_list,
+                 resource=endpoint_slices_resource()):
+        assert rec.synced.wait(5)
+        emu.wait_for_watches(1, "endpointslices")
+        emu.create("endpointslices", endpoint_slice("s5", False))
+        wait(lambda: "s5" in rec.names())
+    objects = {name: obj for (_, name), obj in rec.objects.items()}
+    assert type(objects["s4"]) is dict
+    assert type(objects["s5"]) is SliceDoc  # from the watch
+    if small_list == 2:  # the stream hands each over on its own
+        assert {n for n, o in objects.items() if type(o) is SliceDoc} == {
+            "s0", "s1", "s2", "s3", "s5"}
+    converted = {name: convert_endpoint_slice(obj) for name, obj in objects.items()}
+    bad = converted.pop("s4")
+    assert isinstance(bad, Skipped) and bad.reason.startswith("endpoints[1].conditions.ready:")
+    for name, piece in converted.items():
+        assert isinstance(piece, SliceEndpoints), (name, piece)
+        assert piece == convert_endpoint_slice(emu.get("endpointslices", name, "ns"))
+
+
+def test_slice_codec_reads_bookmarks_and_errors_as_dicts() -> None:
+    bookmark = (b'{"type":"BOOKMARK","object":{"metadata":{"resourceVersion":"7",'
+                b'"annotations":{"k8s.io/initial-events-end":"true"}}}}')
+    error = b'{"type":"ERROR","object":{"kind":"Status","code":410,"message":"too old"}}'
+    for line in (bookmark, error):
+        assert SLICE_CODEC.event(line) == JSON.event(line)
+    kind, obj = SLICE_CODEC.event(error)
+    assert kind == "ERROR" and obj["code"] == 410
+
+
+class Chunks:
+    """A response whose stream yields the given chunks."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    def stream(self, amt: int = 0, decode_content: bool = True) -> Iterator[bytes]:
+        yield from self.chunks
+
+
+@given(st.lists(st.binary(min_size=1, max_size=30).filter(lambda b: b"\n" not in b
+                                                          and b.strip()),
+                max_size=8),
+       st.lists(st.integers(0, 300), max_size=6), st.booleans())
+def test_watch_lines_survive_any_chunking(lines: list[bytes], cuts: list[int],
+                                          final_newline: bool) -> None:
+    data = b"\n\n".join(lines) + (b"\n" if final_newline else b"")
+    points = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    chunks = [data[a:b] for a, b in itertools.pairwise(points)]
+    assert list(_lines(Chunks(chunks), threading.Event())) == lines

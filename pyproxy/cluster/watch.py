@@ -35,7 +35,9 @@ from typing import Any
 import structlog
 
 from pyproxy.cluster.apirequest import request
+from pyproxy.cluster.codec import JSON, Codec, TypedCodec, metadata
 from pyproxy.core.model import ObjectKey
+from pyproxy.core.wire import SliceDoc
 from pyproxy.sync.gcutil import gc_paused
 
 log = structlog.get_logger("pyproxy.watch")
@@ -48,8 +50,8 @@ MIN_WATCH_TIMEOUT = 300
 # timer is checked when the cacher dispatches); a stream silent for 2.5 such intervals is
 # stalled. client-go has HTTP/2 pings for this; urllib3 speaks HTTP/1.1 and has only this.
 WATCH_READ_TIMEOUT = 150.0
-# handler(key, object or None for a deletion)
-Handler = Callable[[ObjectKey, dict[str, Any] | None], None]
+# handler(key, object or None for a deletion); the object as the resource's codec decodes it
+Handler = Callable[[ObjectKey, Any | None], None]
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class Resource:
     list_function: Callable[[Any], Callable[..., Any]]
     label_selector: str | None = None
     field_selector: str | None = None
+    codec: Codec = JSON
 
 
 def collection(path: str) -> Callable[[Any], Callable[..., Any]]:
@@ -88,7 +91,12 @@ def endpoint_slices_resource() -> Resource:
     return Resource(
         "EndpointSlice", collection("/apis/discovery.k8s.io/v1/endpointslices"),
         label_selector="!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name",
+        codec=SLICE_CODEC,
     )
+
+
+# EndpointSlices are most of an initial list: decoded into typed documents (see codec.py).
+SLICE_CODEC = TypedCodec(SliceDoc)
 
 
 def nodes_resource(name: str | None = None) -> Resource:
@@ -329,17 +337,17 @@ class Reflector:
         handling = 0.0
         try:
             with gc_paused():  # as for a page: conversion makes many objects without cycles
-                for event in _events(response, self.stop):
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    meta = obj.get("metadata") or {}
+                for line in _lines(response, self.stop):
+                    kind, obj = self.resource.codec.event(line)
+                    meta = metadata(obj)
                     if kind == "BOOKMARK":
                         if (meta.get("annotations") or {}).get(INITIAL_EVENTS_END) == "true":
                             version = str(meta.get("resourceVersion") or "")
                             break
                         continue
                     if kind == "ERROR":
-                        self._handle(event, "")  # raises
-                    key = _key(obj)
+                        self._handle(kind, obj, "")  # raises
+                    key = _key(meta)
                     if first_page and kind == "ADDED" and _unchanged(first_page, key, meta):
                         seen.add(key)
                         continue
@@ -373,7 +381,7 @@ class Reflector:
         started, waited, decoding = time.monotonic(), 0.0, 0.0
         while True:
             try:
-                body, fetch_seconds, decode_seconds = self._page(limit, token)
+                meta, items, fetch_seconds, decode_seconds = self._page(limit, token)
                 waited += fetch_seconds
                 decoding += decode_seconds
             except Exception as err:
@@ -382,7 +390,6 @@ class Reflector:
                     limit, token, version = 0, "", ""
                     continue
                 raise
-            meta = body.get("metadata") or {}
             # The first page's version: a real server gives every page the snapshot's; one
             # that does not (the emulator) may only make the watch replay events we have.
             version = version or str(meta.get("resourceVersion", ""))
@@ -390,15 +397,15 @@ class Reflector:
             # walk all of them again and again (~20 % of a cold start).
             versions: dict[ObjectKey, str] = {}
             with gc_paused():
-                for item in body.get("items") or []:
-                    key = _key(item)
+                for item in items:
+                    item_meta = metadata(item)
+                    key = _key(item_meta)
                     seen.add(key)
                     self.handler(key, item)
                     if stream_beyond_first_page:
-                        versions[key] = str((item.get("metadata") or {}).get("resourceVersion")
-                                            or "")
+                        versions[key] = str(item_meta.get("resourceVersion") or "")
             token = str(meta.get("continue") or "")
-            del body
+            del items
             if not token:
                 break
             if stream_beyond_first_page:
@@ -423,9 +430,10 @@ class Reflector:
             self.status.synced = True
             self.on_synced()
 
-    def _page(self, limit: int, token: str) -> tuple[dict[str, Any], float, float]:
-        """One page, the seconds spent waiting for it (request and transfer) and those
-        spent decoding it."""
+    def _page(self, limit: int,
+              token: str) -> tuple[Mapping[str, Any], list[Any], float, float]:
+        """One page (its metadata and items), the seconds spent waiting for it (request and
+        transfer) and those spent decoding it."""
         kwargs: dict[str, Any] = {"_request_timeout": (10, 120)}
         if limit:
             kwargs["limit"] = limit
@@ -437,12 +445,12 @@ class Reflector:
             data = response.data
             waited = time.monotonic() - started
             with gc_paused():
-                body: dict[str, Any] = json.loads(data)
+                meta, items = self.resource.codec.page(data)
             decoded = time.monotonic() - started - waited
         finally:
             response.release_conn()
         self.status.connected = True
-        return body, waited, decoded
+        return meta, items, waited, decoded
 
     def _watch(self, version: str) -> str:
         try:
@@ -461,23 +469,24 @@ class Reflector:
         self.status.connected = True
         self._backoff.reset()
         try:
-            for event in _events(response, self.stop):
-                version = self._handle(event, version)
+            for line in _lines(response, self.stop):
+                kind, obj = self.resource.codec.event(line)
+                version = self._handle(kind, obj, version)
         finally:
             response.release_conn()
         return version
 
-    def _handle(self, event: dict[str, Any], version: str) -> str:
-        kind, obj = event.get("type"), event.get("object") or {}
+    def _handle(self, kind: Any, obj: Any, version: str) -> str:
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise Expired(obj.get("message", "410 Gone"))
             raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-        new_version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+        meta = metadata(obj)
+        new_version = str(meta.get("resourceVersion") or version)
         if kind == "BOOKMARK":
             self.status.resource_version = new_version
             return new_version
-        key = _key(obj)
+        key = _key(meta)
         self.status.events += 1
         if kind == "DELETED":
             self._known.discard(key)
@@ -496,21 +505,21 @@ def _unchanged(first_page: Mapping[ObjectKey, str], key: ObjectKey,
     return bool(version) and version == str(meta.get("resourceVersion") or "")
 
 
-def _key(obj: dict[str, Any]) -> ObjectKey:
-    meta = obj.get("metadata") or {}
+def _key(meta: Mapping[str, Any]) -> ObjectKey:
     return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
-def _events(response: Any, stop: threading.Event) -> Iterator[dict[str, Any]]:
-    """One JSON event per line of a chunked watch response."""
-    buffer = b""
+def _lines(response: Any, stop: threading.Event) -> Iterator[bytes]:
+    """The lines of a chunked watch response (one JSON event each)."""
+    rest = b""
     for chunk in response.stream(65536, decode_content=True):
-        buffer += chunk
-        while b"\n" in buffer:
-            line, buffer = buffer.split(b"\n", 1)
+        # Split each chunk once: splitting one line off at a time copied the rest of the
+        # buffer for every line (a 64 KiB chunk holds ~30 events of a 10-endpoint slice).
+        *lines, rest = (rest + chunk).split(b"\n")
+        for line in lines:
             if line.strip():
-                yield json.loads(line)
+                yield line
         if stop.is_set():
             return
-    if buffer.strip():
-        yield json.loads(buffer)
+    if rest.strip():
+        yield rest

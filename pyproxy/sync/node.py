@@ -26,6 +26,7 @@ import structlog
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.model import ObjectKey, ServiceKey, ServicePort, Skipped
+from pyproxy.core.wire import SliceDoc
 from pyproxy.kernel.nft import NftError, SyncResult
 from pyproxy.sync.proxier import FamilyProxier
 
@@ -153,7 +154,7 @@ class NodeProxier:
             self._record(self.cache.set_service(key, obj))
             _warn_ignored_annotations(before, self.cache.services().get(ServiceKey(*key), ()))
 
-    def on_slice(self, key: ObjectKey, obj: dict[str, Any] | None) -> None:
+    def on_slice(self, key: ObjectKey, obj: dict[str, Any] | SliceDoc | None) -> None:
         with self.lock:
             self._record(self.cache.set_slice(key, obj))
 
