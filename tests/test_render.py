@@ -3,15 +3,25 @@ how shared pick chains are reference-counted, and what an incremental change emi
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.render.objects import BASE_CHAIN_RULES, Fragment, Item, Kind
-from pyproxy.render.ruleset import Change, DesiredState, full_commands, incremental_commands
+from pyproxy.render.ruleset import (
+    Change,
+    DesiredState,
+    _block_difference,
+    full_commands,
+    incremental_commands,
+)
 from pyproxy.sync.proxier import SKELETON, fragments
 from testkit.builders import ep, make_node, make_service, make_slice
 
@@ -379,3 +389,82 @@ def test_a_range_holding_the_node_and_the_vip_is_one_interval() -> None:
     items = frag(lb, [on(A1, "node-a")])  # the node is 192.168.50.1
     assert set(elements(items, "firewall-allow")) == {
         "192.168.50.200 . tcp . 80 . 192.168.50.0/24"}
+
+
+# --- a big owner's change, compared block by block ---------------------------------------------
+
+CONTAINERS = [(Kind.ELEMENT, "hairpin"), (Kind.SET, "endpoints-tcp-1"),
+              (Kind.CHAIN, "cluster-tcp-2"), (Kind.ELEMENT, "service-ips"),
+              (Kind.ELEMENT, "endpoints-tcp-1")]
+
+
+@st.composite
+def big_owner_change(draw: st.DrawFn) -> tuple[list[Item], list[Item]]:
+    """A big owner's items (runs per container, as a rendered service port) and a change of
+    them: items removed, added anywhere, values changed, whole runs gone or new."""
+    sizes = draw(st.lists(st.integers(0, 400), min_size=len(CONTAINERS),
+                          max_size=len(CONTAINERS)))
+    old = [Item(kind, container, f"k{i}", f"v{i}")
+           for (kind, container), size in zip(CONTAINERS, sizes, strict=True)
+           for i in range(size)]
+    new = list(old)
+    for _ in range(draw(st.integers(0, 6))):
+        edit = draw(st.sampled_from(["remove", "add", "value", "run"]))
+        at = draw(st.integers(0, max(0, len(new) - 1)))
+        if edit == "remove" and new:
+            del new[at]
+        elif edit == "add":
+            kind, container = new[at][:2] if new else CONTAINERS[0]
+            new.insert(at, Item(kind, container, f"n{draw(st.integers(0, 10**6))}", "v"))
+        elif edit == "value" and new:
+            new[at] = new[at]._replace(value=new[at].value + "'")
+        elif edit == "run":
+            gone = draw(st.sampled_from(CONTAINERS))
+            new = [item for item in new if item[:2] != gone]
+    # rendered again: equal strings, other objects
+    return old, [Item(kind, *((text + ".")[:-1] for text in rest))
+                 for kind, *rest in dict.fromkeys(new)]
+
+
+@given(big_owner_change())
+@settings(max_examples=200)
+def test_a_big_owners_change_is_what_the_item_by_item_comparison_finds(
+        change: tuple[list[Item], list[Item]]) -> None:
+    old, new = change
+    flat_old, flat_new = tuple(itertools.chain.from_iterable(old)), tuple(
+        itertools.chain.from_iterable(new))
+    removed, added, stored = _block_difference(flat_old, flat_new)
+    assert set(removed) == set(old) - set(new) and len(removed) == len(set(removed))
+    assert set(added) == set(new) - set(old) and len(added) == len(set(added))
+    assert stored == flat_new
+    # An item that stays keeps the strings already stored.
+    position = {item: i for i, item in enumerate(old)}
+    for i, item in enumerate(new):
+        if item in position:
+            assert all(stored[4 * i + f] is flat_old[4 * position[item] + f] for f in range(4))
+
+
+def test_a_big_owners_change_goes_through_the_store_as_a_small_ones() -> None:
+    """One endpoint more in a 1,000-slot map: the store and the commands are those of the
+    same change compared item by item."""
+    slots = [Item(Kind.ELEMENT, "endpoints-tcp-1", f"10.96.0.1 . 80 . {i}",
+                  f" : 10.244.{i // 250}.{i % 250} . 8080") for i in range(1000)]
+    chain_item = Item(Kind.CHAIN, "cluster-tcp-1000", "", "numgen random mod 1000 vmap @m")
+    before = _frag(chain_item, *slots)
+    after = _frag(chain_item._replace(container="cluster-tcp-1001", value="mod 1001"), *slots,
+                  Item(Kind.ELEMENT, "endpoints-tcp-1", "10.96.0.1 . 80 . 1000",
+                       " : 10.244.9.9 . 8080"))
+    state, small = DesiredState(), DesiredState()
+    state.set("big", before)
+    for item in before.items:  # the same slots, each its own small owner
+        small.set(item, _frag(item))
+    change = Change()
+    state.set("big", after, change)
+    assert incremental_commands("ip", change).text() == (
+        "add chain ip pyproxy cluster-tcp-1001\n"
+        "flush chain ip pyproxy cluster-tcp-1000\n"
+        "add rule ip pyproxy cluster-tcp-1001 mod 1001\n"
+        "add element ip pyproxy endpoints-tcp-1 { 10.96.0.1 . 80 . 1000 : 10.244.9.9 . 8080 }\n")
+    fresh = DesiredState()
+    fresh.set("big", after)
+    assert sorted(state.slots()) == sorted(fresh.slots())

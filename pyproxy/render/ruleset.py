@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, groupby
 
 from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
@@ -73,22 +73,18 @@ class DesiredState:
         `change` the before/after value of every slot it touches (a full sync, which
         rewrites everything, passes none)."""
         flat_old = self._fragments.get(owner, ())
-        flat_new = tuple(chain.from_iterable(fragment.items))
+        new = fragment.items
+        flat_new = tuple(chain.from_iterable(new))
         if flat_old == flat_new:
             return
-        new = fragment.items
         removed: Iterable[Item]
         added: Iterable[Item]
-        if flat_old:
-            old = _unflattened(flat_old)
-            kept, new_set = {item: item for item in old}, set(new)
-            removed = [item for item in old if item not in new_set]
-            added = [item for item in new if item not in kept]
-            # The items that stay keep the strings already stored (the store's keys and
-            # values are those objects): an owner changed again and again holds one copy.
-            flat_new = tuple(chain.from_iterable(kept.get(item, item) for item in new))
-        else:
+        if not flat_old:
             removed, added = (), new  # a new owner (every owner of a cold start)
+        elif len(flat_old) < _BIG_OWNER:
+            removed, added, flat_new = _difference(flat_old, new)
+        else:
+            removed, added, flat_new = _block_difference(flat_old, flat_new)
         if change is not None:
             for item in (*removed, *added):
                 slot = item[:3]
@@ -155,6 +151,77 @@ def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, str]]:
 
 
 _Value = str | dict[str, int]
+
+
+# Strings (4 an item) from which an owner's change is compared block by block.
+_BIG_OWNER = 4 * 256
+# Items per block.
+_BLOCK = 64
+
+
+def _difference(flat_old: tuple[str, ...], new: Iterable[Item],
+                ) -> tuple[list[Item], list[Item], tuple[str, ...]]:
+    """What replacing an owner's items (flat_old) by `new` removes and adds, and the new
+    items flattened, made of the strings already stored wherever an item stays (the store's
+    keys and values are those objects: an owner changed again and again holds one copy)."""
+    old = _unflattened(flat_old)
+    new = list(new)
+    kept, new_set = {item: item for item in old}, set(new)
+    removed = [item for item in old if item not in new_set]
+    added = [item for item in new if item not in kept]
+    return removed, added, tuple(chain.from_iterable(kept.get(item, item) for item in new))
+
+
+def _block_difference(flat_old: tuple[str, ...], flat_new: tuple[str, ...],
+                      ) -> tuple[list[Item], list[Item], tuple[str, ...]]:
+    """`_difference` for a big owner, mostly unchanged: a 5,000-endpoint service with one
+    endpoint more. Its items come in runs per container (its endpoints map's elements in
+    slot order, which `keep_slots` keeps), so each run is compared with the same run before
+    block by block, positionally, as tuples (in C); only the blocks that differ are compared
+    item by item. An item is in a fragment once, so an item of a block equal on both sides
+    is in no other block of either side."""
+    old_runs = _runs(flat_old)
+    pieces: list[tuple[str, ...]] = []  # the new flat items, block by block
+    differing: list[int] = []  # the pieces that differ from the old block at their place
+    old_differing: list[tuple[str, ...]] = []
+    for run, (start, end) in _runs(flat_new).items():
+        old_start, old_end = old_runs.pop(run, (0, 0))
+        for offset in range(0, max(end - start, old_end - old_start), _BLOCK):
+            block = flat_new[4 * min(start + offset, end):4 * min(start + offset + _BLOCK, end)]
+            before = flat_old[4 * min(old_start + offset, old_end):
+                              4 * min(old_start + offset + _BLOCK, old_end)]
+            if block == before:
+                pieces.append(before)
+            else:
+                differing.append(len(pieces))
+                pieces.append(block)
+                old_differing.append(before)
+    old_differing += (flat_old[4 * start:4 * end] for start, end in old_runs.values())
+    removed, added, flat_changed = _difference(
+        tuple(chain.from_iterable(old_differing)),
+        _unflattened(tuple(chain.from_iterable(pieces[i] for i in differing))))
+    # The changed blocks take their (stored) strings back, in order.
+    at = 0
+    for i in differing:
+        size = len(pieces[i])
+        pieces[i] = flat_changed[at:at + size]
+        at += size
+    return removed, added, tuple(chain.from_iterable(pieces))
+
+
+def _runs(flat: tuple[str, ...]) -> dict[tuple[str, str, int], tuple[int, int]]:
+    """The runs of consecutive items of one kind and container, as item index ranges, keyed
+    by (kind, container, how many runs of them came before)."""
+    runs: dict[tuple[str, str, int], tuple[int, int]] = {}
+    seen: dict[tuple[str, str], int] = {}
+    start = 0
+    for (kind, container), items in groupby(zip(flat[0::4], flat[1::4], strict=True)):
+        end = start + sum(1 for _ in items)
+        count = seen.get((kind, container), 0)
+        seen[(kind, container)] = count + 1
+        runs[(kind, container, count)] = (start, end)
+        start = end
+    return runs
 
 
 def _unflattened(flat: tuple[str, ...]) -> list[Item]:
