@@ -29,6 +29,7 @@ from pyproxy.core.model import (
     SliceEndpoints,
     all_cidrs,
 )
+from pyproxy.core.wire import SliceDoc
 from pyproxy.sync.gcutil import gc_paused
 
 
@@ -68,7 +69,9 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
     skipped: list[Skipped] = []
     service_cidrs: list[str] = []
     for obj in objects:
-        kind = obj.get("kind") if isinstance(obj, Mapping) else type(obj).__name__[2:]
+        kind = (obj.get("kind") if isinstance(obj, Mapping)
+                else "EndpointSlice" if type(obj) is SliceDoc  # as the API's decoder made it
+                else type(obj).__name__[2:])
         if kind == "Service":
             result = convert_service(obj)
             if isinstance(result, Skipped):
