@@ -52,7 +52,7 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import parse_min_endpoints
-from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, endpoint_doc
+from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc
 
 # Bounds on list sizes. The API server enforces most of these (an EndpointSlice holds at most
 # 1000 endpoints and 100 ports); a snapshot file or a broken server might not, and one huge
@@ -782,9 +782,12 @@ def _slice_endpoints(raw_endpoints: list[Any], family: IPFamily, number: int,
 
 
 def _endpoint_doc(raw: Any) -> EndpointDoc:
-    """An endpoint given as plain data, typed as the API's decoder types it."""
+    """An endpoint given as plain data (a snapshot file, or a slice the typed decoder
+    refused), typed as the API's decoder types it; what msgspec refuses (conditions that
+    are not booleans) is named as the checks name it."""
     try:
-        return endpoint_doc(raw if type(raw) is dict else dict(_mapping(raw, "")))
+        return msgspec.convert(raw if type(raw) is dict else dict(_mapping(raw, "")),
+                               EndpointDoc)
     except msgspec.ValidationError as err:
         conditions = _mapping(_mapping(raw, "").get("conditions"), "conditions")
         for name, default in (("ready", True), ("serving", True), ("terminating", False)):

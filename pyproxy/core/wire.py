@@ -52,9 +52,3 @@ class SliceDoc(msgspec.Struct, frozen=True, gc=False, rename={"address_type": "a
     ports: Any = None
     endpoints: list[EndpointDoc] | None = None
 
-
-def endpoint_doc(raw: dict[str, Any]) -> EndpointDoc:
-    """An endpoint from plain data (a snapshot file, or a slice the typed decoder refused).
-    Raises msgspec.ValidationError where the conditions are not booleans or the endpoint
-    not an object."""
-    return msgspec.convert(raw, EndpointDoc)
