@@ -63,7 +63,6 @@ class TypedCodec:
     conversion then skips that object with its reason and takes the others as always."""
 
     def __init__(self, document: type[msgspec.Struct]) -> None:
-        self.document = document
         event = msgspec.defstruct(f"{document.__name__}Event", [("type", str),
                                                                 ("object", document)])
         items: Any = list[document] | None  # type: ignore[valid-type]
@@ -90,8 +89,3 @@ class TypedCodec:
         meta = page.metadata
         return meta if isinstance(meta, dict) else {}, page.items or []
 
-
-def metadata(obj: Any) -> Mapping[str, Any]:
-    """An object's metadata, whichever way it was decoded ({} when it has none)."""
-    meta = obj.get("metadata") if isinstance(obj, dict) else getattr(obj, "metadata", None)
-    return meta if isinstance(meta, dict) else {}

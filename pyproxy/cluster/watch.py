@@ -35,9 +35,9 @@ from typing import Any
 import structlog
 
 from pyproxy.cluster.apirequest import request
-from pyproxy.cluster.codec import JSON, Codec, TypedCodec, metadata
+from pyproxy.cluster.codec import JSON, Codec, TypedCodec
 from pyproxy.core.model import ObjectKey
-from pyproxy.core.wire import SliceDoc
+from pyproxy.core.wire import SliceDoc, metadata
 from pyproxy.sync.gcutil import gc_paused
 
 log = structlog.get_logger("pyproxy.watch")

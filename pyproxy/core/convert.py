@@ -52,7 +52,7 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import parse_min_endpoints
-from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc
+from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, metadata
 
 # Bounds on list sizes. The API server enforces most of these (an EndpointSlice holds at most
 # 1000 endpoints and 100 ports); a snapshot file or a broken server might not, and one huge
@@ -414,9 +414,8 @@ def convert_service(obj: Any) -> tuple[ServicePort, ...] | Skipped:
 
 def _guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
     """Run a conversion; every failure becomes a Skipped naming the object and the reason."""
-    data = obj if type(obj) is SliceDoc else api_dict(obj)
-    meta = data.metadata if type(data) is SliceDoc else (
-        data.get("metadata") if isinstance(data, Mapping) else None)
+    data = api_dict(obj)  # a SliceDoc as it is
+    meta = metadata(data)
     namespace = _safe_name(meta, "namespace") or "default"
     name = _safe_name(meta, "name")
     lenient: list[tuple[str, str, str]] = []

@@ -9,12 +9,13 @@ and topology are read and validated by the same code as a dict from a snapshot f
 (`pyproxy/core/convert.py`), so both ways in give the same model and the same errors.
 
 A document that does not fit these types (a boolean condition written as a string, say) is
-not an error here: the reader decodes it with `json.loads` instead, and the conversion
-names the field that is wrong.
+not an error here: the reader reads it as plain dicts instead (`pyproxy/cluster/codec.py`),
+and the conversion names the field that is wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -52,3 +53,9 @@ class SliceDoc(msgspec.Struct, frozen=True, gc=False, rename={"address_type": "a
     ports: Any = None
     endpoints: list[EndpointDoc] | None = None
 
+
+def metadata(obj: Any) -> Mapping[str, Any]:
+    """An object's metadata, whichever way it was decoded: a dict's, a document's, or {}
+    when it has none that is a mapping."""
+    meta = obj.get("metadata") if isinstance(obj, Mapping) else getattr(obj, "metadata", None)
+    return meta if isinstance(meta, Mapping) else {}
