@@ -38,6 +38,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from bench.bytecode import compile_pyproxy
 from bench.synth import NODE_IP, Cluster
 from pyproxy.serve import debug
 from testkit.apiemu import ApiEmulator
@@ -101,6 +102,7 @@ def main() -> int:
     if args.envelope:
         sizes += [size for size in ENVELOPE if size not in sizes]
     rates = [float(r) for r in args.rates.split(",") if r]
+    compile_pyproxy()  # start the daemon as installed
     results = []
     for services, endpoints in sizes:
         figures = run_size(services, endpoints, rates, args)

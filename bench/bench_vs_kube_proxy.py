@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.bytecode import compile_pyproxy
 from bench.synth import Cluster as Synth
 from bench.synth import ip4
 from testkit.controlplane import (
@@ -417,6 +418,7 @@ def main() -> int:
     if missing_binaries(bin_dir):
         print(f"run `make k8s` first ({bin_dir})", file=sys.stderr)
         return 2
+    compile_pyproxy()  # start pyproxy as installed
     results = []
     for size in args.sizes.split(","):
         services, endpoints = (int(x) for x in size.split("x"))
