@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -423,6 +424,89 @@ def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
     assert nft._netlink is None  # libnftables from now on
     nft.add_elements("ip", ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.2",)),)))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+
+
+class _HeldSocket:
+    """The raw netlink socket, its sends held until `release` is set (a kernel that takes
+    its time over a batch)."""
+
+    def __init__(self, sock: Any, release: threading.Event) -> None:
+        self.sock, self.release = sock, release
+
+    def send(self, data: bytes) -> int:
+        assert self.release.wait(30)
+        return int(self.sock.send(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def _spare_set(nft: LibNftables) -> None:
+    nft.run("add table ip pyproxy\nadd set ip pyproxy spare { type ipv4_addr; }\n")
+
+
+def _spare(*addresses: str, name: str = "spare") -> ElementChunk:
+    return ElementChunk(((name, "set type ipv4_addr;", addresses),))
+
+
+def test_in_a_bulk_the_next_chunk_is_made_while_the_kernel_takes_the_last(ns: Netns) -> None:
+    """Inside a bulk (a staged full sync) add_elements hands the batch to a thread and
+    returns: the caller encodes the next chunk while the kernel works. The answers are all
+    in when the bulk ends, and transactions keep their order."""
+    nft = libnft_in(ns.full)
+    _spare_set(nft)
+    release = threading.Event()
+    nft._netlink = _HeldSocket(nft._netlink, release)  # type: ignore[assignment]
+    threading.Timer(1.0, release.set).start()
+    with nft.bulk():
+        nft.add_elements("ip", _spare("10.0.0.1"))
+        returned_while_held = not release.is_set()
+        # the next chunk waits for the last one's answer before its own batch goes out
+        nft.add_elements("ip", _spare("10.0.0.2"))
+        assert release.is_set()
+    assert returned_while_held
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+    assert not [t for t in threading.enumerate() if t.name == "netlink-commit"]
+    # outside a bulk: answered before it returns
+    release.clear()
+    threading.Timer(0.5, release.set).start()
+    nft.add_elements("ip", _spare("10.0.0.3"))
+    assert release.is_set()
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+
+
+def test_a_batch_refused_in_the_background_is_handled_as_one_refused_at_once(
+        ns: Netns) -> None:
+    nft = libnft_in(ns.full)
+    _spare_set(nft)
+    with capture_logs() as logs, pytest.raises(NftError, match="No such file"), nft.bulk():
+        nft.add_elements("ip", _spare("10.0.0.1", name="no-such-set"))
+        # the refusal is taken by the next call: libnftables refuses it in its words
+        nft.run("add element ip pyproxy spare { 10.0.0.9 }\n")
+    assert [e["event"] for e in logs] == ["raw_netlink_batch_refused"]
+    assert nft.list_elements("ip", "set", "spare") == []
+    # the socket failing in the background: libnftables adds that chunk and the rest
+    nft._netlink.close()  # type: ignore[union-attr]
+    with capture_logs() as logs, nft.bulk():
+        nft.add_elements("ip", _spare("10.0.0.1"))
+        nft.add_elements("ip", _spare("10.0.0.2"))
+    assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
+    assert nft._netlink is None
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+
+
+def test_a_bulk_that_fails_waits_for_its_batch_in_flight(ns: Netns) -> None:
+    """Nothing of a failed staged sync may reach the kernel after the failure is raised."""
+    nft = libnft_in(ns.full)
+    _spare_set(nft)
+    release = threading.Event()
+    nft._netlink = _HeldSocket(nft._netlink, release)  # type: ignore[assignment]
+    threading.Timer(0.5, release.set).start()
+    with pytest.raises(RuntimeError, match="render failed"), nft.bulk():
+        nft.add_elements("ip", _spare("10.0.0.1"))
+        raise RuntimeError("render failed")
+    assert release.is_set()
+    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
 
 
 def test_its_commits_are_our_own(ns: Netns) -> None:

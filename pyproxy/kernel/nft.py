@@ -240,6 +240,35 @@ def netfilter_sockets() -> dict[int, int]:
     return found
 
 
+class _Commit:
+    """One netlink batch of elements, committed now or (`background`) by a thread of its
+    own (LibNftables.add_elements): `wait()` returns what the commit raised, if anything."""
+
+    def __init__(self, sock: socket.socket, batch: nlelements.Batch, family: str,
+                 loads: tuple[nlelements.Load, ...], background: bool) -> None:
+        self.family = family
+        self.loads = loads
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._commit, args=(sock, batch),
+                                            name="netlink-commit", daemon=True)
+            self._thread.start()
+        else:
+            self._commit(sock, batch)
+
+    def _commit(self, sock: socket.socket, batch: nlelements.Batch) -> None:
+        try:
+            nlelements.commit(sock, batch)
+        except BaseException as err:  # handed to the caller's thread by wait()
+            self._error = err
+
+    def wait(self) -> BaseException | None:
+        if self._thread is not None:
+            self._thread.join()
+        return self._error
+
+
 class LibNftables:
     """libnftables through the Python binding. Text input: half the size of JSON, faster to
     load and to render (docs/nft-layout.md).
@@ -268,6 +297,8 @@ class LibNftables:
         if netlink is None and factory is _new_context:
             netlink = nlelements.netlink_socket
         self._netlink = netlink() if netlink is not None else None
+        self._pipelined = False
+        self._in_flight: _Commit | None = None
         self._nft = self._writer()
 
     def _writer(self) -> Any:
@@ -288,6 +319,7 @@ class LibNftables:
         return ctx
 
     def run(self, script: str) -> str:
+        self._settle()  # transactions in the order they were asked for
         rc, out, err = self._nft.cmd(script)
         if rc != 0:
             raise NftError(_first_lines(err or out or f"nft exited {rc}"))
@@ -296,34 +328,73 @@ class LibNftables:
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
         """Over raw netlink the sets whose declaration and elements nlelements understands
         (all of a table pyproxy renders, but for its interval sets), through libnftables the
-        rest, in a transaction of their own: either way into sets nothing uses yet."""
+        rest, in a transaction of their own: either way into sets nothing uses yet.
+
+        Inside `bulk()` the netlink batch is committed by a thread of its own and this
+        returns before the kernel answered: the kernel works through one chunk (the socket
+        calls release the GIL) while the caller makes and encodes the next. Its answer is
+        taken (a refusal handled as below, NftError raised) by the next call, or at the
+        latest when the bulk ends."""
         left = list(chunk.loads)
+        batch = None
         if self._netlink is not None:
             encoded, left = nlelements.encode_loads(chunk.loads)
-            try:
-                nlelements.commit(self._netlink, nlelements.build_batch(family, TABLE, encoded))
-            except nlelements.BatchRefused as err:
-                # Nothing of it was applied. libnftables gets the same elements: it refuses
-                # them in its own words (a set deleted under us), or takes them (then the
-                # encoder is wrong, and this says so).
-                log.warning("raw_netlink_batch_refused", error=str(err))
-                left = list(chunk.loads)
-            except OSError as err:
-                # The socket itself failed (a send buffer it may not raise, no answer):
-                # libnftables adds every element from now on, as before this path existed.
-                log.warning("raw_netlink_elements_off", error=str(err))
-                self._netlink.close()
-                self._netlink = None
-                left = list(chunk.loads)
+            batch = nlelements.build_batch(family, TABLE, encoded)
+        self._settle()  # one batch in the kernel at a time, in order
+        if batch is not None and self._netlink is not None:
+            commit = _Commit(self._netlink, batch, family, chunk.loads, self._pipelined)
+            if self._pipelined:
+                self._in_flight = commit
+            else:
+                self._answered(commit)
+        elif batch is not None:  # the socket failed with the previous batch
+            left = list(chunk.loads)
         if left:
             self.run(staging.ElementChunk(tuple(left)).script(family))
+
+    def _settle(self) -> None:
+        """Wait for the batch in flight, and handle its answer."""
+        commit, self._in_flight = self._in_flight, None
+        if commit is not None:
+            self._answered(commit)
+
+    def _answered(self, commit: _Commit) -> None:
+        error = commit.wait()
+        if isinstance(error, nlelements.BatchRefused):
+            # Nothing of it was applied. libnftables gets the same elements: it refuses
+            # them in its own words (a set deleted under us), or takes them (then the
+            # encoder is wrong, and this says so).
+            log.warning("raw_netlink_batch_refused", error=str(error))
+            self.run(staging.ElementChunk(commit.loads).script(commit.family))
+        elif isinstance(error, OSError):
+            # The socket itself failed (a send buffer it may not raise, no answer):
+            # libnftables adds every element from now on, as before this path existed.
+            log.warning("raw_netlink_elements_off", error=str(error))
+            if self._netlink is not None:
+                self._netlink.close()
+            self._netlink = None
+            self.run(staging.ElementChunk(commit.loads).script(commit.family))
+        elif error is not None:
+            raise error
 
     def renew(self) -> None:
         """A fresh transaction context (drops libnftables' cache of the whole table)."""
         self._nft = self._writer()
 
-    def bulk(self) -> AbstractContextManager[None]:
-        return self._sockets.bulk()
+    @contextlib.contextmanager
+    def bulk(self) -> Iterator[None]:
+        """Our own writes, announced as a bulk (OwnSockets.bulk), element batches committed
+        in the background (add_elements); all of them answered when it ends."""
+        with self._sockets.bulk():
+            self._pipelined = True
+            try:
+                yield
+                self._settle()
+            finally:
+                self._pipelined = False
+                commit, self._in_flight = self._in_flight, None
+                if commit is not None:  # failing anyway: nothing may reach the kernel later
+                    commit.wait()
 
     def list_structure(self, family: str) -> str | None:
         """Our table without set elements: chains, rules, set declarations. None when the
