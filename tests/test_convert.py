@@ -304,6 +304,30 @@ def test_bad_slices_are_skipped_with_a_reason(
     assert result.invalid and field in result.reason
 
 
+PORT_ERRORS: list[tuple[str, Callable[[Obj], None], str]] = [
+    ("Service", _set("spec.ports", [{"name": "a", "port": 80}, {"port": 81}]),
+     "spec.ports[1].name: required when a Service has several ports"),
+    ("Service", _set("spec.ports", [{"name": "a", "port": 80}, "81"]),
+     "spec.ports[1]: expected an object, got str"),
+    ("Service", _set("spec.ports.0.nodePort", 70000), "spec.ports[0].nodePort: 70000 is "
+     "outside 0..65535"),
+    ("Service", _set("spec.ports.0.protocol", "GRE"),
+     "spec.ports[0].protocol: unknown protocol 'GRE' (TCP, UDP or SCTP)"),
+    ("EndpointSlice", _set("ports", [{"port": 80}, {"name": "a b", "port": 81}]),
+     "ports[1].name: 'a b' is not a valid port name"),
+    ("EndpointSlice", _set("ports", [7]), "ports[0]: expected an object, got int"),
+]
+
+
+@pytest.mark.parametrize(("kind", "tweak", "reason"), PORT_ERRORS)
+def test_a_bad_port_entry_is_named_by_its_whole_path(
+        kind: str, tweak: Callable[[Obj], None], reason: str) -> None:
+    result = (convert_service(make_service("ns", "svc", tweak)) if kind == "Service" else
+              convert_endpoint_slice(make_slice("ns", "svc", [ep("10.244.1.1")], tweak)))
+    assert isinstance(result, Skipped)
+    assert result.reason == reason
+
+
 def test_nodes() -> None:
     node = convert_node(make_node("node-a", "zone-1"))
     assert not isinstance(node, Skipped)
