@@ -272,6 +272,30 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     assert len(nft.scripts) == 1
 
 
+def test_a_sync_record_ends_when_the_sync_returned_not_after_its_three_parts() -> None:
+    """`seconds` adds up render, diff and kernel; what runs around them (the commit's wait,
+    the housekeeping after it) is in `finished`, which the benches count to."""
+    wall = [100.0]
+
+    class SlowKernel(FakeNft):
+        def run(self, script: str) -> str:
+            wall[0] += 2.0  # the kernel's answer takes two seconds of the wall clock
+            return super().run(script)
+
+    proxier = NodeProxier(
+        ClusterCache("node-a"),
+        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)),
+                       SlowKernel())],
+        wall_clock=lambda: wall[0])
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.on_service(("ns", "web"), svc())
+    proxier.sync()
+    record = proxier.history[-1]
+    assert record.started == 100.0 and record.finished >= 102.0
+    assert record.seconds < 1.0  # the applier's own clock, not the fake wall clock
+
+
 # --- someone else's changes to our tables --------------------------------------------------------
 
 

@@ -49,6 +49,9 @@ class SyncRecord:
     kernel_seconds: float
     commands: int
     error: str | None = None
+    # Wall clock when the sync returned: its kernel work answered and its housekeeping done
+    # (0: not known). `seconds` counts the three parts only; this ends everything.
+    finished: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -302,6 +305,7 @@ class NodeProxier:
             kernel_seconds=sum(r.kernel_seconds for r in results),
             commands=sum(r.commands for r in results),
             error=error,
+            finished=self.wall_clock(),
         )
         self.history.append(record)
         if error:
