@@ -412,6 +412,7 @@ _VALID_LABEL_KEYS: dict[str, None] = {}
 
 
 def _remember(valid: dict[str, Any], key: str, value: Any = None) -> None:
+    """Into a bounded cache of validated values (emptied when full)."""
     if len(valid) > 10_000:
         valid.clear()
     valid[key] = value
@@ -897,9 +898,7 @@ def _validated_once(value: Any, valid: dict[str, str], validate: Callable[[Any],
     if known is not None:
         return known
     checked = sys.intern(validate(value))
-    if len(valid) > 10_000:
-        valid.clear()
-    valid[checked] = checked
+    _remember(valid, checked, checked)
     return checked
 
 
