@@ -68,8 +68,11 @@ bench: venv
 	$(BIN)/python -m bench.bench_maglev
 	$(BIN)/python -m bench.bench_first_packet
 
+# The daemon's cold start is also timed against AGAINST's (a commit, checked out in a
+# temporary git worktree; default the code issue 14 measured; AGAINST= skips it), alternated.
+AGAINST ?= 9f93ef9
 bench-daemon: venv
-	$(BIN)/python -m bench.bench_daemon $(BENCH_FLAGS)
+	$(BIN)/python -m bench.bench_daemon $(if $(AGAINST),--against $(AGAINST)) $(BENCH_FLAGS)
 
 # pyproxy against the real kube-proxy (nftables mode) of the control plane's release, on one
 # cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes):
