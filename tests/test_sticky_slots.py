@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -116,3 +118,54 @@ def test_trace_follows_a_big_service_into_its_own_map(monkeypatch: pytest.Monkey
     assert answer.verdict == "DNAT", answer
     assert sorted(t for t, _ in answer.candidates) == [f"10.244.1.{i}:8080" for i in range(1, 5)]
     assert any(f"@{own[0]}" in step for step in answer.steps), answer.steps
+
+
+def _big_render(count: int) -> tuple[Any, Any, Any]:
+    """A ClusterIP service with `count` endpoints (over OWN_MAP_SLOTS), selected for node-a."""
+    from pyproxy.cluster.snapshot import build_state
+    from pyproxy.core.topology import select_all
+    from pyproxy.render.services import render_config
+
+    state = build_state([
+        make_service("ns", "big", ip="10.96.0.50"),
+        *(make_slice("ns", "big", [ep(f"10.244.{n // 200}.{n % 200 + 1}", "node-b")
+                                   for n in range(first, min(count, first + 200))],
+                     name=f"big-{first}")
+          for first in range(0, count, 200))])
+    (ps,) = select_all(state, "node-a", None)
+    return ps.port, ps.selection, render_config(NodeConfig(node_name="node-a"), IPFamily.IPv4)
+
+
+def test_a_big_lists_unchanged_slots_keep_their_rendered_elements(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rendering a 1,200-endpoint service again after one endpoint changed formats only that
+    endpoint's element: every other one is the very element rendered before (the same
+    Endpoint object in the same slot), and the whole render equals a fresh one."""
+    from pyproxy.render import services
+
+    monkeypatch.setattr(services, "_BIG_SLOTS", {})
+    port, sel, cfg = _big_render(1200)
+    first = services.render_service(port, sel, cfg).items
+    assert sel.cluster is not None
+    changed = (*sel.cluster[:7], Endpoint("10.250.0.1", 8080), *sel.cluster[8:])
+    again = services.render_service(port, replace(sel, cluster=changed), cfg).items
+    monkeypatch.setattr(services, "_BIG_SLOTS", {})
+    fresh = services.render_service(port, replace(sel, cluster=changed), cfg).items
+    assert again == fresh
+    slots = {item.key: item for item in first if item.key.startswith("10.96.0.50 . 80 . ")}
+    reused = [item for item in again if slots.get(item.key) is item]
+    assert len(reused) == 1199
+    assert ("10.96.0.50 . 80 . 7", " : 10.250.0.1 . 8080") in {
+        (item.key, item.value) for item in again}
+
+
+def test_the_kept_big_lists_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pyproxy.render import services
+
+    monkeypatch.setattr(services, "_BIG_SLOTS", {})
+    monkeypatch.setattr(services, "BIG_SLOTS_KEPT", 2000)
+    port, sel, cfg = _big_render(1200)
+    services.render_service(port, sel, cfg)
+    other = replace(port, cluster_ips=("10.96.0.51",))
+    services.render_service(other, sel, cfg)  # 2,400 elements: the first list goes
+    assert [key[1] for key in services._BIG_SLOTS] == ["10.96.0.51 . 80"]

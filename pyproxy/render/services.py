@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from ipaddress import collapse_addresses, ip_address, ip_network
@@ -410,8 +411,10 @@ class _ServiceRender:
         return suffix, [_set(name, body, is_map=True)]
 
     def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
-              offset: int = 0) -> list[Item]:
+              offset: int = 0) -> Sequence[Item]:
         # the bulk of a full render: one element per endpoint and list
+        if len(endpoints) >= OWN_MAP_SLOTS:
+            return _big_slots(container, prefix, endpoints, offset)
         return [_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                   f" : {ep.ip} . {ep.port}"))
                 for i, ep in enumerate(endpoints, offset)]
@@ -485,6 +488,47 @@ class _ServiceRender:
             yield _elem(FIREWALL_IPS_SET, self.key3(vip))
             for source in allowed:
                 yield _elem(FIREWALL_ALLOW_SET, f"{self.key3(vip)} . {source}")
+
+
+# The slot elements last rendered for each big list (OWN_MAP_SLOTS or more), by (container,
+# prefix, offset): the list's endpoints and its elements. A change of one endpoint of a
+# 5,000-endpoint service leaves almost every slot holding the very Endpoint object it held
+# (the cache keeps the objects of the slices that did not change, keep_slots their slots),
+# and such a slot's element is the one rendered before: reused, not formatted again (two
+# strings and a tuple, most of re-rendering such a service). The identity check makes a
+# stale or foreign entry harmless: an element is reused only for the same object at the same
+# index of the same list. Bounded by elements (~200 bytes each), oldest list dropped first.
+# (The live CLI's handlers render too, in their own threads: the bookkeeping takes a lock.)
+_BIG_SLOTS: dict[tuple[str, str, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
+_BIG_SLOTS_LOCK = threading.Lock()
+BIG_SLOTS_KEPT = 100_000
+
+
+def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
+               offset: int) -> tuple[Item, ...]:
+    key = (container, prefix, offset)
+    with _BIG_SLOTS_LOCK:
+        last = _BIG_SLOTS.get(key)
+    if last is None:
+        items = tuple(_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
+                                        f" : {ep.ip} . {ep.port}"))
+                      for i, ep in enumerate(endpoints, offset))
+    else:
+        before, rendered = last
+        size = len(before)
+        items = tuple(
+            rendered[i - offset] if i - offset < size and before[i - offset] is ep
+            else _new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
+                                   f" : {ep.ip} . {ep.port}"))
+            for i, ep in enumerate(endpoints, offset))
+    if len(items) <= BIG_SLOTS_KEPT:
+        with _BIG_SLOTS_LOCK:
+            _BIG_SLOTS.pop(key, None)
+            _BIG_SLOTS[key] = (endpoints, items)  # (re)inserted last: the newest
+            kept = sum(len(entry[1]) for entry in _BIG_SLOTS.values())
+            while kept > BIG_SLOTS_KEPT:
+                kept -= len(_BIG_SLOTS.pop(next(iter(_BIG_SLOTS)))[1])
+    return items
 
 
 def _collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
