@@ -40,6 +40,21 @@ def test_slices_merge_and_deduplicate() -> None:
     assert [e.key for e in state.endpoints(HTTP, IPFamily.IPv6)] == ["[fd00:244::1]:8080"]
 
 
+def test_ipv6_slices_merge_by_bracketed_key() -> None:
+    # Sorted by "[IP]:port" as text, as Endpoint.key spells it; a copy in two slices once.
+    state = build_state([
+        make_service("ns", "svc"),
+        make_slice("ns", "svc", [ep("fd00::a"), ep("fd00::1:9")], name="v6-1", family="IPv6"),
+        make_slice("ns", "svc", [terminating("fd00::1"), ep("fd00::a")], name="v6-2",
+                   family="IPv6"),
+        make_slice("ns", "svc", [ep("fd00::1")], name="v6-3", family="IPv6"),
+    ])
+    merged = state.endpoints(HTTP, IPFamily.IPv6)
+    assert [(e.key, e.terminating) for e in merged] == sorted(
+        [("[fd00::1:9]:8080", False), ("[fd00::1]:8080", False), ("[fd00::a]:8080", False)])
+    assert [e.key for e in merged][:2] == ["[fd00::1:9]:8080", "[fd00::1]:8080"]
+
+
 def test_one_slice_is_its_own_merged_list() -> None:
     # Within one slice: sorted by `IP:port` as text (so 10.244.1.10 before 10.244.1.1), a
     # duplicated address once, the non-terminating copy winning.

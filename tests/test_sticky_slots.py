@@ -120,6 +120,21 @@ def test_trace_follows_a_big_service_into_its_own_map(monkeypatch: pytest.Monkey
     assert any(f"@{own[0]}" in step for step in answer.steps), answer.steps
 
 
+def test_an_address_under_two_port_numbers_keeps_both_slots() -> None:
+    """Slices disagreeing on a port's number give one address twice: matched by address
+    and port, each copy keeps its own slot."""
+    before = (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.1", 81), Endpoint("10.0.0.2", 80))
+    now = (Endpoint("10.0.0.0", 80), Endpoint("10.0.0.1", 80), Endpoint("10.0.0.1", 81))
+    assert keep_slots(before, now) == (now[1], now[2], now[0])
+
+
+def test_an_address_with_another_port_number_is_a_new_endpoint() -> None:
+    before = (Endpoint("10.0.0.1", 80), Endpoint("10.0.0.2", 80))
+    now = (Endpoint("10.0.0.1", 81), Endpoint("10.0.0.2", 80))
+    kept = keep_slots(before, now)
+    assert kept == now and kept is now  # 10.0.0.1:81 takes the hole 10.0.0.1:80 left
+
+
 def _big_render(count: int) -> tuple[Any, Any, Any]:
     """A ClusterIP service with `count` endpoints (over OWN_MAP_SLOTS), selected for node-a."""
     from pyproxy.cluster.snapshot import build_state

@@ -501,13 +501,17 @@ def merge_slices(
     if len(lists) == 1:
         return lists[0]  # one slice declares the port: already sorted and unique
     chosen: dict[str, Endpoint] = {}
+    get = chosen.get
+    # Endpoint.key spelled out for the one family: a property call per endpoint was 40 % of
+    # merging a 5,000-endpoint service's 50 slices (merged again at each of its changes).
+    bracketed = family is IPFamily.IPv6
     for endpoints in lists:
         for ep in endpoints:
-            key = ep.key
-            old = chosen.get(key)
+            key = f"[{ep.ip}]:{ep.port}" if bracketed else f"{ep.ip}:{ep.port}"
+            old = get(key)
             if old is None or (old.terminating and not ep.terminating):
                 chosen[key] = ep
-    return tuple(chosen[key] for key in sorted(chosen))
+    return tuple(map(chosen.__getitem__, sorted(chosen)))
 
 
 def all_cidrs(cidrs: Iterable[str]) -> tuple[str, ...]:
