@@ -510,17 +510,17 @@ def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
     with _BIG_SLOTS_LOCK:
         last = _BIG_SLOTS.get(key)
     if last is None:
-        items = tuple(_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
-                                        f" : {ep.ip} . {ep.port}"))
-                      for i, ep in enumerate(endpoints, offset))
+        items = tuple([_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
+                                         f" : {ep.ip} . {ep.port}"))
+                       for i, ep in enumerate(endpoints, offset)])
     else:
         before, rendered = last
         size = len(before)
-        items = tuple(
+        items = tuple([
             rendered[i - offset] if i - offset < size and before[i - offset] is ep
             else _new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                    f" : {ep.ip} . {ep.port}"))
-            for i, ep in enumerate(endpoints, offset))
+            for i, ep in enumerate(endpoints, offset)])
     if len(items) <= BIG_SLOTS_KEPT:
         with _BIG_SLOTS_LOCK:
             _BIG_SLOTS.pop(key, None)
