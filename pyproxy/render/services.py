@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from ipaddress import collapse_addresses, ip_address, ip_network
@@ -498,17 +497,17 @@ class _ServiceRender:
 # strings and a tuple, most of re-rendering such a service). The identity check makes a
 # stale or foreign entry harmless: an element is reused only for the same object at the same
 # index of the same list. Bounded by elements (~200 bytes each), oldest list dropped first.
-# (The live CLI's handlers render too, in their own threads: the bookkeeping takes a lock.)
+# The live CLI's handlers render too, in their own threads: the bookkeeping is single dict
+# operations (each atomic under the GIL) on snapshots, so no lock is needed (nor allowed in
+# this pure module).
 _BIG_SLOTS: dict[tuple[str, str, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
-_BIG_SLOTS_LOCK = threading.Lock()
 BIG_SLOTS_KEPT = 100_000
 
 
 def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
                offset: int) -> tuple[Item, ...]:
     key = (container, prefix, offset)
-    with _BIG_SLOTS_LOCK:
-        last = _BIG_SLOTS.get(key)
+    last = _BIG_SLOTS.get(key)
     if last is None:
         items = tuple([_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                          f" : {ep.ip} . {ep.port}"))
@@ -522,12 +521,15 @@ def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
                                    f" : {ep.ip} . {ep.port}"))
             for i, ep in enumerate(endpoints, offset)])
     if len(items) <= BIG_SLOTS_KEPT:
-        with _BIG_SLOTS_LOCK:
-            _BIG_SLOTS.pop(key, None)
-            _BIG_SLOTS[key] = (endpoints, items)  # (re)inserted last: the newest
-            kept = sum(len(entry[1]) for entry in _BIG_SLOTS.values())
-            while kept > BIG_SLOTS_KEPT:
-                kept -= len(_BIG_SLOTS.pop(next(iter(_BIG_SLOTS)))[1])
+        _BIG_SLOTS.pop(key, None)
+        _BIG_SLOTS[key] = (endpoints, items)  # (re)inserted last: the newest
+        entries = list(_BIG_SLOTS.items())  # oldest first
+        kept = sum(len(entry[1]) for _, entry in entries)
+        for old, (_, dropped) in entries:
+            if kept <= BIG_SLOTS_KEPT:
+                break
+            _BIG_SLOTS.pop(old, None)
+            kept -= len(dropped)
     return items
 
 
