@@ -496,7 +496,9 @@ class _ServiceRender:
 # and such a slot's element is the one rendered before: reused, not formatted again (two
 # strings and a tuple, most of re-rendering such a service). The identity check makes a
 # stale or foreign entry harmless: an element is reused only for the same object at the same
-# index of the same list. Bounded by elements (~200 bytes each), oldest list dropped first.
+# index of the same list. Bounded by elements (a tuple each, ~100 bytes with the list's
+# share: their strings are the ones the store keeps), oldest list dropped first. No port of
+# fewer than OWN_MAP_SLOTS endpoints is kept, so a table without big services keeps nothing.
 # The live CLI's handlers render too, in their own threads: the bookkeeping is single dict
 # operations (each atomic under the GIL) on snapshots, so no lock is needed (nor allowed in
 # this pure module).
