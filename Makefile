@@ -78,7 +78,7 @@ bench-daemon: venv
 # cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes):
 # VS_FLAGS e.g. --sizes 1000x10 --json out.json.
 bench-vs-kube-proxy: venv k8s
-	$(BIN)/python -m bench.bench_vs_kube_proxy $(VS_FLAGS)
+	$(BIN)/python -m bench.bench_vs_kube_proxy $(if $(AGAINST),--against $(AGAINST)) $(VS_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
