@@ -75,7 +75,8 @@ bench-daemon: venv
 	$(BIN)/python -m bench.bench_daemon $(if $(AGAINST),--against $(AGAINST)) $(BENCH_FLAGS)
 
 # pyproxy against the real kube-proxy (nftables mode) of the control plane's release, on one
-# cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes):
+# cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes), after
+# AGAINST's pyproxy and this one started alternately on it (AGAINST= skips that):
 # VS_FLAGS e.g. --sizes 1000x10 --json out.json.
 bench-vs-kube-proxy: venv k8s
 	$(BIN)/python -m bench.bench_vs_kube_proxy $(if $(AGAINST),--against $(AGAINST)) $(VS_FLAGS)

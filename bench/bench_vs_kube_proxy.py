@@ -349,7 +349,8 @@ def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
 
 
 def pyproxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
-                    kube: Kube, binary: str = PYPROXY) -> Callable[[], Any]:
+                    kube: Kube, binary: str = PYPROXY,
+                    log_name: str = "pyproxy.log") -> Callable[[], Any]:
     kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
                                        service_account_token(kube))
 
@@ -359,7 +360,7 @@ def pyproxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
             "--cluster-cidr", CLUSTER_CIDRS, "--min-sync-period", MIN_SYNC,
             "--sync-period", "30s", "--healthz-bind-address", "127.0.0.1:10256",
             "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""],
-            log_name="pyproxy.log")
+            log_name=log_name)
     return start
 
 
@@ -392,10 +393,10 @@ def run_size(plane: ControlPlane, services: int, endpoints: int,
                                  synth, cluster, args.flips, args.churn_flips,
                                  args.memory_changes).figures
             print(f"  {name}: {json.dumps(runs[name])}", flush=True)
-            if args.logs:  # the proxy's own log, for where its time went
-                Path(args.logs).mkdir(parents=True, exist_ok=True)
-                log = lab.workdir / f"{name}.log"
-                (Path(args.logs) / f"{services}x{endpoints}-{name}.log").write_bytes(
+        if args.logs:  # each proxy's own log, for where its time went
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in lab.workdir.glob("*.log"):
+                (Path(args.logs) / f"{services}x{endpoints}-{log.name}").write_bytes(
                     log.read_bytes())
         kube.core.delete_node("node-a")
         result = {"services": services, "endpoints": endpoints, "load_s": load_s,
@@ -413,7 +414,10 @@ def alternate(ours: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
     ours_s: list[float] = []
     theirs_s: list[float] = []
     with other_build(args.against) as binary:
-        theirs = pyproxy_starter(plane, lab, cluster, kube, binary)
+        # Its own log (--logs copies it too): this checkout's log then holds its alternated
+        # starts followed by the measured one.
+        theirs = pyproxy_starter(plane, lab, cluster, kube, binary,
+                                 log_name=f"pyproxy-{args.against}.log")
         for n in range(args.pairs):
             for name, start, into in (("this checkout", ours, ours_s),
                                       (args.against, theirs, theirs_s)):
