@@ -8,15 +8,18 @@ install would, and it runs on this checkout's virtualenv (its dependencies must 
 
 from __future__ import annotations
 
+import argparse
 import compileall
 import contextlib
 import os
 import shutil
 import stat
+import statistics
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,3 +65,37 @@ def same_commit(a: str, b: str) -> bool:
         return subprocess.run(["git", "-C", REPO, "rev-parse", "--verify", f"{rev}^{{commit}}"],
                               capture_output=True, text=True).stdout.strip()
     return bool(resolve(a)) and resolve(a) == resolve(b)
+
+
+def add_arguments(parser: argparse.ArgumentParser, program: str, moment: str) -> None:
+    """--against and --pairs: REV's `program` and this checkout's, timed to `moment`."""
+    parser.add_argument("--against", metavar="REV",
+                        help=f"first time REV's {program} (a temporary git worktree) and "
+                             f"this checkout's alternately, from start to {moment}, and "
+                             "print the ratio of the medians (issue 14's baseline: "
+                             f"{ISSUE_14_BASELINE})")
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="alternated cold starts of each with --against")
+
+
+def figures(rev: str, ours: list[float], theirs: list[float]) -> dict[str, Any]:
+    ratio = statistics.median(ours) / statistics.median(theirs)
+    return {"rev": rev, "ours_seconds": ours, "theirs_seconds": theirs,
+            "ratio_of_medians": round(ratio, 3)}
+
+
+def report(title: str, size: tuple[int, int], a: dict[str, Any]) -> None:
+    """Both builds' times, the ratio of their medians and, where it applies, issue 14's
+    verdict (its 3 s was set against 5.95 s of ISSUE_14_BASELINE at 10k x 10)."""
+    rev = a["rev"]
+    print(f"\n{title} at {size[0]} x {size[1]}, {len(a['ours_seconds'])} alternated cold "
+          f"starts against {rev}")
+    for name, runs in (("this checkout", a["ours_seconds"]), (rev, a["theirs_seconds"])):
+        print(f"  {name:<16} " + " / ".join(f"{s:.2f}" for s in runs)
+              + f" s (median {statistics.median(runs):.2f} s)")
+    print(f"  ratio of the medians: {a['ratio_of_medians']:.2f}×")
+    if size == (10_000, 10) and same_commit(rev, ISSUE_14_BASELINE):
+        met = a["ratio_of_medians"] <= ISSUE_14_RATIO
+        print(f"  ≤ 3 s / 5.95 s = {ISSUE_14_RATIO:.2f} × {rev}'s in the same run: "
+              + ("met" if met else "NOT met"))
+    sys.stdout.flush()

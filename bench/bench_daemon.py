@@ -35,7 +35,6 @@ import json
 import math
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,8 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from bench.against import ISSUE_14_BASELINE, ISSUE_14_RATIO, other_build, same_commit
+from bench import against as against_build
+from bench.against import other_build
 from bench.bytecode import compile_pyproxy
 from bench.synth import NODE_IP, Cluster
 from pyproxy.serve import debug
@@ -97,12 +97,7 @@ def main() -> int:
     parser.add_argument("--no-resync", action="store_true",
                         help="skip the full resync of the loaded table")
     parser.add_argument("--min-sync-period", default="1s")
-    parser.add_argument("--against", metavar="REV",
-                        help="first time REV's daemon (a temporary git worktree) and this "
-                             "one from start to the first programmed ruleset, alternately, "
-                             f"and print the ratio (issue 14's baseline: {ISSUE_14_BASELINE})")
-    parser.add_argument("--pairs", type=int, default=3,
-                        help="alternated cold starts of each with --against")
+    against_build.add_arguments(parser, "daemon", "the first programmed ruleset")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -120,7 +115,7 @@ def main() -> int:
         with other_build(args.against) as theirs:
             for size in sizes:
                 against[size] = alternate(size, theirs, args)
-                report_against(size, against[size], args.against)
+                against_build.report("start → first programmed ruleset", size, against[size])
     results = []
     for services, endpoints in sizes:
         figures = run_size(services, endpoints, rates, args)
@@ -144,22 +139,7 @@ def alternate(size: tuple[int, int], theirs: str,
         for binary, into in ((PYPROXY, ours_s), (theirs, theirs_s)):
             figures = run_size(*size, [], args, pyproxy=binary, cold_only=True)
             into.append(figures["first_programmed_seconds"])
-    ratio = statistics.median(ours_s) / statistics.median(theirs_s)
-    return {"rev": args.against, "ours_seconds": ours_s, "theirs_seconds": theirs_s,
-            "ratio_of_medians": round(ratio, 3)}
-
-
-def report_against(size: tuple[int, int], a: dict[str, Any], rev: str) -> None:
-    print(f"\nstart → first programmed ruleset at {size[0]} x {size[1]}, "
-          f"{len(a['ours_seconds'])} alternated cold starts against {rev}")
-    for name, runs in (("this checkout", a["ours_seconds"]), (rev, a["theirs_seconds"])):
-        print(f"  {name:<16} " + " / ".join(f"{s:.2f}" for s in runs)
-              + f" s (median {statistics.median(runs):.2f} s)")
-    print(f"  ratio of the medians: {a['ratio_of_medians']:.2f}×")
-    if size == (10_000, 10) and same_commit(rev, ISSUE_14_BASELINE):
-        # The issue's 3 s was set against 5.95 s of this commit on a quiet machine.
-        print(f"  ≤ 3 s / 5.95 s = {ISSUE_14_RATIO:.2f} × {rev}'s in the same run: "
-              + verdict(a["ratio_of_medians"] <= ISSUE_14_RATIO))
+    return against_build.figures(args.against, ours_s, theirs_s)
 
 
 def run_size(services: int, endpoints: int, rates: list[float],

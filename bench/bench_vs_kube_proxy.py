@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import threading
 import time
@@ -42,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.against import ISSUE_14_BASELINE, ISSUE_14_RATIO, other_build, same_commit
+from bench import against as against_build
+from bench.against import other_build
 from bench.bytecode import compile_pyproxy
 from bench.synth import Cluster as Synth
 from bench.synth import ip4
@@ -385,7 +385,8 @@ def run_size(plane: ControlPlane, services: int, endpoints: int,
         if args.against:
             against = alternate(starters["pyproxy"], stopper("pyproxy"), kube, cluster,
                                 plane, lab, args)
-            report_against((services, endpoints), against)
+            against_build.report("start → first complete ruleset (real apiserver)",
+                                 (services, endpoints), against)
         for name in args.order:
             stop = stopper(name)
             print(f"  {name}…", flush=True)
@@ -425,25 +426,7 @@ def alternate(ours: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
                 stop(handle)
                 into.append(seconds)
                 print(f"  {name}: cold start {n + 1} in {seconds:.2f} s", flush=True)
-    ratio = statistics.median(ours_s) / statistics.median(theirs_s)
-    return {"rev": args.against, "ours_seconds": ours_s, "theirs_seconds": theirs_s,
-            "ratio_of_medians": round(ratio, 3)}
-
-
-def report_against(size: tuple[int, int], a: dict[str, Any]) -> None:
-    rev = a["rev"]
-    print(f"\nstart → first complete ruleset at {size[0]} x {size[1]} (real apiserver), "
-          f"{len(a['ours_seconds'])} alternated cold starts against {rev}")
-    for name, runs in (("this checkout", a["ours_seconds"]), (rev, a["theirs_seconds"])):
-        print(f"  {name:<16} " + " / ".join(f"{s:.2f}" for s in runs)
-              + f" s (median {statistics.median(runs):.2f} s)")
-    print(f"  ratio of the medians: {a['ratio_of_medians']:.2f}×", flush=True)
-    if size == (10_000, 10) and same_commit(rev, ISSUE_14_BASELINE):
-        # Issue 14 set 3 s against 5.95 s of this commit (API emulator, quiet machine)
-        # and asked for the same against the real apiserver.
-        met = a["ratio_of_medians"] <= ISSUE_14_RATIO
-        print(f"  ≤ 3 s / 5.95 s = {ISSUE_14_RATIO:.2f} × {rev}'s in the same run: "
-              + ("met" if met else "NOT met"), flush=True)
+    return against_build.figures(args.against, ours_s, theirs_s)
 
 
 def table(result: dict[str, Any]) -> str:
@@ -486,12 +469,8 @@ def main() -> int:
                              "cold starts")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--logs", help="copy each proxy's log into this folder")
-    parser.add_argument("--against", metavar="REV",
-                        help="first time REV's pyproxy (a temporary git worktree) and this "
-                             "one from start to the first complete ruleset, alternately, on "
-                             f"each loaded size (issue 14's baseline: {ISSUE_14_BASELINE})")
-    parser.add_argument("--pairs", type=int, default=3,
-                        help="alternated cold starts of each with --against")
+    against_build.add_arguments(parser, "pyproxy",
+                                "the first complete ruleset on each loaded size")
     args = parser.parse_args()
     if unknown := set(args.order) - set(PROXIES):
         parser.error(f"--order: unknown {', '.join(sorted(unknown))} (known: {', '.join(PROXIES)})")
