@@ -430,8 +430,10 @@ class Kube:
         from kubernetes import client
 
         self.api = api_client
-        self.core = client.CoreV1Api(api_client)
-        self.discovery = client.DiscoveryV1Api(api_client)
+        # Typed Any: the tests send plain dicts, the bodies `kubectl apply` would send
+        # (the client serializes them as they are), where the stubs ask for model objects.
+        self.core: Any = client.CoreV1Api(api_client)
+        self.discovery: Any = client.DiscoveryV1Api(api_client)
 
     def namespace(self, name: str, timeout: float = 30.0) -> None:
         """Create a namespace and wait for its default ServiceAccount (Pods need it)."""
@@ -523,10 +525,11 @@ def apply_manifests(kube: Kube) -> None:
     from kubernetes import utils
     from kubernetes.client.exceptions import ApiException
 
+    create_from_dict: Callable[..., Any] = utils.create_from_dict  # untyped upstream
     for name in ("00-serviceaccount.yaml", "01-rbac.yaml"):
         for doc in yaml.safe_load_all((REPO / "manifests" / name).read_text()):
             try:
-                utils.create_from_dict(kube.api, doc)
+                create_from_dict(kube.api, doc)
             except utils.FailToCreateError as err:
                 if not all(isinstance(e, ApiException) and e.status == 409
                            for e in err.api_exceptions):
@@ -602,7 +605,8 @@ def kube_proxy_token(kube: Kube) -> str:
         if err.status != 409:
             raise
     try:
-        client.RbacAuthorizationV1Api(kube.api).create_cluster_role_binding({
+        rbac: Any = client.RbacAuthorizationV1Api(kube.api)  # a dict body, as in Kube
+        rbac.create_cluster_role_binding({
             "metadata": {"name": "kube-proxy-test"},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                         "name": "system:node-proxier"},

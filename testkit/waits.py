@@ -46,7 +46,7 @@ def synced(socket_path: str, timeout: float = 30.0) -> dict[str, Any]:
     def done() -> bool:
         status.update(ask(socket_path, "/status", timeout=5))
         last = status.get("lastSync")
-        return bool(last) and last.get("error") is None
+        return isinstance(last, dict) and bool(last) and last.get("error") is None
 
     until(done, timeout, f"a sync of the daemon at {socket_path}", 0.1, ignore=(DebugError,))
     return status
