@@ -713,7 +713,8 @@ def test_kubeconfig_and_discovery(emu: ApiEmulator, tmp_path: Path) -> None:
         ] == ["n1"]
         assert client.VersionApi(api).get_code().git_version.startswith("v1.")
         groups = client.ApisApi(api).get_api_versions().groups
-        assert [g.name for g in groups] == ["discovery.k8s.io", "networking.k8s.io"]
+        assert [g.name for g in groups] == ["discovery.k8s.io", "events.k8s.io",
+                                           "networking.k8s.io"]
         dyn = dynamic.DynamicClient(api)
         slices = dyn.resources.get(api_version="discovery.k8s.io/v1", kind="EndpointSlice")
         assert slices.namespaced and slices.get().items == []

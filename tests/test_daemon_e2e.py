@@ -141,6 +141,10 @@ def test_api_mode_end_to_end(cluster: Cluster, emulator: ApiEmulator, tmp_path: 
     daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), name="pyproxy-api")
     try:
         eventually(lambda: backends(cluster) == {"pod-a"}, what="first sync from the API")
+        # its start is recorded as kube-proxy's is: one Event regarding its Node
+        eventually(lambda: [(e["reason"], e["regarding"]["name"]) for e in
+                            emulator.list_objects("events", "default")] == [("Starting", "node-a")],
+                   what="the start Event")
         # scale up: traffic follows
         scaled = objects(cluster, ["pod-a", "pod-b", "pod-c"])[-1]
         emulator.apply("EndpointSlice", scaled)

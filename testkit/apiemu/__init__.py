@@ -1,5 +1,6 @@
-"""apiemu: an in-process kube-apiserver emulator for Services, Nodes, EndpointSlices and
-ServiceCIDRs (``unserved=("servicecidrs",)`` plays a server without that API: 404).
+"""apiemu: an in-process kube-apiserver emulator for Services, Nodes, EndpointSlices,
+ServiceCIDRs (``unserved=("servicecidrs",)`` plays a server without that API: 404) and
+events.k8s.io Events (stored as written: the daemon records one when it starts).
 
 It speaks the real list/watch HTTP protocol over a socket (resourceVersions, label/field
 selectors, chunked watch streams, bookmarks, 410 Expired), so pyproxy's watch layer can be tested

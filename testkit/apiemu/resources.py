@@ -107,8 +107,20 @@ SERVICECIDRS = ResourceDef(
     namespaced=False,
     has_status=True,
 )
+# Written, never read by pyproxy: it records one Event when it starts (as kube-proxy does).
+# Accepted and stored so the daemon's start is the same against the emulator as against a
+# real apiserver (without it: 405 and five logged retries).
+EVENTS = ResourceDef(
+    plural="events",
+    singular="event",
+    kind="Event",
+    group="events.k8s.io",
+    version="v1",
+    namespaced=True,
+    short_names=("ev",),
+)
 RESOURCES: dict[str, ResourceDef] = {
-    r.plural: r for r in (SERVICES, NODES, ENDPOINTSLICES, SERVICECIDRS)}
+    r.plural: r for r in (SERVICES, NODES, ENDPOINTSLICES, SERVICECIDRS, EVENTS)}
 
 
 def field_values(resource: ResourceDef, obj: Obj) -> dict[str, str]:
