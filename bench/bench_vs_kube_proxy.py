@@ -81,15 +81,12 @@ def strip(obj: dict[str, Any]) -> dict[str, Any]:
             "metadata": meta}
 
 
-def service_body(obj: dict[str, Any], health_port: int | None) -> dict[str, Any]:
+def service_body(obj: dict[str, Any]) -> dict[str, Any]:
+    # The NodePorts and healthCheckNodePorts synth.py hands out are unique and in the
+    # default range: the API server takes them as asked.
     body = strip(obj)
     spec = dict(body["spec"])
     spec.pop("selector", None)  # slices are ours: no controller may manage them
-    spec.pop("healthCheckNodePort", None)
-    if health_port is not None:
-        # From the top of the range down: the API server would otherwise pick random ports
-        # that collide with the NodePorts synth.py hands out from the bottom up.
-        spec["healthCheckNodePort"] = health_port
     body["spec"] = spec
     return body
 
@@ -112,14 +109,10 @@ def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
         kube.node(name, (ip,), zone=zone, region="region-1")
     discovery = client.DiscoveryV1Api(kube.api)
 
-    local = [i for i in range(synth.services)
-             if synth.shape(i).etp_local and synth.shape(i).kind == "LoadBalancer"]
-    health_ports = {i: 32767 - rank for rank, i in enumerate(local)}
-
     def one(i: int) -> None:
         svc = synth.service(i)
         ns = svc["metadata"]["namespace"]
-        kube.core.create_namespaced_service(ns, service_body(svc, health_ports.get(i)))
+        kube.core.create_namespaced_service(ns, service_body(svc))
         ingress = svc["status"]["loadBalancer"].get("ingress")
         if ingress:
             kube.core.patch_namespaced_service_status(

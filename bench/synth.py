@@ -70,6 +70,11 @@ class Shape:
         return self == Shape()
 
 
+def health_checked(shape: Shape) -> bool:
+    """Kubernetes allocates a healthCheckNodePort to type=LoadBalancer with eTP=Local only."""
+    return shape.kind == "LoadBalancer" and shape.etp_local
+
+
 @dataclass
 class Cluster:
     services: int
@@ -84,7 +89,9 @@ class Cluster:
         for i in range(self.services):
             shape = _draw(rng)
             if shape.kind != "ClusterIP":
-                need = len(shape.ports)
+                # A LoadBalancer with eTP=Local also holds a healthCheckNodePort from the same
+                # range (the last of its ports here): unique, as the API server allocates them.
+                need = len(shape.ports) + (1 if health_checked(shape) else 0)
                 if next_np + need - 1 > NODEPORT_LAST:
                     shape = dataclasses.replace(shape, kind="ClusterIP", etp_local=False,
                                                 source_ranges=False)
@@ -126,8 +133,8 @@ class Cluster:
         status: Obj = {"loadBalancer": {}}
         if s.kind != "ClusterIP":
             spec["externalTrafficPolicy"] = "Local" if s.etp_local else "Cluster"
-            if s.etp_local:
-                spec["healthCheckNodePort"] = 32000 + i % 700
+            if health_checked(s):
+                spec["healthCheckNodePort"] = self.node_ports[i][-1]
         if s.kind == "LoadBalancer":
             status["loadBalancer"] = {"ingress": [{"ip": ip4(LB_BASE + i), "ipMode": "VIP"}]}
             if s.source_ranges:
