@@ -43,7 +43,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from bench import against as against_build
-from bench.against import other_build
 from bench.bytecode import compile_pyproxy
 from bench.synth import NODE_IP, Cluster
 from pyproxy.serve import debug
@@ -112,7 +111,7 @@ def main() -> int:
     compile_pyproxy()  # start the daemon as installed
     against = {}
     if args.against:
-        with other_build(args.against) as theirs:
+        with against_build.other_build(args.against) as theirs:
             for size in sizes:
                 against[size] = alternate(size, theirs, args)
                 against_build.report("start → first programmed ruleset", size, against[size])

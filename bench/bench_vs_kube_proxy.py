@@ -28,6 +28,7 @@ the question `make bench-daemon` asks of the emulator. `--order ""` measures onl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -42,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import against as against_build
-from bench.against import other_build
 from bench.bytecode import compile_pyproxy
 from bench.synth import Cluster as Synth
 from bench.synth import ip4
@@ -341,12 +341,8 @@ def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
     return start
 
 
-def pyproxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
-                    kube: Kube, binary: str = PYPROXY,
+def pyproxy_starter(lab: Lab, cluster: Cluster, kubeconfig: Path, binary: str = PYPROXY,
                     log_name: str = "pyproxy.log") -> Callable[[], Any]:
-    kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
-                                       service_account_token(kube))
-
     def start() -> Any:
         return lab.popen(cluster.node, [
             binary, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", NODE,
@@ -357,14 +353,18 @@ def pyproxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
     return start
 
 
-def run_size(plane: ControlPlane, services: int, endpoints: int,
-             args: argparse.Namespace) -> dict[str, Any]:
+def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.Namespace,
+             theirs: str | None = None) -> dict[str, Any]:
+    """One loaded cluster: `theirs` (--against's pyproxy) and this checkout's started
+    alternately first when given, then each proxy of --order measured."""
     with loaded_cluster(plane, services, endpoints) as (kube, synth, cluster, lab, load_s):
         print(f"\n{services} services × {endpoints} endpoints: loaded through the API in "
               f"{load_s:.0f} s", flush=True)
         runs = {}
+        kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
+                                           service_account_token(kube))
         starters = {"kube-proxy": kube_proxy_starter(plane, lab, cluster, kube),
-                    "pyproxy": pyproxy_starter(plane, lab, cluster, kube)}
+                    "pyproxy": pyproxy_starter(lab, cluster, kubeconfig)}
 
         def stopper(table: str) -> Callable[[Any], None]:
             def stop(proc: Any) -> None:
@@ -375,9 +375,13 @@ def run_size(plane: ControlPlane, services: int, endpoints: int,
             return stop
 
         against = None
-        if args.against:
-            against = alternate(starters["pyproxy"], stopper("pyproxy"), kube, cluster,
-                                plane, lab, args)
+        if theirs is not None:
+            # Its own log (--logs copies it too): this checkout's log then holds its
+            # alternated starts followed by the measured one.
+            their_start = pyproxy_starter(lab, cluster, kubeconfig, theirs,
+                                          log_name=f"pyproxy-{args.against}.log")
+            against = alternate(starters["pyproxy"], their_start, stopper("pyproxy"), kube,
+                                cluster, args)
             against_build.report("start → first complete ruleset (real apiserver)",
                                  (services, endpoints), against)
         for name in args.order:
@@ -400,25 +404,19 @@ def run_size(plane: ControlPlane, services: int, endpoints: int,
         return result
 
 
-def alternate(ours: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
-              cluster: Cluster, plane: ControlPlane, lab: Lab,
-              args: argparse.Namespace) -> dict[str, Any]:
+def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], stop: Callable[[Any], None],
+              kube: Kube, cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
     """--pairs cold starts of this checkout's pyproxy and of --against's on the loaded
     cluster, alternated (ours first in each pair): start → first complete ruleset only."""
     ours_s: list[float] = []
     theirs_s: list[float] = []
-    with other_build(args.against) as binary:
-        # Its own log (--logs copies it too): this checkout's log then holds its alternated
-        # starts followed by the measured one.
-        theirs = pyproxy_starter(plane, lab, cluster, kube, binary,
-                                 log_name=f"pyproxy-{args.against}.log")
-        for n in range(args.pairs):
-            for name, start, into in (("this checkout", ours, ours_s),
-                                      (args.against, theirs, theirs_s)):
-                handle, seconds = cold_start(name, start, stop, kube, cluster)
-                stop(handle)
-                into.append(seconds)
-                print(f"  {name}: cold start {n + 1} in {seconds:.2f} s", flush=True)
+    for n in range(args.pairs):
+        for name, start, into in (("this checkout", ours, ours_s),
+                                  (args.against, theirs, theirs_s)):
+            handle, seconds = cold_start(name, start, stop, kube, cluster)
+            stop(handle)
+            into.append(seconds)
+            print(f"  {name}: cold start {n + 1} in {seconds:.2f} s", flush=True)
     return against_build.figures(args.against, ours_s, theirs_s)
 
 
@@ -475,13 +473,17 @@ def main() -> int:
         return 2
     compile_pyproxy()  # start pyproxy as installed
     results = []
-    for size in args.sizes.split(","):
-        services, endpoints = (int(x) for x in size.split("x"))
-        # A fresh control plane per size: the previous size's objects would add up.
-        with running_control_plane(bin_dir) as plane:
-            results.append(run_size(plane, services, endpoints, args))
-        if set(results[-1]["runs"]) == set(PROXIES):
-            print("\n" + table(results[-1]), flush=True)
+    with contextlib.ExitStack() as stack:
+        # --against's build once for every size (a worktree and its bytecode).
+        theirs = stack.enter_context(against_build.other_build(args.against)) \
+            if args.against else None
+        for size in args.sizes.split(","):
+            services, endpoints = (int(x) for x in size.split("x"))
+            # A fresh control plane per size: the previous size's objects would add up.
+            with running_control_plane(bin_dir) as plane:
+                results.append(run_size(plane, services, endpoints, args, theirs))
+            if set(results[-1]["runs"]) == set(PROXIES):
+                print("\n" + table(results[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     print()
