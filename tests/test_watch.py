@@ -275,9 +275,14 @@ def test_a_streamed_relist_reconciles_deletions(emu: ApiEmulator) -> None:
     with running(emu, rec.handle, rec.synced, watch_list=True, small_list=1) as refl:
         assert rec.synced.wait(5)
         emu.wait_for_watches(1, "services")
-        emu.drop_connections()
+        # The deletion and the compaction before the watch can resume (it retries ~0.5 s
+        # after the drop; a test thread slower than that let it resume before the
+        # compaction and never relist): stalled, as the paged relist test does it.
+        emu.stall_watches(True)
         emu.delete("services", "svc-0", "ns")
-        emu.compact()  # the watch resumes into 410 Gone: a streamed list again
+        emu.compact()
+        emu.stall_watches(False)
+        emu.drop_connections()  # the watch resumes into 410 Gone: a streamed list again
         wait(lambda: refl.status.lists == 2)
         wait(lambda: rec.names() == {"svc-1", "svc-2"})
 
