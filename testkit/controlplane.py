@@ -99,6 +99,10 @@ class Pki:
     controller_manager_key: Path
     service_account_key: Path
     service_account_public: Path
+    scheduler: Path
+    scheduler_key: Path
+    kubelet_client: Path  # the API server's identity towards kubelets (logs, exec)
+    kubelet_client_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -146,8 +150,29 @@ def make_pki(pki_dir: Path) -> Pki:
     sa_key, sa_public = pki_dir / "service-account.key", pki_dir / "service-account.pub"
     _ec_key(sa_key)
     _openssl("pkey", "-in", str(sa_key), "-pubout", "-out", str(sa_public))
+    scheduler, scheduler_key = _issue(pki_dir, ca, ca_key, "scheduler",
+                                      "/CN=system:kube-scheduler", client)
+    kubelet_client, kubelet_client_key = _issue(
+        pki_dir, ca, ca_key, "apiserver-kubelet-client",
+        "/O=kubeadm:cluster-admins/CN=kube-apiserver-kubelet-client", client)
     return Pki(ca, ca_key, server, server_key, admin, admin_key, kcm, kcm_key, sa_key,
-               sa_public)
+               sa_public, scheduler, scheduler_key, kubelet_client, kubelet_client_key)
+
+
+def issue_client(pki: Pki, name: str, subject: str) -> tuple[Path, Path]:
+    """A client certificate signed by the cluster's CA (a kubelet's: /O=system:nodes/CN=
+    system:node:NAME, which the Node authorizer recognises)."""
+    return _issue(pki.ca.parent, pki.ca, pki.ca_key, name, subject,
+                  ["basicConstraints=critical,CA:FALSE", "extendedKeyUsage=clientAuth",
+                   "keyUsage=critical,digitalSignature"])
+
+
+def issue_server(pki: Pki, name: str, ips: list[str]) -> tuple[Path, Path]:
+    """A serving certificate signed by the cluster's CA for these addresses (a kubelet's)."""
+    sans = ",".join(f"IP:{ip}" for ip in ips)
+    return _issue(pki.ca.parent, pki.ca, pki.ca_key, name, f"/CN={name}",
+                  ["basicConstraints=critical,CA:FALSE", "extendedKeyUsage=serverAuth",
+                   "keyUsage=critical,digitalSignature", f"subjectAltName={sans}"])
 
 
 def kubeconfig(server: str, ca: Path, *, token: str | None = None,
@@ -249,9 +274,16 @@ class Attachment:
 
 
 class ControlPlane:
-    def __init__(self, lab: Lab, bin_dir: Path) -> None:
+    """``controllers``: the controller manager's --controllers (a real cluster with kubelets
+    wants the defaults, "*"); ``controller_args``: more of its flags."""
+
+    def __init__(self, lab: Lab, bin_dir: Path, *, controllers: tuple[str, ...] = CONTROLLERS,
+                 controller_args: tuple[str, ...] = ()) -> None:
         self.lab = lab
         self.bin = bin_dir
+        self.controllers = controllers
+        self.controller_args = controller_args
+        self.scheduler: subprocess.Popen[str] | None = None
         self.dir = lab.workdir / "control-plane"
         self.dir.mkdir()
         self.pki = make_pki(self.dir / "pki")
@@ -280,12 +312,27 @@ class ControlPlane:
             f"--kubeconfig={self.internal_kubeconfig}",
             f"--authentication-kubeconfig={self.internal_kubeconfig}",
             f"--authorization-kubeconfig={self.internal_kubeconfig}",
-            f"--controllers={','.join(CONTROLLERS)}",
+            f"--controllers={','.join(self.controllers)}",
             "--leader-elect=false", "--use-service-account-credentials=true",
+            f"--root-ca-file={self.pki.ca}",
+            f"--service-account-private-key-file={self.pki.service_account_key}",
             "--secure-port=0", "--concurrent-service-endpoint-syncs=5", "-v=1",
+            *self.controller_args,
         ], log_name="kube-controller-manager.log")
         self.startup_seconds = time.monotonic() - started
         return self
+
+    def start_scheduler(self) -> None:
+        """kube-scheduler (a cluster with kubelets places its Pods through it)."""
+        config = write_kubeconfig(
+            self.dir / "scheduler.kubeconfig",
+            kubeconfig(f"https://127.0.0.1:{API_PORT}", self.pki.ca,
+                       cert=self.pki.scheduler, key=self.pki.scheduler_key))
+        self.scheduler = self.lab.popen(self.ns, [
+            self.bin / "kube-scheduler", f"--kubeconfig={config}",
+            f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}",
+            "--leader-elect=false", "--secure-port=0", "-v=1",
+        ], log_name="kube-scheduler.log")
 
     def start_etcd(self) -> None:
         self.etcd = self.lab.popen(self.ns, [
@@ -311,6 +358,12 @@ class ControlPlane:
             f"--service-account-key-file={self.pki.service_account_public}",
             f"--service-account-signing-key-file={self.pki.service_account_key}",
             f"--cert-dir={self.dir / 'apiserver-certs'}",
+            f"--kubelet-client-certificate={self.pki.kubelet_client}",
+            f"--kubelet-client-key={self.pki.kubelet_client_key}",
+            # Nodes have no DNS names here: logs and exec go to their InternalIP.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
+            # kube-proxy's own DaemonSet (kubeadm's) runs privileged.
+            "--allow-privileged=true",
             "--profiling=false", "-v=1",
         ], log_name=f"kube-apiserver-{self._apiserver_starts}.log")
         self._wait(self._ready, "kube-apiserver /readyz", self.apiserver)
@@ -332,7 +385,7 @@ class ControlPlane:
     def stop(self) -> None:
         if self.forwarder is not None:
             self.forwarder.close()
-        for proc in (self.controller_manager, self.apiserver, self.etcd):
+        for proc in (self.scheduler, self.controller_manager, self.apiserver, self.etcd):
             if proc is not None:
                 self.lab.stop_process(proc)
 

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds the tests' control plane from upstream's Go modules, once per release, into a cache
-# outside the checkout: kube-apiserver, kube-controller-manager, kube-proxy (k8s.io/kubernetes at
-# the release go.mod pins) and an embedded etcd (cmd/etcd). A no-op when all four exist.
+# Builds the tests' Kubernetes from upstream's Go modules, once per release, into a cache outside
+# the checkout: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, kubelet and
+# kubectl (k8s.io/kubernetes at the release go.mod pins), an embedded etcd (cmd/etcd), and
+# containerd with its runc shim and ctr (github.com/containerd/containerd/v2 at CONTAINERD, the
+# container runtime of the real nodes, testkit/cluster.py). A no-op when all of them exist.
 #   build.sh            build (progress on stderr), then print nothing
 #   build.sh --path     print the folder holding the binaries (building nothing)
 set -euo pipefail
@@ -12,7 +14,12 @@ release="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v[0-9]/ {print $2; exit}' "$
 [[ -n "$release" ]] || { echo "make k8s: no k8s.io/kubernetes version in $here/go.mod" >&2; exit 1; }
 cache="${PYPROXY_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyproxy}"
 bin="$cache/k8s-$release/bin"
-binaries=(kube-apiserver kube-controller-manager kube-proxy etcd)
+binaries=(kube-apiserver kube-controller-manager kube-proxy etcd kube-scheduler kubelet kubectl
+          containerd containerd-shim-runc-v2 ctr)
+# containerd 2.x: the kubelet learns its cgroup driver from the runtime's RuntimeConfig call
+# (containerd >= 2.0; required from kubelet 1.38), which Debian 12's containerd 1.6 lacks.
+# cgroup v1, which these machines have, stays supported in the 2.x line (deprecated in 2.2).
+containerd_version=v2.4.2
 
 if [[ "${1:-}" == "--path" ]]; then
   echo "$bin"
@@ -50,10 +57,22 @@ for name in "${missing[@]}"; do
   step=$SECONDS
   case "$name" in
     etcd) package=./cmd/etcd ;;
+    containerd|containerd-shim-runc-v2|ctr)
+      package="github.com/containerd/containerd/v2/cmd/$name@$containerd_version" ;;
     *) package="k8s.io/kubernetes/cmd/$name" ;;
   esac
   echo "make k8s: building $name ($package)..." >&2
-  go build "${flags[@]}" -o "$bin/$name.partial" "$package"
+  if [[ "$package" == *@* ]]; then
+    # Outside this module (its own go.mod decides the dependencies); no btrfs/devmapper/zfs
+    # snapshotters (cgo libraries), overlayfs is what the nodes use.
+    tmp="$(mktemp -d)"
+    (cd "$tmp" && GOBIN="$tmp" go install -trimpath -ldflags "-s -w" \
+      -tags "no_btrfs no_devmapper no_zfs" "$package")
+    mv "$tmp/$name" "$bin/$name.partial"
+    rm -rf "$tmp"
+  else
+    go build "${flags[@]}" -o "$bin/$name.partial" "$package"
+  fi
   mv "$bin/$name.partial" "$bin/$name"
   echo "make k8s: built $name in $((SECONDS - step)) s, $(du -m "$bin/$name" | cut -f1) MiB" >&2
 done
