@@ -7,19 +7,22 @@ BIN := $(VENV)/bin
 APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip openssl
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy demo clean k8s k8s-path
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy demo clean k8s k8s-path \
+	images
 
 all: test
 
 # System packages: installed only when something is missing (apt is slow, and offline runs
 # with everything present must not need it).
-deps:
-	@missing=""; for p in $(APT_PACKAGES); do \
+apt_need = missing=""; for p in $(1); do \
 	  dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
+
+deps:
+	@$(call apt_need,$(APT_PACKAGES))
 
 # The virtualenv holds the package and its test extras. Debian's nftables binding is the one
 # that matches the installed libnftables; only that package is linked in, because putting all
@@ -53,6 +56,17 @@ k8s:
 
 k8s-path:
 	@e2e/k8s/build.sh --path
+
+# The cluster's images as OCI archives that `ctr -n k8s.io images import` takes, under the
+# names Kubernetes asks for (pause, agnhost, busybox, CoreDNS, kube-proxy, pyproxy), built
+# here because no registry is reachable (testkit/images.py says how). Into
+# ~/.cache/pyproxy/images (PYPROXY_K8S_CACHE moves it), keyed by their inputs: a second run
+# builds nothing. Prints "NAME PATH" per image. IMAGES= picks some, e.g. IMAGES="pause agnhost".
+IMAGES ?=
+IMAGES_APT_PACKAGES := busybox-static gcc libc6-dev file mmdebstrap buildah
+images: venv k8s
+	@$(call apt_need,$(IMAGES_APT_PACKAGES))
+	@$(BIN)/python -m testkit.images $(IMAGES)
 
 demo: venv
 	scripts/demo.sh $(if $(KEEP),--keep)

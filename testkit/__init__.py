@@ -12,6 +12,7 @@ through `pythonpath`; the others run as modules, e.g. `python -m drills.chaos`).
 - `nftns`: pyproxy's nftables code against a namespace's kernel;
 - `builders`: API objects with the tests' IP plan; `fakes`: fakes of the I/O shells;
 - `apiemu`: an in-process API server emulator; `controlplane`: the real control plane;
+- `images`: the cluster's container images as OCI archives, built here (`make images`);
 - `fixtures`: the pytest marks and fixtures (the only module importing pytest).
 
 pyproxy itself never imports the kit (tests/test_layers.py).

@@ -1,0 +1,793 @@
+"""images: every container image the cluster runs, built on this machine as OCI archives.
+
+No container registry is reachable from the machines this project runs on (package
+registries only), so each image a kubelet runs is built here and imported into each node's
+containerd with ``ctr -n k8s.io images import``. An archive is an OCI image layout in a tar
+(``oci-layout``, ``index.json``, ``blobs/sha256/…``); its index names the image with the
+``io.containerd.image.name`` annotation, which is the name containerd imports it under, so the
+names below are exactly the ones Kubernetes asks for (the e2e manifest's, kubeadm's).
+
+How each is made, and why:
+
+- **pause, busybox, agnhost, CoreDNS** have no distribution in them: a static binary or two,
+  /etc/passwd, a shell. This module writes them directly (one layer tar, a config, a manifest
+  and an index): deterministic (mtime 0, root-owned, sorted), no daemon or storage driver, a
+  second or two. A builder would need a base image that cannot be pulled here.
+  pause is ``build/pause/linux/pause.c`` of the k8s.io/kubernetes module (``gcc -static``);
+  agnhost is ``test/images/agnhost`` built in a copy of e2e/k8s's module (same pins);
+  CoreDNS is its own Go module at the version kubeadm deploys; the shell and tools are
+  Debian's busybox-static (agnhost's tests run ``sh -c``, nc, wget, nslookup).
+- **kube-proxy** needs nft, iptables and conntrack: an mmdebstrap rootfs with them is the
+  first layer, the binary ``make k8s`` built the second.
+- **pyproxy** is built from the Containerfile, the recipe that ships, by buildah (``make
+  image``), on a ``debian:bookworm-slim`` made here with mmdebstrap when no registry answers.
+
+Each archive's file name holds a hash of its inputs (sources, binaries, package versions and
+this file), so a second run finds them and does nothing; the costly intermediates (Go
+binaries, Debian rootfs, wheels) are cached the same way under ``build/``. Everything lives in
+``${PYPROXY_K8S_CACHE:-~/.cache/pyproxy}/images``, outside the checkout.
+
+    python -m testkit.images [NAME...]     # build what is missing; prints "NAME PATH" lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+K8S_MODULE_DIR = REPO / "e2e" / "k8s"
+BUILD_SCRIPT = K8S_MODULE_DIR / "build.sh"
+CONTAINERFILE = REPO / "Containerfile"
+
+# The release pinned in e2e/k8s/go.mod, and the names its manifests use: the e2e framework's
+# (test/utils/image/manifest.go), kubeadm's (cmd/kubeadm/app/constants). tests/test_images.py
+# checks them against the module's source.
+RELEASE = "v1.37.2"
+PAUSE = "registry.k8s.io/pause:3.10.2"
+AGNHOST = "registry.k8s.io/e2e-test-images/agnhost:2.66.1"
+BUSYBOX = "registry.k8s.io/e2e-test-images/busybox:1.37.0-2"
+COREDNS = "registry.k8s.io/coredns/coredns:v1.14.6"
+KUBE_PROXY = f"registry.k8s.io/kube-proxy:{RELEASE}"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+# A local name: nothing is pushed anywhere; the cluster harness puts it into the DaemonSet.
+PYPROXY = f"localhost/pyproxy:{VERSION}"
+
+DEBIAN_SUITE = "bookworm"
+DEBIAN_MIRRORS = (
+    f"deb http://deb.debian.org/debian {DEBIAN_SUITE} main",
+    f"deb http://deb.debian.org/debian {DEBIAN_SUITE}-updates main",
+    f"deb http://deb.debian.org/debian-security {DEBIAN_SUITE}-security main",
+)
+# The Containerfile's FROM, made here when no registry has it.
+DEBIAN_BASE = f"docker.io/library/debian:{DEBIAN_SUITE}-slim"
+# What bookworm-slim leaves out (debuerreotype's --slimify list, shortened): docs, man pages,
+# locales. Copyright files stay.
+SLIM_DPKG_OPTIONS = (
+    "path-exclude=/usr/share/doc/*",
+    "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/man/*",
+    "path-exclude=/usr/share/info/*",
+    "path-exclude=/usr/share/locale/*",
+    "path-include=/usr/share/locale/locale.alias",
+)
+
+LAYER_MEDIA = "application/vnd.oci.image.layer.v1.tar+gzip"
+CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
+MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
+INDEX_MEDIA = "application/vnd.oci.image.index.v1+json"
+NAME_ANNOTATION = "io.containerd.image.name"
+REF_ANNOTATION = "org.opencontainers.image.ref.name"
+PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ImageBuildError(RuntimeError):
+    """An image could not be built; the message says which step and why."""
+
+
+@dataclass(frozen=True)
+class ImageArchive:
+    """An OCI archive that `ctr -n k8s.io images import PATH` imports as NAME."""
+
+    name: str
+    path: Path
+
+
+def cache_dir() -> Path:
+    """The archives' folder: beside the control plane's binaries (e2e/k8s/build.sh's cache)."""
+    base = os.environ.get("PYPROXY_K8S_CACHE") or str(
+        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pyproxy")
+    return Path(base) / "images"
+
+
+def log(message: str) -> None:
+    print(f"images: {message}", file=sys.stderr, flush=True)
+
+
+def run(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+        capture: bool = False) -> str:
+    """Runs a build step; its output goes to stderr (or is returned), a failure raises."""
+    argv = [str(a) for a in args]
+    result = subprocess.run(argv, cwd=cwd, env=env, check=False, text=True,
+                            stdout=subprocess.PIPE if capture else sys.stderr,
+                            stderr=subprocess.PIPE if capture else None)
+    if result.returncode != 0:
+        detail = (result.stderr or "").strip()[-2000:] if capture else ""
+        raise ImageBuildError(f"{' '.join(argv)} exited {result.returncode}"
+                              + (f": {detail}" if detail else ""))
+    return result.stdout if capture else ""
+
+
+def digest_of(*parts: str | bytes | Path) -> str:
+    """sha256 over the parts in order; a Path counts by its content."""
+    hasher = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, Path):
+            with part.open("rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    hasher.update(chunk)
+        else:
+            hasher.update(part.encode() if isinstance(part, str) else part)
+        hasher.update(b"\0")
+    return hasher.hexdigest()
+
+
+def _publish(build: Callable[[Path], None], target: Path) -> Path:
+    """Builds into target's .partial and renames it, so an interrupted build leaves nothing
+    that looks finished."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    if partial.is_dir():
+        shutil.rmtree(partial)
+    partial.unlink(missing_ok=True)
+    build(partial)
+    partial.rename(target)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers and archives
+
+
+@dataclass
+class _Entry:
+    kind: bytes
+    mode: int
+    data: bytes | Path | None = None
+    target: str = ""
+    uid: int = 0
+    gid: int = 0
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+
+
+class Tree:
+    """The files of one layer, by absolute path in the image; parent folders are implied."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, _Entry] = {}
+
+    def dir(self, path: str, mode: int = 0o755, uid: int = 0, gid: int = 0) -> None:
+        self.entries[path.strip("/")] = _Entry(tarfile.DIRTYPE, mode, uid=uid, gid=gid)
+
+    def file(self, path: str, data: bytes | Path, mode: int = 0o644,
+             xattrs: dict[str, bytes] | None = None) -> None:
+        self.entries[path.strip("/")] = _Entry(tarfile.REGTYPE, mode, data, xattrs=xattrs or {})
+
+    def symlink(self, path: str, target: str) -> None:
+        self.entries[path.strip("/")] = _Entry(tarfile.SYMTYPE, 0o777, target=target)
+
+    def write(self, dest: Path) -> None:
+        """An uncompressed layer tar: sorted, mtime 0, no user or group names."""
+        names = set(self.entries)
+        for name in list(names):
+            parts = name.split("/")
+            names.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        with tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as tar:
+            for name in sorted(names):
+                entry = self.entries.get(name) or _Entry(tarfile.DIRTYPE, 0o755)
+                info = tarfile.TarInfo(name)
+                info.type, info.mode, info.linkname = entry.kind, entry.mode, entry.target
+                info.uid, info.gid, info.uname, info.gname = entry.uid, entry.gid, "", ""
+                info.mtime = 0
+                if entry.xattrs:
+                    # Go's archive/tar (containerd) reads SCHILY.xattr.* records as raw bytes.
+                    info.pax_headers = {
+                        f"SCHILY.xattr.{key}": value.decode("utf-8", "surrogateescape")
+                        for key, value in entry.xattrs.items()}
+                if entry.kind == tarfile.REGTYPE:
+                    data = entry.data.read_bytes() if isinstance(entry.data, Path) else entry.data
+                    assert data is not None
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                else:
+                    tar.addfile(info)
+
+
+def _canonical(doc: Any) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _gzip_layer(layer: Path, blobs: Path) -> tuple[str, str, int]:
+    """(diff_id, digest, size) of a layer tar, its gzip blob written into blobs/."""
+    raw, packed = hashlib.sha256(), hashlib.sha256()
+    partial = blobs / "layer.partial"
+    # mtime 0 and no file name: the same layer gives the same blob, hence the same digest.
+    with layer.open("rb") as src, partial.open("wb") as out, gzip.GzipFile(
+            filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            raw.update(chunk)
+            gz.write(chunk)
+    with partial.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            packed.update(chunk)
+    size = partial.stat().st_size
+    partial.rename(blobs / packed.hexdigest())
+    return "sha256:" + raw.hexdigest(), "sha256:" + packed.hexdigest(), size
+
+
+def image_config(entrypoint: Sequence[str] | None = None, cmd: Sequence[str] | None = None,
+                 user: str = "", env: Sequence[str] = (PATH_ENV,), ports: Sequence[str] = (),
+                 workdir: str = "/", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """The runtime part of an OCI image config (``config``), as a Dockerfile would set it."""
+    config: dict[str, Any] = {"Env": list(env), "WorkingDir": workdir}
+    if entrypoint:
+        config["Entrypoint"] = list(entrypoint)
+    if cmd:
+        config["Cmd"] = list(cmd)
+    if user:
+        config["User"] = user
+    if ports:
+        config["ExposedPorts"] = {port: {} for port in ports}
+    if labels:
+        config["Labels"] = dict(labels)
+    return config
+
+
+def _tar_layout(layout: Path, out: Path) -> None:
+    """An OCI layout folder as a tar, deterministic, files first sorted."""
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(layout.rglob("*")):
+            info = tar.gettarinfo(str(path), str(path.relative_to(layout)))
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+            info.mode = 0o755 if path.is_dir() else 0o644
+            if path.is_file():
+                with path.open("rb") as f:
+                    tar.addfile(info, f)
+            else:
+                tar.addfile(info)
+
+
+def _index(name: str, manifest_digest: str, manifest_size: int) -> dict[str, Any]:
+    # containerd imports under io.containerd.image.name; the OCI ref.name is the tag alone
+    # (what `ctr images export` writes), for tools that read only that.
+    return {"schemaVersion": 2, "mediaType": INDEX_MEDIA, "manifests": [{
+        "mediaType": MANIFEST_MEDIA, "digest": manifest_digest, "size": manifest_size,
+        "platform": {"architecture": "amd64", "os": "linux"},
+        "annotations": {NAME_ANNOTATION: name, REF_ANNOTATION: name.rpartition(":")[2]}}]}
+
+
+def write_archive(out: Path, name: str, layers: Sequence[Path], config: dict[str, Any],
+                  history: str = "") -> None:
+    """An OCI archive of one linux/amd64 image: the layer tars (uncompressed, bottom first)
+    gzipped, the config with their diff IDs, a manifest, and an index naming it."""
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".layout-") as tmp:
+        layout = Path(tmp)
+        blobs = layout / "blobs" / "sha256"
+        blobs.mkdir(parents=True)
+        diff_ids, descriptors = [], []
+        for layer in layers:
+            diff_id, digest, size = _gzip_layer(layer, blobs)
+            diff_ids.append(diff_id)
+            descriptors.append({"mediaType": LAYER_MEDIA, "digest": digest, "size": size})
+        full_config = {
+            "architecture": "amd64", "os": "linux", "created": "1970-01-01T00:00:00Z",
+            "config": config, "rootfs": {"type": "layers", "diff_ids": diff_ids},
+            "history": [{"created": "1970-01-01T00:00:00Z",
+                         "created_by": history or "testkit/images.py"} for _ in layers]}
+        config_bytes = _canonical(full_config)
+        config_digest = hashlib.sha256(config_bytes).hexdigest()
+        (blobs / config_digest).write_bytes(config_bytes)
+        manifest_bytes = _canonical({
+            "schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
+            "config": {"mediaType": CONFIG_MEDIA, "digest": "sha256:" + config_digest,
+                       "size": len(config_bytes)},
+            "layers": descriptors})
+        manifest_digest = hashlib.sha256(manifest_bytes).hexdigest()
+        (blobs / manifest_digest).write_bytes(manifest_bytes)
+        (layout / "oci-layout").write_bytes(_canonical({"imageLayoutVersion": "1.0.0"}))
+        (layout / "index.json").write_bytes(_canonical(
+            _index(name, "sha256:" + manifest_digest, len(manifest_bytes))))
+        _tar_layout(layout, out)
+
+
+def name_layout(layout: Path, name: str) -> None:
+    """Names the (only) image of an OCI layout folder as `_index` does (buildah's `oci:` push
+    sets only ref.name, which containerd does not read as a full name)."""
+    index = json.loads((layout / "index.json").read_text())
+    (manifest,) = index["manifests"]
+    manifest.setdefault("annotations", {}).update(
+        {NAME_ANNOTATION: name, REF_ANNOTATION: name.rpartition(":")[2]})
+    (layout / "index.json").write_bytes(_canonical(index))
+
+
+def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(index, manifest, config) of an OCI archive, read without unpacking it."""
+    with tarfile.open(path) as tar:
+        def blob(digest: str) -> Any:
+            member = tar.extractfile("blobs/sha256/" + digest.removeprefix("sha256:"))
+            assert member is not None
+            return json.loads(member.read())
+
+        member = tar.extractfile("index.json")
+        assert member is not None
+        index = json.loads(member.read())
+        manifest = blob(index["manifests"][0]["digest"])
+        return index, manifest, blob(manifest["config"]["digest"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs: tools, the k8s.io/kubernetes module, Debian packages
+
+
+def _need(command: str, package: str) -> str:
+    found = shutil.which(command)
+    if not found:
+        raise ImageBuildError(f"{command} not found: install Debian's {package} "
+                              "(make images / make image install what they need)")
+    return found
+
+
+def go_env() -> dict[str, str]:
+    return {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-trimpath"}
+
+
+def go_version() -> str:
+    return run(_need("go", "golang (>= 1.26)"), "env", "GOVERSION", capture=True).strip()
+
+
+def k8s_module() -> Path:
+    """The k8s.io/kubernetes source of the pinned release, from Go's module cache (fetched
+    through the module proxy when missing)."""
+    out = run(_need("go", "golang (>= 1.26)"), "mod", "download", "-json",
+              f"k8s.io/kubernetes@{RELEASE}", cwd=K8S_MODULE_DIR, capture=True)
+    return Path(json.loads(out)["Dir"])
+
+
+def deb_version(package: str) -> str:
+    try:
+        return run("dpkg-query", "-W", "-f", "${Version}", package, capture=True)
+    except ImageBuildError as err:
+        raise ImageBuildError(f"Debian package {package} is not installed") from err
+
+
+def _passwd(*users: tuple[str, int, int, str, str]) -> bytes:
+    lines = [f"{name}:x:{uid}:{gid}:{name}:{home}:{shell}" for name, uid, gid, home, shell in users]
+    return ("\n".join(lines) + "\n").encode()
+
+
+ROOT_USERS = (("root", 0, 0, "/root", "/bin/sh"),
+              ("nobody", 65534, 65534, "/nonexistent", "/bin/false"))
+ROOT_GROUPS = "root:x:0:\nnobody:x:65534:\n"
+
+
+def busybox_tree(users: Sequence[tuple[str, int, int, str, str]] = ROOT_USERS,
+                 groups: str = ROOT_GROUPS) -> Tree:
+    """Debian's static busybox with a link per applet (sh, nc, wget, nslookup, ip…), the
+    folders a shell expects, /etc/passwd and /etc/group."""
+    busybox = Path(_need("busybox", "busybox-static"))
+    if b"GLIBC" in busybox.read_bytes()[:4096] or "statically linked" not in run(
+            "file", "-L", busybox, capture=True):
+        raise ImageBuildError(f"{busybox} is not static: install busybox-static")
+    tree = Tree()
+    tree.file("/bin/busybox", busybox, 0o755)
+    for applet in run(busybox, "--list-full", capture=True).split():
+        if applet != "bin/busybox":
+            tree.symlink(applet, "/bin/busybox")
+    tree.dir("/tmp", 0o1777)
+    tree.dir("/root", 0o700)
+    tree.dir("/var")
+    tree.dir("/home")
+    tree.file("/etc/passwd", _passwd(*users))
+    tree.file("/etc/group", groups.encode())
+    # Go's resolver (agnhost's dns tests) and busybox's read this; files, then DNS.
+    tree.file("/etc/nsswitch.conf", b"hosts: files dns\n")
+    return tree
+
+
+def debian_rootfs(packages: Sequence[str] = ()) -> Path:
+    """A minbase Debian rootfs tar (slimmed as bookworm-slim is) with packages, made by
+    mmdebstrap once per package list; its .debs are kept, so the next one downloads less."""
+    key = digest_of(DEBIAN_SUITE, *DEBIAN_MIRRORS, *SLIM_DPKG_OPTIONS, *sorted(packages),
+                    deb_version("mmdebstrap"))[:16]
+    target = cache_dir() / "build" / f"rootfs-{DEBIAN_SUITE}-{key}.tar"
+    if target.exists():
+        return target
+    debs = cache_dir() / "build" / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+
+    def build(partial: Path) -> None:
+        log(f"mmdebstrap {DEBIAN_SUITE} minbase + {' '.join(packages) or 'nothing'}")
+        argv: list[str | Path] = [_need("mmdebstrap", "mmdebstrap"), "--variant=minbase",
+                                  "--quiet", "--format=tar", "--skip=essential/unlink",
+                                  "--setup-hook", 'mkdir -p "$1"/var/cache/apt/archives',
+                                  "--setup-hook", f"sync-in {debs} /var/cache/apt/archives",
+                                  "--customize-hook", f"sync-out /var/cache/apt/archives {debs}"]
+        argv += [f"--dpkgopt={option}" for option in SLIM_DPKG_OPTIONS]
+        if packages:
+            argv.append("--include=" + ",".join(packages))
+        # SOURCE_DATE_EPOCH: mmdebstrap clamps timestamps to it (a reproducible tar).
+        run(*argv, DEBIAN_SUITE, partial, *DEBIAN_MIRRORS,
+            env={**os.environ, "SOURCE_DATE_EPOCH": "0"})
+
+    return _publish(build, target)
+
+
+# ---------------------------------------------------------------------------------------------
+# The images
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one image is made: `inputs` returns what its archive's key hashes (cheap to
+    compute), `build` writes the archive."""
+
+    name: str
+    slug: str
+    inputs: Callable[[], list[str | bytes | Path]]
+    build: Callable[[Path], None]
+
+
+def _archive(out: Path, name: str, trees: Sequence[Tree | Path], config: dict[str, Any]) -> None:
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".layers-") as tmp:
+        layers = []
+        for i, tree in enumerate(trees):
+            if isinstance(tree, Path):
+                layers.append(tree)
+            else:
+                layers.append(Path(tmp) / f"{i}.tar")
+                tree.write(layers[-1])
+        write_archive(out, name, layers, config)
+
+
+# pause ---------------------------------------------------------------------------------------
+
+
+def _pause_source() -> Path:
+    return k8s_module() / "build" / "pause" / "linux" / "pause.c"
+
+
+def _build_pause(out: Path) -> None:
+    tag = PAUSE.rpartition(":")[2]
+    with tempfile.TemporaryDirectory() as tmp:
+        binary = Path(tmp) / "pause"
+        # The flags of build/pause/Makefile (CFLAGS), with the version it stamps.
+        run(_need("gcc", "gcc and libc6-dev"), "-Os", "-Wall", "-Werror", "-static",
+            f"-DVERSION=v{tag}", "-o", binary, _pause_source())
+        run("strip", binary)
+        tree = Tree()
+        tree.file("/pause", binary, 0o755)
+        # build/pause/Dockerfile: USER 65535:65535, ENTRYPOINT ["/pause"].
+        _archive(out, PAUSE, [tree], image_config(entrypoint=["/pause"], user="65535:65535",
+                                                  env=()))
+
+
+# busybox -------------------------------------------------------------------------------------
+
+
+def _build_busybox(out: Path) -> None:
+    # As the library busybox image the e2e tests use: a shell, no entrypoint.
+    _archive(out, BUSYBOX, [busybox_tree()], image_config(cmd=["sh"]))
+
+
+# agnhost -------------------------------------------------------------------------------------
+
+
+def _agnhost_binary() -> Path:
+    """agnhost built in a copy of e2e/k8s's module (its requirements and replaces, so the
+    same k8s.io/* versions as the control plane); the copy may add go.sum lines for agnhost's
+    own dependencies (e.g. sctp) without touching the checkout."""
+    key = digest_of(K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version())[:16]
+    build = cache_dir() / "build"
+    target = build / f"agnhost-{key}"
+    if target.exists():
+        return target
+    module = build / "agnhost-module"
+    module.mkdir(parents=True, exist_ok=True)
+    for name in ("go.mod", "go.sum"):
+        shutil.copyfile(K8S_MODULE_DIR / name, module / name)
+
+    def compile_it(partial: Path) -> None:
+        log("go build k8s.io/kubernetes/test/images/agnhost (a few minutes when cold)")
+        start = time.monotonic()
+        run("go", "build", "-mod=mod", "-ldflags=-s -w", "-o", partial,
+            "k8s.io/kubernetes/test/images/agnhost", cwd=module, env=go_env())
+        log(f"agnhost built in {time.monotonic() - start:.0f} s")
+
+    return _publish(compile_it, target)
+
+
+def _build_agnhost(out: Path) -> None:
+    source = k8s_module() / "test" / "images" / "agnhost"
+    version = (source / "VERSION").read_text().strip()
+    if version != AGNHOST.rpartition(":")[2]:
+        raise ImageBuildError(f"agnhost is {version} in {source}, the name says {AGNHOST}")
+    # Upstream's Dockerfile: a user and a group the SupplementalGroups tests look for.
+    tree = busybox_tree(
+        users=(*ROOT_USERS, ("user-defined-in-image", 1000, 1000,
+                             "/home/user-defined-in-image", "/bin/sh")),
+        groups=ROOT_GROUPS + "user-defined-in-image:x:1000:\n"
+        "group-defined-in-image:x:50000:user-defined-in-image\n")
+    tree.dir("/home/user-defined-in-image", uid=1000, gid=1000)
+    tree.file("/agnhost", _agnhost_binary(), 0o755)
+    # entrypoint-tester tests override the entrypoint with agnhost-2.
+    tree.symlink("/agnhost-2", "agnhost")
+    tree.dir("/uploads")  # netexec's
+    for name in ("localhost.crt", "localhost.key"):  # porter's
+        tree.file(f"/{name}", source / "porter" / name)
+    _archive(out, AGNHOST, [tree], image_config(
+        entrypoint=["/agnhost"], cmd=["pause"],
+        ports=["80/tcp", "8080/tcp", "8081/tcp", "9376/tcp", "5000/tcp"]))
+
+
+# CoreDNS -------------------------------------------------------------------------------------
+
+COREDNS_MODULE = "github.com/coredns/coredns"
+# cap_net_bind_service=+ep, as upstream's Dockerfile `setcap`s it, so that the non-root
+# server can bind port 53 (vfs_cap_data revision 2: magic|effective, permitted low/high,
+# inheritable low/high; CAP_NET_BIND_SERVICE is bit 10).
+NET_BIND_SERVICE_CAP = (0x02000001).to_bytes(4, "little") + (1 << 10).to_bytes(4, "little") \
+    + bytes(12)
+
+
+def _coredns_binary() -> Path:
+    """CoreDNS from its own module at the version kubeadm deploys; `go install mod@version`
+    builds with that module's go.mod and go.sum, as its release does."""
+    version = COREDNS.rpartition(":")[2]
+    key = digest_of(version, go_version())[:16]
+    target = cache_dir() / "build" / f"coredns-{key}"
+    if target.exists():
+        return target
+
+    def compile_it(partial: Path) -> None:
+        log(f"go install {COREDNS_MODULE}@{version} (a few minutes when cold)")
+        with tempfile.TemporaryDirectory() as gobin:
+            run("go", "install", "-ldflags=-s -w", f"{COREDNS_MODULE}@{version}",
+                cwd=Path(gobin), env={**go_env(), "GOBIN": gobin, "GOWORK": "off"})
+            shutil.move(Path(gobin) / "coredns", partial)
+
+    return _publish(compile_it, target)
+
+
+def _build_coredns(out: Path) -> None:
+    tree = Tree()
+    tree.file("/coredns", _coredns_binary(), 0o755,
+              xattrs={"security.capability": NET_BIND_SERVICE_CAP})
+    tree.dir("/tmp", 0o1777)
+    tree.file("/etc/passwd", _passwd(*ROOT_USERS, ("nonroot", 65532, 65532, "/home/nonroot",
+                                                   "/sbin/nologin")))
+    tree.file("/etc/group", (ROOT_GROUPS + "nonroot:x:65532:\n").encode())
+    tree.dir("/home/nonroot", 0o700, uid=65532, gid=65532)
+    # Upstream: distroless static:nonroot, USER nonroot, ENTRYPOINT ["/coredns"]. No CA
+    # bundle: in a cluster CoreDNS reads the API with its service account's CA.
+    _archive(out, COREDNS, [tree], image_config(entrypoint=["/coredns"], user="65532:65532",
+                                                ports=["53/tcp", "53/udp"]))
+
+
+# kube-proxy ----------------------------------------------------------------------------------
+
+KUBE_PROXY_PACKAGES = ("nftables", "iptables", "conntrack", "ca-certificates")
+
+
+def _kube_proxy_binary() -> Path:
+    """The kube-proxy `make k8s` builds (e2e/k8s/build.sh), built first if missing."""
+    binary = Path(run(BUILD_SCRIPT, "--path", capture=True).strip()) / "kube-proxy"
+    if not binary.exists():
+        log("kube-proxy is not built yet: running e2e/k8s/build.sh (make k8s)")
+        run(BUILD_SCRIPT)
+    return binary
+
+
+def _build_kube_proxy(out: Path) -> None:
+    tree = Tree()
+    # Where upstream's image and kubeadm's DaemonSet (`command: /usr/local/bin/kube-proxy`)
+    # have it.
+    tree.file("/usr/local/bin/kube-proxy", _kube_proxy_binary(), 0o755)
+    _archive(out, KUBE_PROXY, [debian_rootfs(KUBE_PROXY_PACKAGES), tree],
+             image_config(entrypoint=["/usr/local/bin/kube-proxy"]))
+
+
+# pyproxy -------------------------------------------------------------------------------------
+
+# What the Containerfile COPYs: the build context holds these and a wheelhouse, nothing else.
+CONTEXT_FILES = ("pyproject.toml", "README.md", "requirements.lock", "pyproxy")
+
+
+def _context_files() -> list[Path]:
+    files = []
+    for name in CONTEXT_FILES:
+        path = REPO / name
+        files += sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
+                        and p.suffix != ".pyc") if path.is_dir() else [path]
+    return files
+
+
+def wheelhouse() -> Path:
+    """requirements.lock's wheels for the image's Python (Debian 12's 3.11, x86_64), fetched
+    by the host's pip: it trusts the host's CAs (an egress proxy's included), which the image
+    does not have. Once per lock."""
+    lock = REPO / "requirements.lock"
+    target = cache_dir() / "build" / f"wheels-{digest_of(lock)[:16]}"
+    if target.exists():
+        return target
+
+    def download(partial: Path) -> None:
+        log("pip download requirements.lock (wheels for cp311 manylinux x86_64)")
+        platforms = [f"--platform={p}" for p in ("manylinux_2_36_x86_64", "manylinux_2_28_x86_64",
+                                                  "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
+        run(sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-r", lock,
+            "--dest", partial, "--only-binary=:all:", "--implementation=cp",
+            "--python-version=3.11", "--abi=cp311", *platforms)
+
+    return _publish(download, target)
+
+
+def buildah_has(image: str) -> bool:
+    result = subprocess.run(["buildah", "images", "--quiet", image], capture_output=True,
+                            text=True, check=False)
+    return result.returncode == 0 and bool(result.stdout.strip())
+
+
+def ensure_debian_base(pull_timeout: float = 30) -> str:
+    """Makes sure buildah has the Containerfile's base (DEBIAN_BASE): already there, pulled
+    if a registry answers, else made here from Debian's packages (mmdebstrap) and imported
+    under that name. Returns where it came from."""
+    _need("buildah", "buildah")
+    if buildah_has(DEBIAN_BASE):
+        return "local"
+    try:
+        subprocess.run(["buildah", "pull", "--quiet", DEBIAN_BASE], check=True,
+                       timeout=pull_timeout, capture_output=True)
+        return "pulled"
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        log(f"no registry has {DEBIAN_BASE}: making it from Debian's packages")
+    rootfs = debian_rootfs()
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = Path(tmp) / "base.tar"
+        write_archive(archive, DEBIAN_BASE, [rootfs], image_config(cmd=["bash"]),
+                      history=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}")
+        # buildah names an image pulled from an archive by its ID only: tag it.
+        image_id = run("buildah", "pull", "--quiet", f"oci-archive:{archive}",
+                       capture=True).split()[-1]
+        run("buildah", "tag", image_id, DEBIAN_BASE)
+    return "mmdebstrap"
+
+
+def build_pyproxy(out: Path, tag: str = PYPROXY) -> None:
+    """`buildah bud` of the Containerfile (the shipped recipe) on a minimal context, then the
+    image as an OCI archive named tag."""
+    _need("buildah", "buildah")
+    base = ensure_debian_base()
+    log(f"base {DEBIAN_BASE}: {base}")
+    with tempfile.TemporaryDirectory(prefix="pyproxy-image-") as tmp:
+        context = Path(tmp) / "context"
+        for path in _context_files():
+            dest = context / path.relative_to(REPO)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+        shutil.copytree(wheelhouse(), context / "wheels")
+        start = time.monotonic()
+        # chroot isolation: no nested user namespaces or cgroups needed (and this machine's
+        # cgroups are v1); host network: apt reaches Debian's archive as the host does.
+        run("buildah", "bud", "--isolation=chroot", "--network=host", "--pull=never",
+            "--layers", "--build-arg", f"VERSION={VERSION}", "-f", CONTAINERFILE, "-t", tag,
+            context)
+        log(f"buildah bud: {time.monotonic() - start:.0f} s")
+        layout = Path(tmp) / "layout"
+        run("buildah", "push", "--quiet", tag, f"oci:{layout}")
+        name_layout(layout, tag)
+        _tar_layout(layout, out)
+
+
+def _pyproxy_recipe(tag: str) -> Recipe:
+    return Recipe(tag, "pyproxy",
+                  lambda: [tag, VERSION, CONTAINERFILE, REPO / "requirements.lock",
+                           *(str(p.relative_to(REPO)) for p in _context_files()),
+                           *_context_files()],
+                  lambda out: build_pyproxy(out, tag))
+
+
+RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
+    Recipe(PAUSE, "pause", lambda: [_pause_source(), "gcc " + deb_version("gcc")],
+           _build_pause),
+    Recipe(BUSYBOX, "busybox", lambda: [deb_version("busybox-static")], _build_busybox),
+    Recipe(AGNHOST, "agnhost",
+           lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version(),
+                    deb_version("busybox-static")], _build_agnhost),
+    Recipe(COREDNS, "coredns", lambda: [go_version()], _build_coredns),
+    Recipe(KUBE_PROXY, "kube-proxy",
+           lambda: [_kube_proxy_binary(), *KUBE_PROXY_PACKAGES], _build_kube_proxy),
+    _pyproxy_recipe(PYPROXY),
+)}
+# The short names the command line takes.
+ALIASES = {recipe.slug: name for name, recipe in RECIPES.items()}
+
+
+def archive_path(recipe: Recipe) -> Path:
+    """Where recipe's archive is for its current inputs (this file's code counts as one)."""
+    key = digest_of(Path(__file__), recipe.name, *recipe.inputs())[:16]
+    tag = recipe.name.rpartition(":")[2]
+    return cache_dir() / f"{recipe.slug}-{tag}-{key}.tar"
+
+
+def ensure_image(recipe: Recipe) -> ImageArchive:
+    """recipe's archive, built if its inputs changed; older archives of it are removed."""
+    target = archive_path(recipe)
+    if not target.exists():
+        start = time.monotonic()
+        log(f"building {recipe.name}")
+        _publish(recipe.build, target)
+        log(f"{recipe.name}: {target.stat().st_size / 2**20:.1f} MiB in "
+            f"{time.monotonic() - start:.1f} s")
+        mine = re.compile(re.escape(recipe.slug) + r"-.+-[0-9a-f]{16}\.tar")
+        for old in target.parent.glob(f"{recipe.slug}-*.tar"):
+            if old != target and mine.fullmatch(old.name):
+                old.unlink()
+    return ImageArchive(recipe.name, target)
+
+
+def ensure_images(names: Iterable[str] | None = None, pyproxy_tag: str = PYPROXY,
+                  ) -> list[ImageArchive]:
+    """The archives of the named images (all when None), in that order, each built only if
+    missing or out of date. Names are the full image names (PAUSE, AGNHOST…) or slugs."""
+    recipes = dict(RECIPES)
+    if pyproxy_tag != PYPROXY:
+        del recipes[PYPROXY]
+        recipes[pyproxy_tag] = _pyproxy_recipe(pyproxy_tag)
+    aliases = {recipe.slug: name for name, recipe in recipes.items()}
+    chosen = list(recipes) if names is None else [aliases.get(n, n) for n in names]
+    unknown = [name for name in chosen if name not in recipes]
+    if unknown:
+        raise ImageBuildError(f"unknown image {', '.join(unknown)}; known: "
+                              + ", ".join(sorted(aliases)))
+    return [ensure_image(recipes[name]) for name in chosen]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testkit.images", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"images to build (default: all): {', '.join(ALIASES)} "
+                        "or full names")
+    parser.add_argument("--pyproxy-tag", default=PYPROXY,
+                        help=f"the name of pyproxy's image (default {PYPROXY})")
+    parser.add_argument("--path-only", action="store_true",
+                        help="print only the archives' paths")
+    args = parser.parse_args(argv)
+    try:
+        archives = ensure_images(args.names or None, pyproxy_tag=args.pyproxy_tag)
+    except ImageBuildError as err:
+        print(f"images: {err}", file=sys.stderr)
+        return 1
+    for archive in archives:
+        print(archive.path if args.path_only else f"{archive.name} {archive.path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

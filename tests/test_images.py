@@ -1,0 +1,211 @@
+"""The cluster's images (testkit/images.py): archive layout, the names Kubernetes expects, the
+cache, and pyproxy's build steps with a fake buildah. Building the Go images (agnhost,
+CoreDNS) and the Debian-based ones belongs to `make images`, not to the suite: these tests
+build only pause and busybox (under a second), into a temporary cache."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from testkit import images
+from testkit.fixtures import requires_netns
+from testkit.waits import until
+
+MODULE = Path.home() / "go" / "pkg" / "mod" / f"k8s.io/kubernetes@{images.RELEASE}"
+needs_module = pytest.mark.skipif(not MODULE.is_dir(), reason=f"no {MODULE} (make k8s)")
+needs_tools = pytest.mark.skipif(
+    not all(shutil.which(tool) for tool in ("gcc", "busybox", "go", "file")),
+    reason="needs gcc, busybox-static, go and file (make images installs them)")
+
+
+@pytest.fixture(name="cache")
+def cache_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of the test's own, so the real one is neither used nor changed."""
+    monkeypatch.setenv("PYPROXY_K8S_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "images"
+
+
+def members(path: Path) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(path) as tar:
+        return {m.name: m for m in tar.getmembers()}
+
+
+def layer_members(archive: Path, manifest: dict[str, object]) -> dict[str, tarfile.TarInfo]:
+    layers = manifest["layers"]
+    assert isinstance(layers, list)
+    found: dict[str, tarfile.TarInfo] = {}
+    with tarfile.open(archive) as outer:
+        for layer in layers:
+            blob = outer.extractfile("blobs/sha256/" + layer["digest"].removeprefix("sha256:"))
+            assert blob is not None
+            with tarfile.open(fileobj=blob, mode="r:gz") as inner:
+                found.update({m.name: m for m in inner.getmembers()})
+    return found
+
+
+class TestArchive:
+    def test_layout_names_the_image_and_checks_out(self, tmp_path: Path) -> None:
+        """An archive is an OCI layout whose index names the image for containerd, and whose
+        digests, sizes and diff IDs are those of the blobs it holds."""
+        tree = images.Tree()
+        tree.file("/bin/tool", b"#!/bin/sh\n", 0o755)
+        tree.symlink("/bin/alias", "/bin/tool")
+        tree.dir("/tmp", 0o1777)
+        out = tmp_path / "a.tar"
+        config = images.image_config(entrypoint=["/bin/tool"], cmd=["run"], user="65535:65535",
+                                     ports=["53/udp"])
+        with_layer = tmp_path / "layer.tar"
+        tree.write(with_layer)
+        images.write_archive(out, "registry.example/x/tool:1.2-3", [with_layer], config)
+
+        assert {"oci-layout", "index.json"} <= set(members(out))
+        index, manifest, image = images.read_archive(out)
+        (entry,) = index["manifests"]
+        assert entry["annotations"] == {"io.containerd.image.name": "registry.example/x/tool:1.2-3",
+                                        "org.opencontainers.image.ref.name": "1.2-3"}
+        assert entry["mediaType"] == images.MANIFEST_MEDIA
+        assert image["config"] == {"Entrypoint": ["/bin/tool"], "Cmd": ["run"],
+                                   "User": "65535:65535", "Env": [images.PATH_ENV],
+                                   "WorkingDir": "/", "ExposedPorts": {"53/udp": {}}}
+        assert (image["os"], image["architecture"]) == ("linux", "amd64")
+        with tarfile.open(out) as tar:
+            def blob(digest: str) -> bytes:
+                member = tar.extractfile("blobs/sha256/" + digest.removeprefix("sha256:"))
+                assert member is not None
+                return member.read()
+
+            for descriptor in (entry, manifest["config"], *manifest["layers"]):
+                data = blob(descriptor["digest"])
+                assert len(data) == descriptor["size"]
+                assert "sha256:" + hashlib.sha256(data).hexdigest() == descriptor["digest"]
+            (layer,) = manifest["layers"]
+            raw = gzip.decompress(blob(layer["digest"]))
+        assert image["rootfs"]["diff_ids"] == ["sha256:" + hashlib.sha256(raw).hexdigest()]
+        files = layer_members(out, manifest)
+        assert sorted(files) == ["bin", "bin/alias", "bin/tool", "tmp"]
+        assert files["bin/alias"].issym() and files["bin/alias"].linkname == "/bin/tool"
+        assert files["tmp"].mode == 0o1777 and files["bin/tool"].mode == 0o755
+        assert {(m.mtime, m.uid, m.uname) for m in files.values()} == {(0, 0, "")}
+
+    def test_the_same_inputs_give_the_same_bytes(self, tmp_path: Path) -> None:
+        """Archives are deterministic: no timestamps, so a rebuild has the same digests."""
+        tree = images.Tree()
+        tree.file("/x", b"x" * 1000, xattrs={"security.capability":
+                                             images.NET_BIND_SERVICE_CAP})
+        outs = []
+        for i in range(2):
+            layer = tmp_path / f"{i}.layer"
+            tree.write(layer)
+            outs.append(tmp_path / f"{i}.tar")
+            images.write_archive(outs[-1], "x:1", [layer], images.image_config())
+        assert outs[0].read_bytes() == outs[1].read_bytes()
+        with tarfile.open(tmp_path / "0.layer") as tar:
+            # containerd applies SCHILY.xattr records: the file capability survives import.
+            value = tar.getmember("x").pax_headers["SCHILY.xattr.security.capability"]
+        assert value.encode("utf-8", "surrogateescape") == images.NET_BIND_SERVICE_CAP
+
+
+@needs_module
+def test_names_are_the_ones_the_release_uses() -> None:
+    """The image names are the e2e manifest's and kubeadm's for the pinned release."""
+    go_mod = (images.K8S_MODULE_DIR / "go.mod").read_text()
+    assert re.search(rf"^\s*k8s\.io/kubernetes {re.escape(images.RELEASE)}\b", go_mod, re.M)
+    manifest = (MODULE / "test/utils/image/manifest.go").read_text()
+    for name, key, registry in ((images.AGNHOST, "Agnhost", "PromoterE2eRegistry"),
+                                (images.BUSYBOX, "BusyBox", "PromoterE2eRegistry"),
+                                (images.PAUSE, "Pause", "GcRegistry")):
+        found = re.search(rf'configs\[{key}\] = Config\{{list\.{registry}, "([^"]+)", '
+                          r'"([^"]+)"\}', manifest)
+        assert found, key
+        prefix = {"PromoterE2eRegistry": "registry.k8s.io/e2e-test-images",
+                  "GcRegistry": "registry.k8s.io"}[registry]
+        assert name == f"{prefix}/{found[1]}:{found[2]}"
+    assert 'PromoterE2eRegistry:      "registry.k8s.io/e2e-test-images"' in manifest
+    constants = (MODULE / "cmd/kubeadm/app/constants/constants.go").read_text()
+    coredns = re.search(r'CoreDNSVersion = "([^"]+)"', constants)
+    pause = re.search(r'PauseVersion = "([^"]+)"', constants)
+    assert coredns and f"registry.k8s.io/coredns/coredns:{coredns[1]}" == images.COREDNS
+    assert pause and f"registry.k8s.io/pause:{pause[1]}" == images.PAUSE
+    assert f"registry.k8s.io/kube-proxy:{images.RELEASE}" == images.KUBE_PROXY
+
+
+@needs_module
+@needs_tools
+def test_pause_and_busybox_are_built_once(cache: Path) -> None:
+    """pause and busybox build into the cache with upstream's entrypoint and user, and a
+    second call finds them without building anything."""
+    pause, busybox = images.ensure_images([images.PAUSE, "busybox"])
+    assert (pause.name, busybox.name) == (images.PAUSE, images.BUSYBOX)
+    assert pause.path.parent == busybox.path.parent == cache
+    index, manifest, config = images.read_archive(pause.path)
+    assert index["manifests"][0]["annotations"]["io.containerd.image.name"] == images.PAUSE
+    assert config["config"]["Entrypoint"] == ["/pause"]
+    assert config["config"]["User"] == "65535:65535"
+    assert set(layer_members(pause.path, manifest)) == {"pause"}
+    _, manifest, config = images.read_archive(busybox.path)
+    assert config["config"]["Cmd"] == ["sh"]
+    files = layer_members(busybox.path, manifest)
+    for applet in ("bin/sh", "usr/bin/nc", "usr/bin/wget", "usr/bin/nslookup"):
+        assert files[applet].linkname == "/bin/busybox", applet
+    stamps = {a.path: a.path.stat().st_mtime_ns for a in (pause, busybox)}
+    again = images.ensure_images(["pause", "busybox"])
+    assert [a.path for a in again] == [pause.path, busybox.path]
+    assert {a.path: a.path.stat().st_mtime_ns for a in again} == stamps
+
+
+def test_unknown_names_are_refused(cache: Path) -> None:
+    with pytest.raises(images.ImageBuildError, match="unknown image nginx"):
+        images.ensure_images(["nginx"])
+    assert images.main(["nginx"]) == 1
+
+
+@requires_netns
+@needs_module
+@needs_tools
+@pytest.mark.skipif(not (shutil.which("runc") and shutil.which("umoci")),
+                    reason="needs runc and umoci")
+def test_pause_runs_from_its_archive(cache: Path, tmp_path: Path) -> None:
+    """The pause archive unpacks into an OCI bundle that runc starts: it runs as 65535 and
+    exits on SIGTERM."""
+    (pause,) = images.ensure_images([images.PAUSE])
+    layout = tmp_path / "layout"
+    layout.mkdir()
+    with tarfile.open(pause.path) as tar:
+        tar.extractall(layout, filter="data")
+    bundle = tmp_path / "bundle"
+    subprocess.run(["umoci", "unpack", "--image", f"{layout}:3.10.2", str(bundle)], check=True,
+                   capture_output=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    assert spec["process"]["args"] == ["/pause"]
+    assert spec["process"]["user"]["uid"] == 65535
+    spec["process"]["terminal"] = False  # detached: no console socket to hand a tty to
+    (bundle / "config.json").write_text(json.dumps(spec))
+    name = f"pyproxy-test-pause-{os.getpid()}"
+    root = tmp_path / "runc"
+    runc = ["runc", "--root", str(root)]
+    # No pipes: the container would hold them open, and run would wait for its end.
+    subprocess.run([*runc, "run", "--detach", "--bundle", str(bundle), name], check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30)
+    try:
+        state = json.loads(subprocess.run([*runc, "state", name], check=True,
+                                          capture_output=True, text=True).stdout)
+        assert state["status"] == "running"
+        status = Path(f"/proc/{state['pid']}/status").read_text()
+        assert re.search(r"^Uid:\s+65535\b", status, re.M)
+        subprocess.run([*runc, "kill", name, "TERM"], check=True, capture_output=True)
+        until(lambda: json.loads(subprocess.run(
+            [*runc, "state", name], check=True, capture_output=True, text=True,
+        ).stdout)["status"] == "stopped", 10, "pause exits on SIGTERM")
+    finally:
+        subprocess.run([*runc, "delete", "--force", name], capture_output=True, check=False)
