@@ -50,6 +50,7 @@ from demo.cluster import (
     Scenario,
     write_snapshot,
 )
+from pyproxy.core.explain import topology_text
 from pyproxy.serve.debug import DebugError, ask
 from testkit.netlab import Lab, Locked, NetlabError
 
@@ -270,7 +271,7 @@ def show(lab: Lab, workdir: Path, scenario: Scenario, count: int,
         used = (entry["clusterEndpoints"] if entry["clusterEndpoints"] is not None
                 else entry["localEndpoints"])
         rows.append([node.name, *(str(counts[node.name][k] or "-") for k in (*POD, *extra)),
-                     entry["topology"], pod_names(used)])
+                     topology_text(entry["topology"]), pod_names(used)])
     numeric = range(1, 1 + len(POD) + len(extra))
     table(rows, right=lambda i: i in numeric)
     expect = scenario.expect if expect is None else expect

@@ -160,7 +160,7 @@ def test_conntrack_sysctls_are_written_in_the_daemons_namespace(cluster: Cluster
                    "conntrack sysctls in the daemon's namespace")
         log = (lab.workdir / "pyproxy-conntrack.log").read_text()
         assert Path(f"/proc/{daemon.pid}/oom_score_adj").read_text().strip() == "500", log
-        assert any('"host_setting_skipped"' in line and '"nf_conntrack_max"' in line
+        assert any("event=host_setting_skipped" in line and "setting=nf_conntrack_max" in line
                    for line in log.splitlines()), log
         assert daemon.poll() is None
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import platform
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,11 +16,13 @@ from pyproxy.config import ConfigError, add_flags, from_args
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.nft import Applier, NftError
+from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.services import render_config
 from pyproxy.serve.debug import DEFAULT_SOCKET, DebugError, ask
 from pyproxy.serve.live import service_key
 from pyproxy.sync.proxier import FamilyProxier, desired_state, node_families, render_script
+from pyproxy.version import version
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -39,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pyproxy",
         description="A Kubernetes service proxy for nftables, and the tools to see into it.",
     )
+    parser.add_argument("--version", action="version", version=f"pyproxy {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     explain = commands.add_parser(
@@ -98,17 +102,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flags(run)
     run.set_defaults(handler=_cmd_run)
+
+    version_cmd = commands.add_parser(
+        "version", help="print pyproxy's version", description="Print pyproxy's version "
+        "(the package's, which the image is labelled with) and Python's.")
+    version_cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    version_cmd.set_defaults(handler=_cmd_version)
+
+    for name, command in commands.choices.items():
+        if name != "run":  # `run` has it among kube-proxy's flags (and from --config)
+            command.add_argument("--logging-format", choices=FORMATS, default=None,
+                                 help="log lines on stderr: text (key=value) or json "
+                                      "(default: text)")
     return parser
+
+
+def _cmd_version(args: argparse.Namespace) -> int:
+    if args.output == "json":
+        _print_json({"version": version(), "python": platform.python_version()})
+    else:
+        print(f"pyproxy {version()} (Python {platform.python_version()})")
+    return EXIT_OK
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from pyproxy.run import run_daemon
 
     try:
-        config = from_args(args)
-    except ConfigError as err:
+        return run_daemon(from_args(args))
+    except ConfigError as err:  # raised before anything on the host changed
         raise UsageError(str(err)) from None
-    return run_daemon(config)
 
 
 def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
@@ -386,6 +409,10 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Before anything can log: structlog's default prints on stdout, which is for the answer
+    # (`pyproxy render | nft -f -`). `run` sets up again from its configuration.
+    fmt = args.logging_format if args.logging_format in FORMATS else "text"
+    setup_logging(fmt, cache=False)
     try:
         code: int = args.handler(args)
     except (SnapshotError, NftError) as err:

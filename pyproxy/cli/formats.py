@@ -6,6 +6,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pyproxy.core.explain import topology_text
+
 
 def align(rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -56,6 +58,11 @@ def format_status(s: dict[str, Any]) -> str:
         last = f": {source['lastError']}" if source["lastError"] else ""
         lines.append(f"source:            snapshot {source['snapshot']} ({source['loads']} "
                      f"loads, {source['errors']} errors{last})")
+    api_server = source.get("apiServer")
+    if api_server:
+        problem = api_server["problem"]
+        lines.append(f"api server:        {api_server['host']}"
+                     + (f": WARNING: {problem}" if problem else ""))
     for watch in source.get("api", []):
         state = "connected" if watch["connected"] else "DISCONNECTED"
         lines.append(f"watch {watch['kind']:<13}{state}, resourceVersion "
@@ -91,7 +98,7 @@ def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
         row = [e["service"], f"{e['servicePort']}/{e['protocol']}"
                + (f" ({e['port']})" if e["port"] else ""),
                e["type"], ",".join(e["clusterIPs"]) or "-", str(e["nodePort"] or "-"),
-               e["topology"],
+               topology_text(e["topology"]),
                # iTP=Local services use only the local list: show that one then
                _endpoints(e["clusterEndpoints"] if e["clusterEndpoints"] is not None
                           else e["localEndpoints"])]

@@ -30,7 +30,7 @@ from pyproxy.core.model import (
     ServicePort,
     ip_family,
 )
-from pyproxy.core.topology import PortSelection, Selection, select_all
+from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection, Selection, select_all
 
 
 def explain_report(
@@ -170,10 +170,16 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def topology_text(mode: str | None) -> str:
+    """A topology mode in a table: `-` for none (JSON keeps kube-proxy's word, "None", which
+    a table would show as if it were Python's)."""
+    return "-" if mode in (None, TOPOLOGY_NONE) else str(mode)
+
+
 def _topology_cell(entry: dict[str, Any]) -> str:
     """The mode, and the levels it spilled over to: "PreferSameZone+region+all"."""
     wider = (entry.get("topologyLevels") or [])[1:]
-    return "+".join([str(entry["topology"]), *wider])
+    return "+".join([topology_text(entry["topology"]), *wider])
 
 
 def _cell(endpoints: list[str] | None) -> str:
