@@ -105,7 +105,9 @@ clean:
 
 # `make image`: build Containerfile with docker or podman, whichever answers. The build context
 # is a temporary directory with only what the image needs (no .venv, no caches).
-IMAGE ?= ghcr.io/pyproxy/pyproxy:0.1.0
+# pyproject.toml's version: the package's (`pyproxy --version`), the image's tag and label.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/pyproxy/pyproxy:$(VERSION)
 CONTAINER_ENGINE ?=
 
 image:
@@ -124,8 +126,8 @@ image:
 	context=$$(mktemp -d); trap 'rm -rf "$$context"' EXIT; \
 	tar -c --exclude=__pycache__ pyproject.toml README.md requirements.lock pyproxy \
 	  | tar -x -C "$$context" && \
-	echo "$$engine build -f Containerfile -t $(IMAGE)" && \
-	$$engine build -f Containerfile -t $(IMAGE) "$$context"
+	echo "$$engine build -f Containerfile -t $(IMAGE) --build-arg VERSION=$(VERSION)" && \
+	$$engine build -f Containerfile -t $(IMAGE) --build-arg VERSION=$(VERSION) "$$context"
 
 # `make install`: the package in a virtualenv at PREFIX, the unit in UNITDIR, the example
 # configuration in SYSCONFDIR (existing files are kept). DESTDIR stages everything under

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
 import os
 import re
 import shlex
@@ -41,6 +42,7 @@ LOCK = ROOT / "requirements.lock"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 VERSION = PYPROJECT["project"]["version"]
 IMAGE = f"ghcr.io/pyproxy/pyproxy:{VERSION}"
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NAMESPACE = "kube-system"
 
 client = pytest.importorskip("kubernetes.client")
@@ -629,10 +631,28 @@ def test_containerfile() -> None:
     copied = [args.split()[:-1] for op, args in instructions if op == "COPY"]
     sources = {source for sources in copied for source in sources}
     assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy"}
-    assert f'org.opencontainers.image.version="{VERSION}"' in everything
+    # The version label is pyproject's, through the build argument make passes, and checked
+    # against the installed package's at build time.
+    assert 'org.opencontainers.image.version="${VERSION}"' in everything
+    assert ("VERSION" in [args for op, args in instructions if op == "ARG"])
+    assert 'test "$(/opt/pyproxy/bin/pyproxy --version)" = "pyproxy ${VERSION}"' in run
     entry = dict(instructions)
     assert entry["ENTRYPOINT"] == '["pyproxy"]'
     assert entry["USER"] == "0:0"
+
+
+def test_one_version_everywhere() -> None:
+    """pyproject's version is the package's (`pyproxy --version`, `pyproxy version`), the
+    image's tag and, through make's build argument, its label."""
+    for argv in (["--version"], ["version"]):
+        out = subprocess.run([PYPROXY, *argv], capture_output=True, text=True, check=True)
+        assert out.stdout.startswith(f"pyproxy {VERSION}"), out.stdout
+    out = subprocess.run([PYPROXY, "version", "-o", "json"], capture_output=True, text=True,
+                         check=True)
+    assert json.loads(out.stdout)["version"] == VERSION
+    made = _make("-n", "image", "CONTAINER_ENGINE=docker")
+    assert f"--build-arg VERSION={VERSION}" in made.stdout
+    assert f"-t {IMAGE} " in made.stdout
 
 
 def _fake_engine(bin_dir: Path, log: Path, works: bool) -> None:
@@ -675,7 +695,8 @@ def test_make_image_builds_with_a_minimal_context(tmp_path: Path) -> None:
     result = _make("image", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     args = log.read_text().split()
-    assert args[:5] == ["build", "-f", "Containerfile", "-t", IMAGE]
+    assert args[:7] == ["build", "-f", "Containerfile", "-t", IMAGE,
+                        "--build-arg", f"VERSION={VERSION}"]
     files = Path(f"{log}.context").read_text().split()
     assert {"./pyproject.toml", "./README.md", "./requirements.lock",
             "./pyproxy/__init__.py", "./pyproxy/cli/__init__.py"} <= set(files)
