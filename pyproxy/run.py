@@ -16,14 +16,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import structlog
 
+from pyproxy.cluster import apiconnection
+from pyproxy.cluster.apiconnection import ApiConnection
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.cluster.events import record_start
 from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
-from pyproxy.config import ProxyConfig
+from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.model import (
     ClusterState,
     IPFamily,
@@ -299,10 +302,14 @@ def _log_host_setting(outcome: Outcome) -> None:
 
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
-    """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits."""
+    """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits.
+
+    Everything that can refuse to start comes first (the API connection and every file it
+    names, the servers' ports under bindAddressHardFail) and raises ConfigError: nothing on
+    the host (sysctls, oom_score_adj, rules) changes before the configuration is usable."""
     setup_logging(config.logging_format, config.verbosity)
-    for outcome in apply_host_settings(config):
-        _log_host_setting(outcome)
+    if not config.snapshot and api_client is None:
+        api_client = _client_for(apiconnection.load(config), config)
     for warning in config.unapplied:
         log.warning("configuration", note=warning)
     stop = stop or threading.Event()
@@ -351,13 +358,23 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     health.damage = proxier.damage
     NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost).start(stop)
 
-    servers = _start_servers(config, health, metrics, stop)
+    try:
+        servers = _start_servers(config, health, metrics, stop)
+    except OSError as err:
+        raise ConfigError(f"bindAddressHardFail (--bind-address-hard-fail): {err}") from None
+    # The checks are done: from here on pyproxy changes the host.
+    for outcome in apply_host_settings(config):
+        _log_host_setting(outcome)
     source: ApiSource | SnapshotSource
+    address_check: ApiAddressCheck | None = None
     if config.snapshot:
         source = SnapshotSource(config.snapshot, proxier, stop)
         source.start()
     else:
-        source = ApiSource(api_client or _api_client(config), proxier, node_name, stop,
+        address_check = ApiAddressCheck(_server_host(api_client), metrics)
+        check = address_check
+        observer.after_sync.append(lambda: check(cache.state()))
+        source = ApiSource(api_client, proxier, node_name, stop,
                            service_cidrs=config.watches_service_cidrs)
         source.start()
         record_start(source.api_client, node_name, stop)
@@ -365,7 +382,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
 
-    debug = _start_debug(config, proxier, health, runner, source, connections)
+    debug = _start_debug(config, proxier, health, runner, source, connections, address_check)
     _install_signal_handlers(stop)
     runner.loop(stop)
     log.info("stopping")
@@ -381,7 +398,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
 
 def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
                  runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
-                 connections: ConnectionCounters | None = None) -> DebugServer | None:
+                 connections: ConnectionCounters | None = None,
+                 address_check: ApiAddressCheck | None = None) -> DebugServer | None:
     if not config.debug_socket:
         return None
 
@@ -389,7 +407,11 @@ def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
         if isinstance(source, SnapshotSource):
             return {"snapshot": source.path, "loads": source.loads, "errors": source.errors,
                     "lastError": source.last_error}
-        return {"api": [dataclasses.asdict(s) for s in source.status()]}
+        status: dict[str, Any] = {"api": [dataclasses.asdict(s) for s in source.status()]}
+        if address_check is not None:
+            status["apiServer"] = {"host": address_check.host,
+                                   "problem": address_check.problem}
+        return status
 
     try:
         server = DebugServer(config.debug_socket,
@@ -466,23 +488,47 @@ def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
 
 def _api_client(config: ProxyConfig, clock: Callable[[], float] = time.monotonic,
                 sleep: Callable[[float], None] = time.sleep) -> Any:
+    """The API client `config` asks for (ConfigError if it cannot be had)."""
+    return _client_for(apiconnection.load(config), config, clock, sleep)
+
+
+def _client_for(connection: ApiConnection, config: ProxyConfig,
+                clock: Callable[[], float] = time.monotonic,
+                sleep: Callable[[float], None] = time.sleep) -> Any:
     """The API client, every request of which waits on a token bucket of
     clientConnection.qps/burst (client-go's rate limiting; the Python client has none)."""
     from kubernetes import client
-    from kubernetes import config as kube_config
 
-    configuration = client.Configuration()
-    if config.kubeconfig:
-        kube_config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=config.kubeconfig,
-                                     client_configuration=configuration)
-    else:
-        kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
-            client_configuration=configuration)
-    if config.master:
-        configuration.host = config.master
+    configuration = apiconnection.client_configuration(connection)
+    log.info("api_server", server=connection.server, source=connection.source)
     return limit_requests(client.ApiClient(configuration),
                           TokenBucket(config.qps, config.burst, clock, sleep))
+
+
+def _server_host(api_client: Any) -> str:
+    return urlsplit(str(api_client.configuration.host)).hostname or ""
+
+
+@dataclass
+class ApiAddressCheck:
+    """Is the API server reached through a Service address (the bootstrap trap)? Checked
+    after every sync, when pyproxy knows the `kubernetes` Service and the service CIDRs:
+    a warning when that changes, a gauge, and a line in `pyproxy status`."""
+
+    host: str
+    metrics: Metrics
+    problem: str | None = None
+
+    def __call__(self, state: ClusterState) -> None:
+        problem = apiconnection.service_address_problem(self.host, state)
+        if problem != self.problem:
+            if problem:
+                log.warning("api_server_via_service_address", host=self.host, problem=problem,
+                            fix="give pyproxy the API server's real address (docs/deploying.md)")
+            else:
+                log.info("api_server_address_direct", host=self.host)
+            self.problem = problem
+        self.metrics.api_server_via_service.set(1 if problem else 0)
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

@@ -285,3 +285,50 @@ def test_apiserver_killed_and_history_compacted(node: Node) -> None:
     kube.core.delete_namespaced_service("web", ns)
     for name in ("pod-a", "pod-b"):
         kube.delete_pod(ns, name)
+
+
+KUBEADM_CONFIGMAP = Path(__file__).parent / "data" / "kubeadm-kube-proxy-configmap.yaml"
+
+
+def test_kubeadm_kube_proxy_configmap_as_is(control_plane: ControlPlane, tmp_path: Path) -> None:
+    """kubeadm's kube-proxy ConfigMap, as kube-proxy's pod mounts it: config.conf names
+    kubeconfig.conf, whose user is a token file. Only the paths a pod has (the server, the
+    service account's CA and token) are moved to this test's; nothing else is edited. pyproxy
+    lists, programs the node, and knows the API server's address is a real one."""
+    from testkit.controlplane import API_IP, API_PORT, PYPROXY
+
+    kube = Kube(control_plane.admin_client())
+    apply_manifests(kube)
+    data = yaml.safe_load(KUBEADM_CONFIGMAP.read_text())["data"]
+    token = tmp_path / "token"
+    token.write_text(service_account_token(kube))
+    kubeconfig = tmp_path / "kubeconfig.conf"
+    kubeconfig.write_text(data["kubeconfig.conf"]
+                          .replace("https://192.0.2.10:6443", f"https://{API_IP}:{API_PORT}")
+                          .replace("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                                   str(control_plane.pki.ca))
+                          .replace("/var/run/secrets/kubernetes.io/serviceaccount/token",
+                                   str(token)))
+    config = tmp_path / "config.conf"
+    config.write_text(data["config.conf"].replace("/var/lib/kube-proxy/kubeconfig.conf",
+                                                  str(kubeconfig)))
+    with Lab() as lab:
+        ns = lab.add_ns("kubeadm")
+        control_plane.attach(ns)
+        kube.node("node-k", ("192.168.201.2",))
+        sock = str(lab.workdir / "kubeadm.sock")
+        try:
+            proc = lab.popen(ns, [PYPROXY, "run", f"--config={config}",
+                                  "--hostname-override=node-k", "--debug-socket", sock],
+                             log_name="kubeadm.log")
+            daemon = Daemon(proc, ns, sock, lab.workdir / "kubeadm.log")
+            wait_for(lambda: bool(daemon.status().get("lastFullSync")), 30,
+                     f"a first sync from kubeadm's configuration: {daemon.log.read_text()[-2000:]}")
+            status = daemon.status()
+            assert status["source"]["apiServer"] == {"host": API_IP, "problem": None}
+            assert all(w["errors"] == 0 for w in status["source"]["api"]), status["source"]
+            cluster_ips = lab.run(ns, ["nft", "list", "set", "ip", "pyproxy",
+                                       "cluster-ips"]).stdout
+            assert "10.96.0.1" in cluster_ips  # the kubernetes Service, from the API
+        finally:
+            kube.core.delete_node("node-k")

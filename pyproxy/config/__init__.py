@@ -750,13 +750,16 @@ _TABLE: tuple[_Setting, ...] = (
              paths=("conntrack.udpStreamTimeout",),
              flag="conntrack-udp-timeout-stream", flag_help="0 leaves the sysctl alone"),
     _Setting("kubeconfig", _Type.STRING, _text_or_none,
-             "kubeconfig file; empty: the in-cluster service account",
-             applied_by="run.py: the API client",
+             "kubeconfig file (a token, a `tokenFile` re-read every minute as client-go does, "
+             "or a client certificate); empty: the pod's service account, with the server "
+             "from KUBERNETES_SERVICE_HOST/PORT",
+             applied_by="cluster/apiconnection.py, at start (every file it names is read "
+                        "before anything changes)",
              paths=("clientConnection.kubeconfig",),
              flag="kubeconfig", flag_help="kubeconfig file",
              default_text="in-cluster"),
     _Setting("master", _Type.STRING, _text_or_none,
-             applied_by="run.py: the API client",
+             applied_by="cluster/apiconnection.py, at start",
              flag="master", flag_help="API server URL, overriding the kubeconfig's",
              default_text="from kubeconfig"),
     _Setting("qps", _Type.NUMBER, _not_negative,

@@ -97,6 +97,12 @@ class Metrics:
         self.table_repairs = Counter(
             "pyproxy_table_repairs", "Changes to pyproxy's tables made by someone else, repaired",
             registry=r)
+        # 1 while the API server is reached through a Service address (the bootstrap trap:
+        # that address works only while some proxy's rules for it are in the kernel).
+        self.api_server_via_service = Gauge(
+            "pyproxy_api_server_via_service_address",
+            "1 if the API server address pyproxy uses is a Service ClusterIP, or in a "
+            "service CIDR, which a node without proxy rules cannot reach", registry=r)
 
     def watch_selections(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
         """Metrics computed at scrape time from the selections in force (off the sync path)."""
