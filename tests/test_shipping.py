@@ -409,7 +409,7 @@ def _load(text: str) -> Any:
 
 def test_configmap_holds_a_kube_proxy_configuration(objects: dict[str, Any]) -> None:
     data = objects["ConfigMap"]["data"]
-    assert set(data) <= {"config.yaml", "apiServerHost", "apiServerPort"}
+    assert set(data) == {"config.yaml", "apiServerHost", "apiServerPort"}
     document = yaml.safe_load(data["config.yaml"])
     assert document["mode"] == "nftables"
     assert document["metricsBindAddress"] == "127.0.0.1:10249"
@@ -419,6 +419,27 @@ def test_configmap_holds_a_kube_proxy_configuration(objects: dict[str, Any]) -> 
     assert config.healthz_bind_address == "0.0.0.0:10256"
     assert config.cluster_cidrs  # the documented placeholder
     assert config.kubeconfig is None  # the service account
+
+
+def test_the_api_server_address_is_required(objects: dict[str, Any]) -> None:
+    """The ConfigMap's placeholder for the API server's address is empty, and the DaemonSet
+    hands it to pyproxy, which refuses to start (rather than fall back to the kubelet's
+    `kubernetes` ClusterIP, which a node without proxy rules cannot reach)."""
+    from pyproxy.cluster.apiconnection import in_cluster
+    from pyproxy.config import ConfigError
+
+    data = objects["ConfigMap"]["data"]
+    assert data["apiServerHost"] == ""
+    assert data["apiServerPort"] == "6443"
+    env = {e["name"]: e["valueFrom"]["configMapKeyRef"]
+           for e in _container(objects["DaemonSet"])["env"]
+           if "configMapKeyRef" in e.get("valueFrom", {})}
+    pod_env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1",  # what the kubelet would set
+               **{name: data[ref["key"]] for name, ref in env.items()}}
+    with pytest.raises(ConfigError, match="apiServerHost"):
+        in_cluster(pod_env)
+    pod_env["KUBERNETES_SERVICE_HOST"] = "192.0.2.10"
+    assert in_cluster(pod_env).server == "https://192.0.2.10:6443"
 
 
 def test_configmap_config_errors_are_caught() -> None:
@@ -444,7 +465,9 @@ def test_daemonset_pod(objects: dict[str, Any]) -> None:
     assert spec["updateStrategy"] == {"type": "RollingUpdate",
                                       "rollingUpdate": {"maxUnavailable": 1}}
     assert pod["hostNetwork"] is True
-    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    # The node's resolver: an apiServerHost given as a DNS name must not depend on CoreDNS,
+    # whose ClusterIP pyproxy itself programs (ClusterFirstWithHostNet would).
+    assert pod["dnsPolicy"] == "Default"
     assert pod["priorityClassName"] == "system-node-critical"
     assert pod["tolerations"] == [{"operator": "Exists"}]  # every taint, every effect
     for field in ("hostPID", "hostIPC"):
@@ -503,8 +526,8 @@ def test_daemonset_command_line_configures_the_daemon(objects: dict[str, Any],
     assert "--hostname-override=$(NODE_NAME)" in container["args"]
     for name, key in (("KUBERNETES_SERVICE_HOST", "apiServerHost"),
                       ("KUBERNETES_SERVICE_PORT", "apiServerPort")):
-        assert env[name]["valueFrom"] == {"configMapKeyRef": {
-            "name": objects["ConfigMap"]["metadata"]["name"], "key": key, "optional": True}}
+        assert env[name]["valueFrom"] == {"configMapKeyRef": {  # required: not optional
+            "name": objects["ConfigMap"]["metadata"]["name"], "key": key}}
 
     config_file = tmp_path / "config.yaml"
     config_file.write_text(objects["ConfigMap"]["data"]["config.yaml"])
@@ -532,6 +555,59 @@ def test_daemonset_command_line_configures_the_daemon(objects: dict[str, Any],
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": port}
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": port}
     assert {"name": "healthz", "containerPort": port, "protocol": "TCP"} in container["ports"]
+
+
+KUBEADM_VARIANT = MANIFESTS / "kubeadm" / "03-daemonset.yaml"
+KUBEADM_CONFIGMAP = ROOT / "tests" / "data" / "kubeadm-kube-proxy-configmap.yaml"
+
+
+def test_kubeadm_variant_equals_the_daemonset_but_for_its_configuration(
+        objects: dict[str, Any]) -> None:
+    """manifests/kubeadm/ is the DaemonSet with kubeadm's kube-proxy ConfigMap in place of
+    pyproxy's: the same in everything else."""
+    variant = yaml.safe_load(KUBEADM_VARIANT.read_text())
+    validate(variant)
+    main, other = copy.deepcopy(objects["DaemonSet"]), copy.deepcopy(variant)
+    for ds in (main, other):
+        pod = ds["spec"]["template"]["spec"]
+        container = _container(ds)
+        container["args"] = [a for a in container["args"] if not a.startswith("--config=")]
+        container["env"] = [e for e in container["env"] if e["name"] == "NODE_NAME"]
+        container["volumeMounts"] = [m for m in container["volumeMounts"]
+                                     if m["name"] not in ("config", "kube-proxy")]
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] not in ("config", "kube-proxy")]
+    assert main == other
+
+
+def test_kubeadm_variant_reads_kubeadms_configmap(tmp_path: Path) -> None:
+    """Mounted where kube-proxy's pod has it, kubeadm's config.conf loads and names the
+    kubeconfig.conf next to it, which names the API server kubeadm wrote there."""
+    from pyproxy.cli import build_parser
+    from pyproxy.cluster.apiconnection import parse_kubeconfig
+    from pyproxy.config import from_args
+
+    variant = yaml.safe_load(KUBEADM_VARIANT.read_text())
+    pod = variant["spec"]["template"]["spec"]
+    container = _container(variant)
+    assert not any(e["name"].startswith("KUBERNETES_SERVICE") for e in container["env"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "kube-proxy")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/var/lib/kube-proxy", True)
+    volume = next(v for v in pod["volumes"] if v["name"] == "kube-proxy")
+    assert volume["configMap"] == {"name": "kube-proxy"}  # every key: both files
+    configmap = yaml.safe_load(KUBEADM_CONFIGMAP.read_text())
+    assert configmap["metadata"]["name"] == "kube-proxy"
+    data = configmap["data"]
+    (tmp_path / "config.conf").write_text(data["config.conf"])
+    args = [a.replace("$(NODE_NAME)", "node-a").replace(
+        "/var/lib/kube-proxy/config.conf", str(tmp_path / "config.conf"))
+        for a in container["args"]]
+    assert f"--config={tmp_path}/config.conf" in args
+    config = from_args(build_parser().parse_args(args))
+    assert config.kubeconfig == f"{mount['mountPath']}/kubeconfig.conf"
+    connection = parse_kubeconfig(data["kubeconfig.conf"], config.kubeconfig)
+    assert connection.server == "https://192.0.2.10:6443"
+    assert connection.token_file == "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    assert pod.get("automountServiceAccountToken", True)  # where the token file comes from
 
 
 # ---------------------------------------------------------------------------------------------

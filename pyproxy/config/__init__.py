@@ -776,7 +776,8 @@ _TABLE: tuple[_Setting, ...] = (
              flag="kube-api-burst", flag_help="API client burst",
              zero_is_unset=True),
     _Setting("logging_format", _Type.STRING, _log_format,
-             "`text` or `json`",
+             "on stderr: `text` (key=value lines; aligned and coloured on a terminal) or "
+             "`json` (JSON lines), whatever stderr is",
              applied_by="logs.py",
              paths=("logging.format",),
              flag="logging-format", flag_help="text or json"),
