@@ -103,31 +103,23 @@ clean:
 
 .PHONY: image install uninstall
 
-# `make image`: build Containerfile with docker or podman, whichever answers. The build context
-# is a temporary directory with only what the image needs (no .venv, no caches).
+# `make image`: pyproxy's image from the Containerfile, by buildah (Debian's, installed when
+# missing, as `deps` does), with no registry needed: the base, debian:bookworm-slim, is taken
+# from buildah's storage, else pulled, else made here from Debian's packages (mmdebstrap);
+# the Python wheels are fetched by the host's pip into the build context. The build context
+# holds only pyproject.toml, README.md, requirements.lock, pyproxy/ and the wheels. The image
+# stays in buildah's storage (`buildah push IMAGE docker://...` publishes it) and is written
+# as an OCI archive that `ctr -n k8s.io images import` takes, into the cache outside the
+# checkout (~/.cache/pyproxy/images, PYPROXY_K8S_CACHE moves it), whose path it prints.
+# Fails (non-zero) when it cannot build. testkit/images.py does the work.
 # pyproject.toml's version: the package's (`pyproxy --version`), the image's tag and label.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
-IMAGE ?= ghcr.io/pyproxy/pyproxy:$(VERSION)
-CONTAINER_ENGINE ?=
+IMAGE ?= localhost/pyproxy:$(VERSION)
+IMAGE_APT_PACKAGES := buildah mmdebstrap
 
-image:
-	@engine="$(CONTAINER_ENGINE)"; \
-	if [ -z "$$engine" ]; then \
-	  for candidate in docker podman; do \
-	    if command -v $$candidate >/dev/null 2>&1 && \
-	       timeout 20 $$candidate info >/dev/null 2>&1; then engine=$$candidate; break; fi; \
-	  done; \
-	fi; \
-	if [ -z "$$engine" ]; then \
-	  echo "make image: no working container engine (docker or podman with a running daemon)"; \
-	  echo "make image: nothing built; install one, or set CONTAINER_ENGINE=..., to build $(IMAGE)"; \
-	  exit 0; \
-	fi; \
-	context=$$(mktemp -d); trap 'rm -rf "$$context"' EXIT; \
-	tar -c --exclude=__pycache__ pyproject.toml README.md requirements.lock pyproxy \
-	  | tar -x -C "$$context" && \
-	echo "$$engine build -f Containerfile -t $(IMAGE) --build-arg VERSION=$(VERSION)" && \
-	$$engine build -f Containerfile -t $(IMAGE) --build-arg VERSION=$(VERSION) "$$context"
+image: deps
+	@$(call apt_need,$(IMAGE_APT_PACKAGES))
+	@$(PYTHON) -m testkit.images --path-only --pyproxy-tag '$(IMAGE)' pyproxy
 
 # `make install`: the package in a virtualenv at PREFIX, the unit in UNITDIR, the example
 # configuration in SYSCONFDIR (existing files are kept). DESTDIR stages everything under

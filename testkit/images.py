@@ -33,6 +33,7 @@ binaries, Debian rootfs, wheels) are cached the same way under ``build/``. Every
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gzip
 import hashlib
 import io
@@ -451,6 +452,8 @@ class Recipe:
     slug: str
     inputs: Callable[[], list[str | bytes | Path]]
     build: Callable[[Path], None]
+    # Whatever else must exist besides the archive (pyproxy's image in buildah's storage).
+    present: Callable[[], bool] = lambda: True
 
 
 def _archive(out: Path, name: str, trees: Sequence[Tree | Path], config: dict[str, Any]) -> None:
@@ -627,22 +630,39 @@ def _context_files() -> list[Path]:
     return files
 
 
+def build_requires() -> list[str]:
+    requires: list[str] = tomllib.loads((REPO / "pyproject.toml").read_text())[
+        "build-system"]["requires"]
+    return requires
+
+
+def wheelhouse_path() -> Path:
+    """Where `wheelhouse` keeps the wheels of the current lock and build backend."""
+    key = digest_of(REPO / "requirements.lock", *build_requires())[:16]
+    return cache_dir() / "build" / f"wheels-{key}"
+
+
 def wheelhouse() -> Path:
-    """requirements.lock's wheels for the image's Python (Debian 12's 3.11, x86_64), fetched
+    """requirements.lock's wheels for the image's Python (Debian 12's 3.11, x86_64), and the
+    build backend's (pyproject's build-system.requires) for installing pyproxy itself, fetched
     by the host's pip: it trusts the host's CAs (an egress proxy's included), which the image
-    does not have. Once per lock."""
-    lock = REPO / "requirements.lock"
-    target = cache_dir() / "build" / f"wheels-{digest_of(lock)[:16]}"
+    does not have. Once per lock and backend."""
+    lock, backend = REPO / "requirements.lock", build_requires()
+    target = wheelhouse_path()
     if target.exists():
         return target
 
     def download(partial: Path) -> None:
         log("pip download requirements.lock (wheels for cp311 manylinux x86_64)")
+        # pip does not widen a manylinux --platform to the older ones it covers: list them.
         platforms = [f"--platform={p}" for p in ("manylinux_2_36_x86_64", "manylinux_2_28_x86_64",
                                                   "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
-        run(sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-r", lock,
-            "--dest", partial, "--only-binary=:all:", "--implementation=cp",
-            "--python-version=3.11", "--abi=cp311", *platforms)
+        target_python = ["--only-binary=:all:", "--implementation=cp", "--python-version=3.11",
+                         "--abi=cp311", *platforms]
+        pip: list[str | Path] = [sys.executable, "-m", "pip", "download", "--quiet",
+                                  "--dest", partial]
+        run(*pip, "--no-deps", "-r", lock, *target_python)
+        run(*pip, *backend, *target_python)
 
     return _publish(download, target)
 
@@ -694,8 +714,9 @@ def build_pyproxy(out: Path, tag: str = PYPROXY) -> None:
         start = time.monotonic()
         # chroot isolation: no nested user namespaces or cgroups needed (and this machine's
         # cgroups are v1); host network: apt reaches Debian's archive as the host does.
-        run("buildah", "bud", "--isolation=chroot", "--network=host", "--pull=never",
-            "--layers", "--build-arg", f"VERSION={VERSION}", "-f", CONTAINERFILE, "-t", tag,
+        run("buildah", "bud", "--isolation=chroot", "--network=host", "--pull=never", "--force-rm",
+            "--layers", "--build-arg", f"VERSION={VERSION}", "--build-arg", "WHEELS=wheels",
+            "-f", CONTAINERFILE, "-t", tag,
             context)
         log(f"buildah bud: {time.monotonic() - start:.0f} s")
         layout = Path(tmp) / "layout"
@@ -709,7 +730,9 @@ def _pyproxy_recipe(tag: str) -> Recipe:
                   lambda: [tag, VERSION, CONTAINERFILE, REPO / "requirements.lock",
                            *(str(p.relative_to(REPO)) for p in _context_files()),
                            *_context_files()],
-                  lambda out: build_pyproxy(out, tag))
+                  lambda out: build_pyproxy(out, tag),
+                  # `make image` leaves the image in buildah's storage too, for `buildah push`.
+                  lambda: shutil.which("buildah") is None or buildah_has(tag))
 
 
 RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
@@ -738,13 +761,15 @@ def archive_path(recipe: Recipe) -> Path:
 def ensure_image(recipe: Recipe) -> ImageArchive:
     """recipe's archive, built if its inputs changed; older archives of it are removed."""
     target = archive_path(recipe)
-    if not target.exists():
+    if not target.exists() or not recipe.present():
         start = time.monotonic()
         log(f"building {recipe.name}")
         _publish(recipe.build, target)
         log(f"{recipe.name}: {target.stat().st_size / 2**20:.1f} MiB in "
             f"{time.monotonic() - start:.1f} s")
-        mine = re.compile(re.escape(recipe.slug) + r"-.+-[0-9a-f]{16}\.tar")
+        # The same image's older archives (another tag, e.g. `make image IMAGE=...`, stays).
+        mine = re.compile(re.escape(target.name[:-len("0123456789abcdef.tar")])
+                          + r"[0-9a-f]{16}\.tar")
         for old in target.parent.glob(f"{recipe.slug}-*.tar"):
             if old != target and mine.fullmatch(old.name):
                 old.unlink()
@@ -765,7 +790,12 @@ def ensure_images(names: Iterable[str] | None = None, pyproxy_tag: str = PYPROXY
     if unknown:
         raise ImageBuildError(f"unknown image {', '.join(unknown)}; known: "
                               + ", ".join(sorted(aliases)))
-    return [ensure_image(recipes[name]) for name in chosen]
+    # One builder at a time per cache: two (the cluster harness and `make images`, say) would
+    # otherwise build into the same .partial files.
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with (cache_dir() / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return [ensure_image(recipes[name]) for name in chosen]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import tomllib
@@ -706,7 +707,11 @@ def test_containerfile() -> None:
     assert """sysconfig.get_paths()["purelib"]""" in run
     copied = [args.split()[:-1] for op, args in instructions if op == "COPY"]
     sources = {source for sources in copied for source in sources}
-    assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy"}
+    assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy", "${WHEELS}"}
+    # Without build arguments the wheels' COPY takes the lock again (a file every context has),
+    # and pip goes to the index; the offline configuration never stays in the image.
+    assert ("ARG", "WHEELS=requirements.lock") in instructions
+    assert "rm -rf /src /opt/pyproxy/pip.conf" in run
     # The version label is pyproject's, through the build argument make passes, and checked
     # against the installed package's at build time.
     assert 'org.opencontainers.image.version="${VERSION}"' in everything
@@ -719,28 +724,39 @@ def test_containerfile() -> None:
 
 def test_one_version_everywhere() -> None:
     """pyproject's version is the package's (`pyproxy --version`, `pyproxy version`), the
-    image's tag and, through make's build argument, its label."""
+    image's tag and, through the builder's build argument, its label."""
+    from testkit import images
+
     for argv in (["--version"], ["version"]):
         out = subprocess.run([PYPROXY, *argv], capture_output=True, text=True, check=True)
         assert out.stdout.startswith(f"pyproxy {VERSION}"), out.stdout
     out = subprocess.run([PYPROXY, "version", "-o", "json"], capture_output=True, text=True,
                          check=True)
     assert json.loads(out.stdout)["version"] == VERSION
-    made = _make("-n", "image", "CONTAINER_ENGINE=docker")
-    assert f"--build-arg VERSION={VERSION}" in made.stdout
-    assert f"-t {IMAGE} " in made.stdout
+    made = _make("-n", "image")
+    assert f"--pyproxy-tag 'localhost/pyproxy:{VERSION}'" in made.stdout
+    assert images.VERSION == VERSION
+    assert images.PYPROXY.endswith(f"/pyproxy:{VERSION}")
 
 
-def _fake_engine(bin_dir: Path, log: Path, works: bool) -> None:
+def _fake_buildah(bin_dir: Path, log: Path) -> None:
+    """A buildah that has the base image, records `bud` (and its context's files) and pushes
+    an OCI layout with one manifest; FAIL_BUD=1 makes `bud` fail."""
     bin_dir.mkdir()
-    script = bin_dir / "docker"
+    script = bin_dir / "buildah"
     script.write_text(f"""#!/bin/bash
-if [ "$1" = info ]; then exit {0 if works else 1}; fi
-if [ "$1" = build ]; then
-  echo "$@" > {log}
-  context="${{@: -1}}"
-  (cd "$context" && find . -type f | sort) > {log}.context
-fi
+echo "$*" >> {log}
+case "$1" in
+  images) echo 0123456789ab ;;
+  bud) [ -z "$FAIL_BUD" ] || exit 1
+       (cd "${{@: -1}}" && find . -type f | sort) > {log}.context ;;
+  push) dir="${{@: -1}}"; dir="${{dir#oci:}}"; mkdir -p "$dir/blobs/sha256"
+        echo '{{"imageLayoutVersion": "1.0.0"}}' > "$dir/oci-layout"
+        echo '{{"schemaVersion": 2, "manifests": [{{"mediaType":
+          "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:00", "size": 2}}]}}' \
+          > "$dir/index.json" ;;
+  *) exit 1 ;;
+esac
 """)
     script.chmod(0o755)
 
@@ -754,32 +770,73 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 
 
 @needs_make
-def test_make_image_without_engine(tmp_path: Path) -> None:
-    _fake_engine(tmp_path / "bin", tmp_path / "log", works=False)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
-    result = _make("image", env=env)
-    assert result.returncode == 0, result.stderr
-    assert "no working container engine" in result.stdout
-    assert not (tmp_path / "log").exists()
+def test_make_image_builds_pyproxy_with_buildah() -> None:
+    """`make image` installs buildah and mmdebstrap when missing and hands IMAGE to the
+    builder (testkit/images.py), whose failure is make's."""
+    dry = _make("-n", "image", "IMAGE=registry.example/pyproxy:9")
+    assert dry.returncode == 0, dry.stderr
+    assert "buildah mmdebstrap" in dry.stdout
+    assert ("-m testkit.images --path-only --pyproxy-tag 'registry.example/pyproxy:9' pyproxy"
+            in dry.stdout)
+    assert "localhost/pyproxy:" + VERSION in _make("-n", "image").stdout
 
 
-@needs_make
-def test_make_image_builds_with_a_minimal_context(tmp_path: Path) -> None:
+def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                 **extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    from testkit import images
+
     log = tmp_path / "log"
-    _fake_engine(tmp_path / "bin", log, works=True)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
-    result = _make("image", env=env)
+    _fake_buildah(tmp_path / "bin", log)
+    monkeypatch.setenv("PYPROXY_K8S_CACHE", str(tmp_path / "cache"))
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", **extra}
+    # The wheelhouse as the host's pip would leave it (the test downloads nothing).
+    wheels = images.wheelhouse_path()
+    wheels.mkdir(parents=True)
+    (wheels / "x-1-py3-none-any.whl").write_bytes(b"")
+    result = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only",
+                             "--pyproxy-tag", "registry.example/pyproxy:9", "pyproxy"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    return result, log
+
+
+def test_image_is_built_from_a_minimal_context(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Containerfile is built by buildah in chroot isolation with the host's network, on
+    the base buildah has, from a context holding only what the image needs and the wheels;
+    the image comes out as an OCI archive named for containerd, and its path is printed."""
+    result, log = _build_image(tmp_path, monkeypatch)
     assert result.returncode == 0, result.stdout + result.stderr
-    args = log.read_text().split()
-    assert args[:7] == ["build", "-f", "Containerfile", "-t", IMAGE,
-                        "--build-arg", f"VERSION={VERSION}"]
+    (bud,) = [line.split() for line in log.read_text().splitlines() if line.startswith("bud")]
+    assert {"--isolation=chroot", "--network=host", "--pull=never", "--layers"} <= set(bud)
+    assert bud[bud.index("-f") + 1] == str(ROOT / "Containerfile")
+    assert bud[bud.index("-t") + 1] == "registry.example/pyproxy:9"
+    build_args = [bud[i + 1] for i, arg in enumerate(bud) if arg == "--build-arg"]
+    assert build_args == [f"VERSION={VERSION}", "WHEELS=wheels"]
     files = Path(f"{log}.context").read_text().split()
-    assert {"./pyproject.toml", "./README.md", "./requirements.lock",
-            "./pyproxy/__init__.py", "./pyproxy/cli/__init__.py"} <= set(files)
+    assert {"./pyproject.toml", "./README.md", "./requirements.lock", "./pyproxy/__init__.py",
+            "./pyproxy/cli/__init__.py", "./wheels/x-1-py3-none-any.whl"} <= set(files)
     assert all(f.startswith(("./pyproxy/", "./pyproject.toml", "./README.md",
-                             "./requirements.lock")) for f in files), files
+                             "./requirements.lock", "./wheels/")) for f in files), files
     assert not [f for f in files if "__pycache__" in f]
-    assert not Path(args[-1]).exists()  # the temporary context is gone
+    assert not Path(bud[-1]).exists()  # the temporary context is gone
+    archive = Path(result.stdout.strip())
+    assert archive.parent == tmp_path / "cache" / "images"
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("index.json")
+        assert member is not None
+        (manifest,) = yaml.safe_load(member.read())["manifests"]
+    assert manifest["annotations"] == {"io.containerd.image.name": "registry.example/pyproxy:9",
+                                       "org.opencontainers.image.ref.name": "9"}
+
+
+def test_image_build_failure_is_an_error(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed build exits non-zero, says which step failed, and leaves no archive."""
+    result, _ = _build_image(tmp_path, monkeypatch, FAIL_BUD="1")
+    assert result.returncode == 1
+    assert "buildah bud" in result.stderr and "exited 1" in result.stderr
+    assert not list((tmp_path / "cache" / "images").glob("*.tar"))
 
 
 # ---------------------------------------------------------------------------------------------
