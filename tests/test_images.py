@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,77 @@ def test_pause_runs_from_its_archive(cache: Path, tmp_path: Path) -> None:
         ).stdout)["status"] == "stopped", 10, "pause exits on SIGTERM")
     finally:
         subprocess.run([*runc, "delete", "--force", name], capture_output=True, check=False)
+
+
+CONTAINERD_CONFIG = """version = 3
+root = "{dir}/root"
+state = "{dir}/state"
+# An image store and a runtime only: no CRI, no sandboxes.
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.runtime",
+                    "io.containerd.cri.v1.images",
+                    "io.containerd.podsandbox.controller.v1.podsandbox",
+                    "io.containerd.sandbox.controller.v1.shim"]
+[grpc]
+  address = "{dir}/containerd.sock"
+[ttrpc]
+  address = "{dir}/containerd.sock.ttrpc"
+[debug]
+  address = ""
+[metrics]
+  address = ""
+"""
+
+
+# The user's cache, before the `cache` fixture points the variable at a temporary one.
+USER_CACHE = os.environ.get("PYPROXY_K8S_CACHE")
+
+
+def k8s_bin() -> Path:
+    """Where `make k8s` put the binaries (the real cache, not a test's)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYPROXY_K8S_CACHE"}
+    if USER_CACHE:
+        env["PYPROXY_K8S_CACHE"] = USER_CACHE
+    out = subprocess.run([str(images.BUILD_SCRIPT), "--path"], capture_output=True, text=True,
+                         check=True, env=env)
+    return Path(out.stdout.strip())
+
+
+@requires_netns
+@needs_module
+@needs_tools
+@pytest.mark.skipif(not shutil.which("runc"), reason="needs runc")
+def test_containerd_imports_and_runs_the_archives(cache: Path, tmp_path: Path) -> None:
+    """A containerd of its own (the nodes' build, `make k8s`; its own state, socket and
+    snapshots in a temporary folder) imports the archives under their names, and runs a
+    shell from busybox's."""
+    bin_dir = k8s_bin()
+    if not (bin_dir / "containerd").exists():
+        pytest.skip(f"no containerd in {bin_dir} (make k8s)")
+    archives = images.ensure_images([images.PAUSE, images.BUSYBOX])
+    short = Path(tempfile.mkdtemp(prefix="ctr-", dir="/tmp"))  # a socket path must be short
+    (short / "config.toml").write_text(CONTAINERD_CONFIG.format(dir=short))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    with (tmp_path / "containerd.log").open("w") as log:
+        daemon = subprocess.Popen([str(bin_dir / "containerd"), "--config",
+                                   str(short / "config.toml")], env=env, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    ctr = [str(bin_dir / "ctr"), "--address", str(short / "containerd.sock"), "-n", "k8s.io"]
+
+    def run_ctr(*args: str) -> str:
+        return subprocess.run([*ctr, *args], env=env, capture_output=True, text=True,
+                              check=True, timeout=60).stdout
+
+    try:
+        until(lambda: (short / "containerd.sock").exists(), 20, "containerd listens")
+        for archive in archives:
+            run_ctr("images", "import", str(archive.path))
+        assert set(run_ctr("images", "ls", "-q").split()) == {images.PAUSE, images.BUSYBOX}
+        out = run_ctr("run", "--rm", images.BUSYBOX, f"sh-{os.getpid()}", "sh", "-c",
+                      "echo hello from $(readlink /bin/sh); id -u")
+        assert out.split() == ["hello", "from", "/bin/busybox", "0"]
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
+        # The snapshots are overlay mounts under root/: unmount before removing.
+        subprocess.run(["umount", "-R", str(short / "root")], capture_output=True, check=False)
+        shutil.rmtree(short, ignore_errors=True)
