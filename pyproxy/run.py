@@ -371,7 +371,9 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         source = SnapshotSource(config.snapshot, proxier, stop)
         source.start()
     else:
-        address_check = ApiAddressCheck(_server_host(api_client), metrics)
+        address_check = ApiAddressCheck(_server_host(api_client), metrics,
+                                        apiconnection.kubelet_cluster_ips(os.environ))
+        address_check(cache.state())  # what the environment already tells, before any list
         check = address_check
         observer.after_sync.append(lambda: check(cache.state()))
         source = ApiSource(api_client, proxier, node_name, stop,
@@ -517,10 +519,11 @@ class ApiAddressCheck:
 
     host: str
     metrics: Metrics
+    kubelet_ips: frozenset[str] = frozenset()
     problem: str | None = None
 
     def __call__(self, state: ClusterState) -> None:
-        problem = apiconnection.service_address_problem(self.host, state)
+        problem = apiconnection.service_address_problem(self.host, state, self.kubelet_ips)
         if problem != self.problem:
             if problem:
                 log.warning("api_server_via_service_address", host=self.host, problem=problem,

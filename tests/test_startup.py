@@ -33,6 +33,7 @@ from pyproxy.serve.metrics import Metrics
 from testkit.builders import make_service, make_service_cidr
 from testkit.fixtures import requires_netns
 from testkit.netlab import Lab
+from testkit.waits import eventually
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 KUBEADM_CONFIGMAP = Path(__file__).parent / "data" / "kubeadm-kube-proxy-configmap.yaml"
@@ -364,6 +365,21 @@ def test_service_address_problem(host: str, problem: str | None) -> None:
     assert (found if problem is None else (found or "").split(":")[0]) == problem
 
 
+def test_the_kubelets_cluster_ip_is_known_before_any_service() -> None:
+    """The kubelet tells every pod the kubernetes Service's ClusterIP (KUBERNETES_PORT_*),
+    whatever the pod spec made of KUBERNETES_SERVICE_HOST: the trap shows before any list,
+    even when no list can ever succeed."""
+    environ = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
+               "KUBERNETES_PORT_443_TCP_ADDR": "10.96.0.1", "KUBERNETES_PORT": "tcp://x"}
+    ips = apiconnection.kubelet_cluster_ips(environ)
+    assert ips == {"10.96.0.1"}
+    empty = build_state([])
+    problem = apiconnection.service_address_problem("10.96.0.1", empty, ips)
+    assert problem is not None and problem.startswith(
+        "10.96.0.1 is the kubernetes Service's ClusterIP (the kubelet's")
+    assert apiconnection.service_address_problem("192.0.2.10", empty, ips) is None
+
+
 def test_api_address_check_warns_once_and_sets_the_gauge() -> None:
     registry = CollectorRegistry()
     check = run.ApiAddressCheck("10.96.0.1", Metrics(registry))
@@ -421,3 +437,52 @@ def test_a_refused_start_changes_nothing_on_the_host(lab: Lab, tmp_path: Path) -
                              "directory\n")
     assert sysctls() == before
     assert "pyproxy" not in lab.run(ns, ["nft", "list", "tables"]).stdout
+
+
+@pytest.mark.netns
+@requires_netns
+def test_a_node_that_needs_its_own_rules_to_reach_the_api_says_so(lab: Lab,
+                                                                  tmp_path: Path) -> None:
+    """A rebooted node with the kubelet's ClusterIP as API address: no rules, so the API
+    server is never reached and no Service is ever known; pyproxy says at once what is wrong,
+    in its log and in `pyproxy status`."""
+    ns = lab.add_ns("trap")
+    path = write(tmp_path, "kc", kubeconfig("https://10.96.0.1:443", token="t"))
+    sock = str(tmp_path / "debug.sock")
+    environ = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+               "KUBERNETES_SERVICE_PORT": "443", "KUBERNETES_PORT_443_TCP_ADDR": "10.96.0.1"}
+    proc = lab.popen(ns, [PYPROXY, "run", "--kubeconfig", path, "--hostname-override", "a",
+                          "--debug-socket", sock, "--healthz-bind-address=",
+                          "--metrics-bind-address=", "--conntrack-max-per-core=0",
+                          "--conntrack-tcp-timeout-established=0",
+                          "--conntrack-tcp-timeout-close-wait=0"],
+                     env=environ, log_name="trap.log")
+
+    def status() -> dict[str, Any]:
+        out = lab.run(ns, [PYPROXY, "status", "--socket", sock, "-o", "json"], check=False)
+        return dict(json.loads(out.stdout)) if out.stdout.strip() else {}
+
+    try:
+        eventually(lambda: status().get("source", {}).get("apiServer"), "the status")
+        api_server = status()["source"]["apiServer"]
+        assert api_server["host"] == "10.96.0.1"
+        assert api_server["problem"].startswith("10.96.0.1 is the kubernetes Service's ClusterIP")
+        log = (lab.workdir / "trap.log").read_text()
+        assert "level=warning event=api_server_via_service_address host=10.96.0.1" in log, log
+    finally:
+        lab.stop_process(proc)
+
+
+def test_exec_credentials_come_from_the_clients_loader(tmp_path: Path) -> None:
+    """An exec plugin (rare for a node proxy) still works, through the client's own loader."""
+    plugin = tmp_path / "get-token"
+    plugin.write_text("#!/bin/sh\necho '{\"apiVersion\": \"client.authentication.k8s.io/v1\", "
+                      "\"kind\": \"ExecCredential\", \"status\": {\"token\": \"from-exec\"}}'\n")
+    plugin.chmod(0o755)
+    path = write(tmp_path, "kc", kubeconfig(exec={
+        "apiVersion": "client.authentication.k8s.io/v1", "command": str(plugin),
+        "interactiveMode": "Never"}))
+    configuration = apiconnection.client_configuration(
+        apiconnection.load(ProxyConfig(kubeconfig=path)))
+    assert configuration.host == "https://api.example:6443"
+    assert configuration.get_api_key_with_prefix("BearerToken") == "Bearer from-exec"

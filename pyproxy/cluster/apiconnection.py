@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from ipaddress import ip_address, ip_network
+from ipaddress import IPv4Address, IPv6Address, ip_address, ip_network
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -352,10 +352,21 @@ _CLUSTER_DNS_SUFFIXES = (".svc", ".svc.cluster.local")
 _KUBERNETES_SERVICE_NAMES = ("kubernetes", "kubernetes.default")
 
 
-def service_address_problem(host: str, state: ClusterState) -> str | None:
+def kubelet_cluster_ips(environ: Mapping[str, str]) -> frozenset[str]:
+    """The `kubernetes` Service's ClusterIP as the kubelet tells every pod, whatever the pod
+    spec sets KUBERNETES_SERVICE_HOST to: KUBERNETES_PORT_<port>_TCP_ADDR (always injected,
+    even with enableServiceLinks off)."""
+    return frozenset(value for key, value in environ.items()
+                     if key.startswith("KUBERNETES_PORT_") and key.endswith("_TCP_ADDR")
+                     and value)
+
+
+def service_address_problem(host: str, state: ClusterState,
+                            kubelet_ips: frozenset[str] = frozenset()) -> str | None:
     """Why reaching the API server at `host` depends on a service proxy's rules (None: it does
     not, as far as pyproxy can see). A node that reboots comes up with no rules: a pyproxy that
-    needs rules to reach the API server never programs it."""
+    needs rules to reach the API server never programs it. `kubelet_ips` (from the pod's
+    environment) tells before any Service is known."""
     try:
         address = ip_address(host)
     except ValueError:
@@ -364,6 +375,10 @@ def service_address_problem(host: str, state: ClusterState) -> str | None:
             return (f"{host} is a cluster DNS name: resolving it needs CoreDNS's ClusterIP, "
                     f"and reaching it the kubernetes Service's, both programmed by the proxy")
         return None
+    if any(_same_address(address, ip) for ip in kubelet_ips):
+        return (f"{host} is the kubernetes Service's ClusterIP (the kubelet's "
+                f"KUBERNETES_PORT_*_TCP_ADDR): it works only while some proxy's rules for it "
+                f"are in the kernel")
     ports = state.ports_by_service.get(KUBERNETES_SERVICE, ())
     if any(ip_address(ip) == address for port in ports for ip in port.cluster_ips):
         return (f"{host} is a ClusterIP of the default/kubernetes Service: it works only "
@@ -373,3 +388,10 @@ def service_address_problem(host: str, state: ClusterState) -> str | None:
             return (f"{host} is inside the service CIDR {cidr}: a Service address works only "
                     f"while some proxy's rules for it are in the kernel")
     return None
+
+
+def _same_address(address: IPv4Address | IPv6Address, text: str) -> bool:
+    try:
+        return ip_address(text) == address
+    except ValueError:
+        return False
