@@ -707,10 +707,16 @@ def test_containerfile() -> None:
     assert """sysconfig.get_paths()["purelib"]""" in run
     copied = [args.split()[:-1] for op, args in instructions if op == "COPY"]
     sources = {source for sources in copied for source in sources}
-    assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy", "${WHEELS}"}
-    # Without build arguments the wheels' COPY takes the lock again (a file every context has),
-    # and pip goes to the index; the offline configuration never stays in the image.
+    assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy"}
+    # The wheels are mounted where pip installs (no layer keeps them); without build arguments
+    # the mount is the lock (a file every context has), and pip goes to the index; the
+    # offline configuration never stays in the image.
     assert ("ARG", "WHEELS=requirements.lock") in instructions
+    mounted = [args for op, args in instructions
+               if op == "RUN" and "pip install" in args]
+    assert len(mounted) == 2
+    assert all(args.startswith("--mount=type=bind,source=${WHEELS},target=/tmp/wheels ")
+               for args in mounted)
     assert "rm -rf /src /opt/pyproxy/pip.conf" in run
     # The version label is pyproject's, through the build argument make passes, and checked
     # against the installed package's at build time.
