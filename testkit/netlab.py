@@ -405,7 +405,8 @@ class ConnResult:
     ok: an answer arrived; then ``name`` is the backend's name and ``seen_ip``/``seen_port`` the
     client address the backend saw. Otherwise ``error`` is "refused", "unreachable", "reset",
     "timeout" or "other:...". ``local_ip``/``local_port`` is the client socket's own address
-    (when it got as far as connecting), handy for conntrack assertions.
+    (when it got as far as connecting), handy for conntrack assertions. ``started``/``ended``:
+    when the attempt began and ended (wall clock, 0.0 when not known).
     """
 
     ok: bool
@@ -415,6 +416,8 @@ class ConnResult:
     error: str | None = None
     local_ip: str | None = None
     local_port: int | None = None
+    started: float = 0.0
+    ended: float = 0.0
 
     @property
     def label(self) -> str:
@@ -430,10 +433,12 @@ class ConnResult:
     def from_json(cls, line: str) -> ConnResult:
         data = json.loads(line)
         local = data.get("local") or [None, None]
+        started, ended = data.get("at") or (0.0, 0.0)
         if not data["ok"]:
-            return cls(False, error=data["error"], local_ip=local[0], local_port=local[1])
+            return cls(False, error=data["error"], local_ip=local[0], local_port=local[1],
+                       started=started, ended=ended)
         name, ip, port = data["reply"].split()
-        return cls(True, name, ip, int(port), None, local[0], local[1])
+        return cls(True, name, ip, int(port), None, local[0], local[1], started, ended)
 
 
 def tally(results: Iterable[ConnResult]) -> Counter[str]:

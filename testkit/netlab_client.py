@@ -4,8 +4,11 @@
 Run inside a network namespace, it makes COUNT attempts against ADDR:PORT (TCP, UDP or SCTP) and
 prints one JSON object per attempt, in attempt order::
 
-    {"ok": true, "reply": "NAME SRC_IP SRC_PORT", "local": ["10.0.0.2", 40000]}
-    {"ok": false, "error": "refused", "local": [...]}
+    {"ok": true, "reply": "NAME SRC_IP SRC_PORT", "local": ["10.0.0.2", 40000], "at": [T0, T1]}
+    {"ok": false, "error": "refused", "local": [...], "at": [T0, T1]}
+
+"at" is when the attempt started and ended (wall clock, seconds since the epoch: the same in
+every namespace), so a failure can be placed against a fault's window.
 
 error is one of:
 - "refused":     TCP RST, or ICMP port-unreachable (TCP and connected UDP both see ECONNREFUSED).
@@ -175,6 +178,14 @@ def exchange(sock: socket.socket, args: argparse.Namespace, deadline: float) -> 
 def attempt(args: argparse.Namespace) -> dict[str, Any]:
     """One connection (stream) or one request/response exchange (UDP), within --timeout."""
     result: dict[str, Any] = {"ok": False}
+    started = time.time()
+    try:
+        return _attempt(args, result)
+    finally:
+        result["at"] = [started, time.time()]
+
+
+def _attempt(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
     deadline = time.monotonic() + args.timeout
     try:
         with make_socket(args) as sock:
