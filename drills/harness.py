@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -216,6 +217,17 @@ class Daemon:
 
     def stop(self) -> None:
         self.env.lab.stop_process(self.proc)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP until the block ends, then SIGCONT: the daemon hears and repairs nothing
+        meanwhile (what the kernel announces waits in its socket), so a fault lasts as long
+        as the block."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     # -- the debug socket ---------------------------------------------------------------------
 

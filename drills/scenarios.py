@@ -89,6 +89,7 @@ from drills.security import (
     unprivileged_connect,
 )
 from drills.tamper import (
+    HANGING,
     TAMPERS,
     tamper,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "DOOMED",
     "FRESH",
     "GONE_LOG",
+    "HANGING",
     "HEALTHZ",
     "KNOWN_BUGS",
     "KUBE_PROXY_HEALTHZ_FIELDS",

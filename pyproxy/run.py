@@ -37,7 +37,15 @@ from pyproxy.core.model import (
     override_ips,
 )
 from pyproxy.core.topology import PortSelection
-from pyproxy.kernel.conntrack import Allowed, UdpTarget, allowed_map, needs_cleanup, udp_targets
+from pyproxy.kernel.conntrack import (
+    Allowed,
+    ServiceFrontends,
+    UdpTarget,
+    allowed_map,
+    needs_cleanup,
+    service_frontends,
+    udp_targets,
+)
 from pyproxy.kernel.host import Outcome, apply_host_settings
 from pyproxy.kernel.nft import OWN_SOCKETS
 from pyproxy.kernel.nftevents import NftMonitor
@@ -71,31 +79,34 @@ def sd_notify(message: str) -> None:
 
 
 class ConntrackWorker:
-    """UDP conntrack cleanup off the sync path: dumping and deleting entries can take
-    seconds with many flows, and must not hold up the next sync. Requests coalesce."""
+    """Conntrack cleanup off the sync path: dumping and deleting entries can take seconds
+    with many flows, and must not hold up the next sync. Two kinds of work, in order: the
+    stale UDP flows of changed services (`Allowed`), and after a repair the entries made
+    while our rules were missing (`ServiceFrontends`)."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        self.pending: queue.Queue[tuple[IPFamily, Allowed]] = queue.Queue()
+        self.pending: queue.Queue[tuple[IPFamily, Allowed | ServiceFrontends]] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="conntrack", daemon=True)
         self.thread.start()
 
-    def submit(self, family: IPFamily, allowed: Allowed) -> None:
-        self.pending.put((family, allowed))
+    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None:
+        self.pending.put((family, work))
 
     def _run(self) -> None:
         from pyproxy.kernel.netlink import ConntrackCleaner
 
         cleaner = ConntrackCleaner()
         while True:
-            family, allowed = self.pending.get()
-            result = cleaner.cleanup(family, allowed)
+            family, work = self.pending.get()
+            if isinstance(work, ServiceFrontends):
+                result = cleaner.clear_not_dnated(family, work)
+            else:
+                result = cleaner.cleanup(family, work)
             self.metrics.conntrack_duration.labels(ip_family=str(family)).observe(
                 result.duration)
             if result.deleted:
                 self.metrics.conntrack_deleted.labels(ip_family=str(family)).inc(result.deleted)
-                log.info("stale_udp_conntrack_deleted", family=str(family),
-                         deleted=result.deleted)
 
 
 @dataclass
@@ -138,6 +149,7 @@ class DaemonObserver:
         m = self.metrics
         if record.reason == REPAIR_REASON:
             m.table_repairs.inc()
+            self._after_repair(state)
         failures = sum(p.applier.cleanup_failures for p in proxier.proxiers)
         m.cleanup_failures.inc(failures - self._cleanup_failures)
         self._cleanup_failures = failures
@@ -178,6 +190,15 @@ class DaemonObserver:
         self.service_health.update(ports, counts)
         if self.hcnp_servers is not None:
             self.hcnp_servers.sync()
+
+    def _after_repair(self, state: ClusterState) -> None:
+        """Connections started while our rules were missing keep conntrack entries without
+        DNAT, which their next packets follow (pyproxy/kernel/conntrack.py, end): deleted
+        now, so that those packets are NATed afresh by the repaired rules."""
+        if self.conntrack is None:
+            return
+        for family in self.families:
+            self.conntrack.submit(family, service_frontends(state, family, self.node_ips))
 
     def _conntrack(self, state: ClusterState, services: frozenset[ServiceKey] | None) -> None:
         if self.conntrack is None:

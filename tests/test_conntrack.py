@@ -1,5 +1,6 @@
-"""UDP conntrack cleanup planning (upstream's reconciler, pkg/proxy/conntrack/cleanup.go),
-table-driven and without a kernel: which entries are stale for a given cluster state."""
+"""Conntrack cleanup planning, table-driven and without a kernel: which UDP entries are stale
+for a given cluster state (upstream's reconciler, pkg/proxy/conntrack/cleanup.go), and which
+entries a repair deletes (those to a service frontend that were never DNATed)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import pytest
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortName
 from pyproxy.kernel.conntrack import (
+    IPPROTO_SCTP,
     IPPROTO_TCP,
     IPPROTO_UDP,
     Allowed,
     ConntrackEntry,
+    ServiceFrontends,
     UdpTarget,
     allowed_map,
     canonical_ip,
     needs_cleanup,
+    not_dnated,
+    service_frontends,
     stale,
     udp_targets,
 )
@@ -261,3 +266,79 @@ def test_canonical_ip() -> None:
     assert canonical_ip("10.0.0.1") == "10.0.0.1"
     assert canonical_ip("not-an-ip:") == "not-an-ip:"
     assert entry(DNS_VIP6, POD_A6).family is IPFamily.IPv6
+
+
+# --- after a repair: entries to a service frontend that no DNAT rewrote ----------------------
+
+
+def unnated(dst: str, dport: int = 53, *, proto: int = IPPROTO_UDP, src: str = CLIENT,
+            sport: int = 40000) -> ConntrackEntry:
+    """An entry made while our rules were missing: answered from where the client sent to."""
+    return ConntrackEntry(proto, src, dst, sport, dport, dst, dport)
+
+
+NOT_DNATED_CASES = [
+    Case("ClusterIP, not NATed", unnated(DNS_VIP), True),
+    Case("ClusterIP, NATed to an endpoint", entry(DNS_VIP, POD_A), False),
+    Case("ClusterIP, NATed to an endpoint long gone (the UDP cleanup's business)",
+         entry(DNS_VIP, GONE), False),
+    Case("ClusterIP, another port of the same IP", unnated(DNS_VIP, 54), False),
+    Case("ClusterIP, another protocol on the same port", unnated(DNS_VIP, proto=IPPROTO_TCP),
+         False),
+    Case("TCP service's ClusterIP, not NATed (a SYN while the rules were gone)",
+         unnated("10.96.0.20", proto=IPPROTO_TCP), True),
+    Case("TCP service's ClusterIP, NATed",
+         ConntrackEntry(IPPROTO_TCP, CLIENT, "10.96.0.20", 40000, 53, "10.244.1.3", 5353),
+         False),
+    Case("same address, port rewritten only (NATed)",
+         ConntrackEntry(IPPROTO_UDP, CLIENT, DNS_VIP, 40000, 53, DNS_VIP, 5353), False),
+    Case("service without endpoints, not NATed (traffic while the rules were gone)",
+         unnated("10.96.0.30"), True),
+    Case("external IP, not NATed", unnated(EXTERNAL_IP), True),
+    Case("LoadBalancer VIP, not NATed", unnated(LB_IP), True),
+    Case("NodePort on the node IP, not NATed", unnated(NODE_IP, NODEPORT), True),
+    Case("NodePort on the node IP, NATed", entry(NODE_IP, POD_A, dport=NODEPORT), False),
+    Case("NodePort number to a forwarded, non-local destination",
+         unnated("198.18.0.1", NODEPORT), False),
+    Case("the node's own port that is no NodePort (ssh)",
+         unnated(NODE_IP, 22, proto=IPPROTO_TCP), False),
+    Case("unrelated, not NATed", unnated("8.8.8.8"), False),
+    Case("IPv6 ClusterIP, not NATed", unnated(DNS_VIP6, src=CLIENT6), True),
+    Case("IPv6 ClusterIP, another spelling, not NATed",
+         ConntrackEntry(IPPROTO_UDP, CLIENT6, "FD00:96:0:0::A", 40000, 53, "fd00:96::a", 53),
+         True),
+    Case("IPv6 ClusterIP, NATed", entry(DNS_VIP6, POD_A6, src=CLIENT6), False),
+    Case("IPv6 NodePort on the node IP, not NATed", unnated(NODE_IP6, NODEPORT, src=CLIENT6),
+         True),
+]
+
+
+@pytest.fixture(scope="module")
+def frontends() -> dict[IPFamily, ServiceFrontends]:
+    state = cluster()
+    return {family: service_frontends(state, family, [NODE_IP, NODE_IP6])
+            for family in (IPFamily.IPv4, IPFamily.IPv6)}
+
+
+@pytest.mark.parametrize("case", NOT_DNATED_CASES, ids=[c.name for c in NOT_DNATED_CASES])
+def test_not_dnated(case: Case, frontends: dict[IPFamily, ServiceFrontends]) -> None:
+    assert not_dnated([case.entry], frontends[case.entry.family]) == (
+        [case.entry] if case.stale else [])
+
+
+def test_service_frontends_of_each_family() -> None:
+    """Every address of every port (with endpoints or not), NodePorts on this node's IPs of
+    the family; the protocols are those worth a dump."""
+    state = cluster()
+    v4 = service_frontends(state, IPFamily.IPv4, [NODE_IP, NODE_IP6])
+    assert v4.addresses == {
+        (IPPROTO_UDP, DNS_VIP, 53), (IPPROTO_UDP, EXTERNAL_IP, 53), (IPPROTO_UDP, LB_IP, 53),
+        (IPPROTO_TCP, "10.96.0.20", 53), (IPPROTO_UDP, "10.96.0.30", 53),
+        (IPPROTO_UDP, "10.96.0.40", 53), (IPPROTO_UDP, "10.96.0.50", 53)}
+    assert (v4.node_ports, v4.node_ips) == ({(IPPROTO_UDP, NODEPORT)}, {NODE_IP})
+    assert v4.protocols == {IPPROTO_UDP, IPPROTO_TCP}
+    v6 = service_frontends(state, IPFamily.IPv6)
+    assert v6.addresses == {(IPPROTO_UDP, DNS_VIP6, 53)} and v6.node_ips is None
+    sctp = build_state([service("s", "10.96.0.60", proto="SCTP")])
+    assert service_frontends(sctp, IPFamily.IPv4).protocols == {IPPROTO_SCTP}
+    assert not service_frontends(build_state([]), IPFamily.IPv4)

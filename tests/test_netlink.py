@@ -14,7 +14,15 @@ import pytest
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily
-from pyproxy.kernel.conntrack import IPPROTO_UDP, ConntrackEntry, allowed_map, stale, udp_targets
+from pyproxy.kernel.conntrack import (
+    IPPROTO_TCP,
+    IPPROTO_UDP,
+    ConntrackEntry,
+    allowed_map,
+    service_frontends,
+    stale,
+    udp_targets,
+)
 from pyproxy.kernel.netlink import (
     IFA_F_DADFAILED,
     IFA_F_DEPRECATED,
@@ -360,3 +368,41 @@ def test_conntrack_entries_of_both_families_and_zones(lab: Lab) -> None:
     out = lab.run(ns, ["conntrack", "-L"]).stdout + lab.run(ns, ["conntrack", "-L", "-f",
                                                                  "ipv6"]).stdout
     assert [line.split()[0] for line in out.splitlines()] == ["tcp"]
+
+
+@requires_netns
+@pytest.mark.netns
+def test_after_a_repair_only_entries_never_dnated_to_a_frontend_are_deleted(lab: Lab) -> None:
+    """Entries made through ctnetlink (no traffic), TCP and UDP, both families: those to a
+    service frontend answered from that frontend (no DNAT) go, everything else stays."""
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    ns = lab.add_ns("ct-repair")
+    lab.nft(ns, "table inet t { chain o { type filter hook output priority 0; "
+                "ct state new counter; }; }")
+
+    def add(src: str, dst: str, dport: int, proto: int, reply_src: str,
+            reply_sport: int) -> None:
+        af = socket.AF_INET6 if ":" in src else socket.AF_INET
+        orig = NFCTAttrTuple(family=af, saddr=src, daddr=dst, proto=proto, sport=1000,
+                             dport=dport)
+        reply = NFCTAttrTuple(family=af, saddr=reply_src, daddr=src, proto=proto,
+                              sport=reply_sport, dport=1000)
+        with Conntrack(netns=ns.full, nfgen_family=af, flags=0) as ct:
+            ct.entry("add", timeout=120, tuple_orig=orig, tuple_reply=reply)
+
+    add("203.0.113.1", DNS_VIP, 53, IPPROTO_UDP, DNS_VIP, 53)  # not NATed: goes
+    add("203.0.113.2", DNS_VIP, 53, IPPROTO_UDP, "10.244.1.2", 5353)  # NATed: stays
+    add("203.0.113.3", DNS_VIP, 80, IPPROTO_TCP, DNS_VIP, 80)  # web, not NATed: goes
+    add("203.0.113.4", "192.0.2.1", 8080, IPPROTO_TCP, "192.0.2.1", 8080)  # no service: stays
+    add("2001:db8::1", DNS_VIP6, 53, IPPROTO_UDP, DNS_VIP6, 53)  # not NATed: goes
+    add("2001:db8::2", DNS_VIP6, 53, IPPROTO_UDP, "fd00:244:0:1::2", 5353)  # NATed: stays
+
+    state = build_state(dns_objects("10.244.1.2", "fd00:244:0:1::2"))
+    cleaner = ConntrackCleaner(netns=ns.full)
+    results = [cleaner.clear_not_dnated(f, service_frontends(state, f)) for f in (V4, V6)]
+    assert [(r.dumped, r.deleted, r.ok) for r in results] == [(4, 2, True), (2, 1, True)]
+    left = {(e.orig_src, e.proto) for f in (V4, V6) for e in cleaner.dump(f, (6, 17))}
+    assert left == {("203.0.113.2", IPPROTO_UDP), ("203.0.113.4", IPPROTO_TCP),
+                    ("2001:db8::2", IPPROTO_UDP)}

@@ -1,5 +1,6 @@
-"""UDP conntrack cleanup, planned without a kernel (upstream's newest "reconciler",
-`pkg/proxy/conntrack/cleanup.go`).
+"""Conntrack cleanup, planned without a kernel: stale UDP flows after endpoint changes
+(upstream's newest "reconciler", `pkg/proxy/conntrack/cleanup.go`), and, after a repair,
+the entries our rules' absence left behind (`not_dnated`, at the end).
 
 UDP is connectionless, so a conntrack entry keeps its NAT decision for as long as the client
 keeps sending: after an endpoint goes away its flows stay pinned to the dead address, and a flow
@@ -45,6 +46,9 @@ from pyproxy.core.model import (
 
 IPPROTO_UDP = socket.IPPROTO_UDP
 IPPROTO_TCP = socket.IPPROTO_TCP
+IPPROTO_SCTP = 132  # not in every build's socket module
+PROTOCOL_NUMBERS = {Protocol.TCP: IPPROTO_TCP, Protocol.UDP: IPPROTO_UDP,
+                    Protocol.SCTP: IPPROTO_SCTP}
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,3 +235,88 @@ def needs_cleanup(
     if previous is None:
         return bool(current)
     return any(previous.get(key) != target for key, target in current.items())
+
+
+# ---------------------------------------------------------------------------------------------
+# After a repair: what the rules' absence left behind
+#
+# While someone else's change had taken our rules away (a deleted table, base chain or map),
+# nothing DNATed new connections. Wherever anything else in the namespace uses conntrack (a
+# host firewall's `ct state`, another NAT table: on any real node), such a connection's
+# first packet got a conntrack entry all the same, *without* DNAT, and it was confirmed when
+# the packet was routed on (towards the ServiceCIDR's route or the default route). NAT is
+# decided once per entry, at its first packet: after the repair, the connection's next
+# packets (a TCP SYN retransmitted 1 s later, a UDP flow's next datagrams) follow that entry,
+# un-NATed, and our repaired `cluster-ips-check` rejects them. The entry lives 120 s
+# (SYN_SENT) or as long as the UDP flow keeps sending. Measured in docs/drills.md.
+#
+# Such an entry is recognised by its two tuples: addressed to a service frontend (a
+# ClusterIP, external IP or LoadBalancer VIP with the port's protocol and port, or a NodePort
+# on this node), and answered from that very address and port, i.e. never DNATed. With our
+# rules in place no such entry is ever confirmed: a frontend's traffic is DNATed, or
+# rejected or dropped before confirmation (no endpoints, eTP=Local without local ones, a
+# source range). Entries NATed by anyone (us before the damage, another proxy) answer from
+# an endpoint and are left alone.
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceFrontends:
+    """Where clients reach the services of one IP family: (protocol number, address, port)
+    of every ClusterIP, external IP and LoadBalancer VIP, and (protocol number, port) of
+    every NodePort. `node_ips` restricts NodePorts to entries addressed to this node (None:
+    any address), as for the UDP cleanup."""
+
+    addresses: frozenset[tuple[int, str, int]] = frozenset()
+    node_ports: frozenset[tuple[int, int]] = frozenset()
+    node_ips: frozenset[str] | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.addresses or self.node_ports)
+
+    @property
+    def protocols(self) -> frozenset[int]:
+        """The protocols worth dumping entries of."""
+        return frozenset(p for p, _, _ in self.addresses) | {p for p, _ in self.node_ports}
+
+
+def service_frontends(state: ClusterState, family: IPFamily,
+                      node_ips: Iterable[str] | None = None) -> ServiceFrontends:
+    """Every service port's frontends of `family`, endpoints or not (a frontend without
+    endpoints is rejected before confirmation, so it never has a legitimate un-NATed entry
+    either)."""
+    addresses: set[tuple[int, str, int]] = set()
+    node_ports: set[tuple[int, int]] = set()
+    for port in state.ports:
+        if family not in port.families():
+            continue
+        proto = PROTOCOL_NUMBERS[port.protocol]
+        cluster_ip = port.cluster_ip(family)
+        for ip in (*([cluster_ip] if cluster_ip else []), *port.external_ips_of(family),
+                   *port.load_balancer_vips(family)):
+            addresses.add((proto, canonical_ip(ip), port.port))
+        if port.node_port:
+            node_ports.add((proto, port.node_port))
+    nodes = None if node_ips is None else frozenset(
+        canonical_ip(ip) for ip in node_ips if ip_family(ip) is family)
+    return ServiceFrontends(frozenset(addresses), frozenset(node_ports), nodes)
+
+
+def never_dnated(entry: ConntrackEntry) -> bool:
+    """Answered from the address and port the client sent to: no DNAT rewrote it."""
+    return (canonical_ip(entry.reply_src) == canonical_ip(entry.orig_dst)
+            and entry.reply_sport == entry.orig_dport)
+
+
+def to_frontend(entry: ConntrackEntry, frontends: ServiceFrontends) -> bool:
+    dst = canonical_ip(entry.orig_dst)
+    if (entry.proto, dst, entry.orig_dport) in frontends.addresses:
+        return True
+    return ((entry.proto, entry.orig_dport) in frontends.node_ports
+            and (frontends.node_ips is None or dst in frontends.node_ips))
+
+
+def not_dnated(entries: Iterable[ConntrackEntry],
+               frontends: ServiceFrontends) -> list[ConntrackEntry]:
+    """The entries to delete after a repair: addressed to a service frontend and never
+    DNATed (made while our rules were missing). Every other entry is left alone."""
+    return [e for e in entries if never_dnated(e) and to_frontend(e, frontends)]

@@ -1,4 +1,4 @@
-"""The netlink shell (pyroute2): the node's addresses, and UDP conntrack entries.
+"""The netlink shell (pyroute2): the node's addresses, and conntrack entries.
 
 Every function takes `netns`, an `ip netns` name (or a path such as /proc/PID/ns/net): pyroute2
 then opens its netlink socket inside that namespace (it forks a short-lived helper that enters
@@ -27,7 +27,14 @@ from typing import Any
 import structlog
 
 from pyproxy.core.model import IPFamily, ip_family
-from pyproxy.kernel.conntrack import IPPROTO_UDP, Allowed, ConntrackEntry, stale
+from pyproxy.kernel.conntrack import (
+    IPPROTO_UDP,
+    Allowed,
+    ConntrackEntry,
+    ServiceFrontends,
+    not_dnated,
+    stale,
+)
 
 log = structlog.get_logger("pyproxy.netlink")
 
@@ -214,7 +221,7 @@ class CleanupResult:
     (`kubeproxy_conntrack_reconciler_deleted_entries_total`, `..._sync_duration_seconds`)."""
 
     family: IPFamily
-    dumped: int = 0  # UDP entries read
+    dumped: int = 0  # entries read
     stale: int = 0  # entries chosen for deletion
     deleted: int = 0
     missing: int = 0
@@ -245,25 +252,32 @@ class ConntrackCleaner:
         return NFCTSocket(nfgen_family=_AF[family], netns=self.netns, flags=0)
 
     def dump_udp(self, family: IPFamily) -> list[ConntrackEntry]:
-        """Every UDP entry of the family. The kernel filters on the protocol (CTA_FILTER, Linux
-        >= 5.8); an older kernel that refuses the filter gets an unfiltered dump, filtered
-        here."""
+        """Every UDP entry of the family."""
+        return self.dump(family, (IPPROTO_UDP,))
+
+    def dump(self, family: IPFamily, protocols: Iterable[int]) -> list[ConntrackEntry]:
+        """Every entry of the family with one of these IP protocols, one dump per protocol.
+        The kernel filters on the protocol (CTA_FILTER, Linux >= 5.8); an older kernel that
+        refuses the filter gets an unfiltered dump, filtered here."""
         from pyroute2.netlink.exceptions import NetlinkError
         from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
-        af = _AF[family]
+        af, wanted = _AF[family], frozenset(protocols)
+        out: list[ConntrackEntry] = []
         try:
             try:
                 with self._socket(family) as sock:
-                    flt = NFCTAttrTuple(family=af, proto=IPPROTO_UDP)
-                    return _convert(sock.dump(tuple_orig=flt), family)
+                    for proto in sorted(wanted):
+                        flt = NFCTAttrTuple(family=af, proto=proto)
+                        out += _convert(sock.dump(tuple_orig=flt), family, wanted)
+                    return out
             except NetlinkError as err:
                 if err.code not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 log.info("conntrack_filter_refused_dumping_all",
                          family=str(family), error=str(err))
                 with self._socket(family) as sock:
-                    return _convert(sock.dump(), family)
+                    return _convert(sock.dump(), family, wanted)
         except Exception as err:
             raise ConntrackError(f"conntrack dump ({family}) failed: {_describe(err)}") from err
 
@@ -314,29 +328,49 @@ class ConntrackCleaner:
     def cleanup(self, family: IPFamily, allowed: Allowed) -> CleanupResult:
         """Dump the family's UDP entries, delete the stale ones (`conntrack.stale`). Never
         raises: errors are logged and returned."""
-        start = self.clock()
         if not allowed:
-            return CleanupResult(family, duration=self.clock() - start)
+            return CleanupResult(family)
+        out = self._clean(family, (IPPROTO_UDP,), lambda entries: stale(entries, allowed))
+        if out.stale:
+            log.info("stale_udp_conntrack_deleted", **_figures(out))
+        return out
+
+    def clear_not_dnated(self, family: IPFamily, frontends: ServiceFrontends) -> CleanupResult:
+        """After a repair: dump the family's entries of the frontends' protocols and delete
+        those addressed to a service frontend that no DNAT rewrote (`conntrack.not_dnated`).
+        Never raises: errors are logged and returned."""
+        if not frontends:
+            return CleanupResult(family)
+        out = self._clean(family, sorted(frontends.protocols),
+                          lambda entries: not_dnated(entries, frontends))
+        if out.stale:
+            log.info("not_dnated_conntrack_deleted", **_figures(out))
+        return out
+
+    def _clean(self, family: IPFamily, protocols: Iterable[int],
+               plan: Callable[[list[ConntrackEntry]], list[ConntrackEntry]]) -> CleanupResult:
+        start = self.clock()
         try:
-            entries = self.dump_udp(family)
-            doomed = stale(entries, allowed)
+            entries = self.dump(family, protocols)
+            doomed = plan(entries)
         except Exception as err:
             log.warning("conntrack_cleanup_failed", family=str(family), error=str(err))
             return CleanupResult(family, errors=(str(err),), duration=self.clock() - start)
         result = self.delete(doomed) if doomed else DeleteResult()
-        out = CleanupResult(
+        return CleanupResult(
             family, dumped=len(entries), stale=len(doomed), deleted=result.deleted,
             missing=result.missing, failed=result.failed, errors=result.errors,
             duration=self.clock() - start,
         )
-        if doomed:
-            log.info("stale_udp_conntrack_deleted", family=str(family),
-                     dumped=out.dumped, deleted=out.deleted, missing=out.missing,
-                     failed=out.failed, seconds=round(out.duration, 3))
-        return out
 
 
-def _convert(messages: Iterable[Any], family: IPFamily) -> list[ConntrackEntry]:
+def _figures(out: CleanupResult) -> dict[str, object]:
+    return {"family": str(out.family), "dumped": out.dumped, "deleted": out.deleted,
+            "missing": out.missing, "failed": out.failed, "seconds": round(out.duration, 3)}
+
+
+def _convert(messages: Iterable[Any], family: IPFamily,
+             protocols: frozenset[int] = frozenset((IPPROTO_UDP,))) -> list[ConntrackEntry]:
     src, dst = ("CTA_IP_V4_SRC", "CTA_IP_V4_DST") if family is IPFamily.IPv4 else (
         "CTA_IP_V6_SRC", "CTA_IP_V6_DST")
     out: list[ConntrackEntry] = []
@@ -349,10 +383,11 @@ def _convert(messages: Iterable[Any], family: IPFamily) -> list[ConntrackEntry]:
         reply_proto = reply.get_attr("CTA_TUPLE_PROTO")
         if None in (orig_ip, orig_proto, reply_ip, reply_proto):
             continue
-        if orig_proto.get_attr("CTA_PROTO_NUM") != IPPROTO_UDP:
+        proto = orig_proto.get_attr("CTA_PROTO_NUM")
+        if proto not in protocols:
             continue  # the kernel filter is only a pre-selection (or was refused)
         out.append(ConntrackEntry(
-            proto=IPPROTO_UDP,
+            proto=proto,
             orig_src=orig_ip.get_attr(src),
             orig_dst=orig_ip.get_attr(dst),
             orig_sport=int(orig_proto.get_attr("CTA_PROTO_SRC_PORT")),
