@@ -36,6 +36,12 @@ TAMPERS = {
     "map service-ips deleted": ["flush chain ip pyproxy services",
                                 "delete map ip pyproxy service-ips"],
     "table ip6 pyproxy deleted": ["delete table ip6 pyproxy"],
+    # Elements (issue 28, point 3): announced like the rest, repaired by the same full sync.
+    "element of map service-ips deleted": [
+        f"delete element ip pyproxy service-ips {{ {WEB} . tcp . 80 }}"],
+    "element of map endpoints-tcp changed": [
+        f"delete element ip pyproxy endpoints-tcp {{ {WEB} . 80 . 0 }}",
+        f"add element ip pyproxy endpoints-tcp {{ {WEB} . 80 . 0 : {POD_C} . 8080 }}"],
 }
 # Tampers after which a connection started meanwhile is left hanging, not refused: with the
 # table gone nothing rejects its SYN, which is routed on (to the ServiceCIDR's sink here).

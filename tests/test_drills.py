@@ -90,6 +90,15 @@ class TestTableFaults:
         assert r.converge_s is not None and r.converge_s <= 0.5
         assert r.figures["failed after the repair"] == "0"
 
+    def test_element_tampering_repaired_at_once(self, env: d.Env,
+                                                snap: d.SnapshotBench) -> None:
+        """Issue 28, point 3: an element of service-ips deleted, one of endpoints-tcp sent to
+        pod-c (no endpoint of the service): each repaired by the change events, not left to
+        the next full sync (an hour away)."""
+        r = passed(d.tamper(env, which=list(d.TAMPERS)[4:], bench=snap))
+        assert len(r.figures) > 2 and r.converge_s is not None and r.converge_s <= 0.5
+        assert r.figures["answered by no endpoint of the service, after the repair"] == 0
+
     def test_a_connection_started_while_the_rules_were_gone_is_answered_after_the_repair(
             self, env: d.Env, snap: d.SnapshotBench) -> None:
         """With the table deleted and the daemon paused 0.3 s (both families): a TCP

@@ -22,6 +22,7 @@ from pyproxy.kernel.nftevents import (
     NFT_MSG_DELSETELEM,
     NFT_MSG_DELTABLE,
     NFT_MSG_NEWGEN,
+    NFT_MSG_NEWSETELEM,
     Message,
     NftMonitor,
     Transaction,
@@ -77,10 +78,27 @@ def test_a_transaction_is_reported_once_when_it_ends_and_only_if_foreign() -> No
         Message(NFT_MSG_DELTABLE, 0, 2, "pyproxy"),  # the kernel's
         Message(NFT_MSG_DELTABLE, THEM, 2, "other"),  # not our table
         Message(NFT_MSG_DELTABLE, THEM, 1, "pyproxy"),  # inet pyproxy is not ours
-        Message(NFT_MSG_DELSETELEM, THEM, 2, "pyproxy", "service-ips"),  # elements
+        # elements of the sets the packet path fills
+        Message(NFT_MSG_DELSETELEM, THEM, 2, "pyproxy", "new-connections-3"),
+        Message(NFT_MSG_NEWSETELEM, THEM, 10, "pyproxy", "affinity-1a2b3c4d-ns/web/tcp/x"),
     ):
         pending, _ = Transaction().feed(not_foreign, ours)
         assert pending.feed(Message(NFT_MSG_NEWGEN, THEM, 0), ours)[1] is None, not_foreign
+
+
+def test_someone_elses_element_change_is_reported() -> None:
+    """Issue 28, point 3: a deleted or changed element of a map or set we fill is repaired at
+    once, like a deleted chain (a change is a deletion and an addition)."""
+    pending, _ = Transaction().feed(
+        Message(NFT_MSG_DELSETELEM, THEM, 2, "pyproxy", "endpoints-tcp"), {US})
+    pending, _ = pending.feed(Message(NFT_MSG_NEWSETELEM, THEM, 2, "pyproxy", "endpoints-tcp"),
+                              {US})
+    _, report = pending.feed(Message(NFT_MSG_NEWGEN, THEM, 0), {US})
+    assert report == ("ip pyproxy: element deleted from endpoints-tcp; "
+                      "ip pyproxy: element added to endpoints-tcp")
+    ours, _ = Transaction().feed(Message(NFT_MSG_DELSETELEM, US, 2, "pyproxy", "service-ips"),
+                                 {US})
+    assert ours.changes == ()
 
 
 def test_a_long_transaction_is_summed_up() -> None:
@@ -214,7 +232,6 @@ def test_someone_elses_change_is_reported_within_100_ms(
     libnft_in(ns.full, own).run("add table ip pyproxy\nadd chain ip pyproxy services\n"
                                 "add set ip pyproxy cluster-ips { type ipv4_addr; }\n"
                                 "add table ip other\n")
-    ns.run(["nft", "add", "element", "ip", "pyproxy", "cluster-ips", "{ 10.96.0.1 }"])
     ns.run(["nft", "add", "chain", "ip", "other", "x"])  # not our table
     ns.run(["nft", "delete", "chain", "ip", "pyproxy", "services"])
     done = time.monotonic()
@@ -226,6 +243,30 @@ def test_someone_elses_change_is_reported_within_100_ms(
     ns.run(["nft", "delete", "table", "ip", "pyproxy"])
     assert w.wait_for(2)[1][1] == ("ip pyproxy: set or map cluster-ips deleted; "
                                    "ip pyproxy: table deleted")
+
+
+@pytest.mark.netns
+@requires_netns
+def test_someone_elses_element_changes_are_reported_but_in_sets_packets_fill(
+        ns: Netns, watching: tuple[Watching, OwnSockets]) -> None:
+    """Issue 28, point 3: an element deleted, added or changed by someone else in a map or
+    set of ours is reported (and so repaired at once); in the connection counters' and
+    affinity sets it is not (the packet path fills them, the daemon deletes counters)."""
+    w, own = watching
+    libnft_in(ns.full, own).run(
+        "add table ip pyproxy\n"
+        "add map ip pyproxy service-ips { type ipv4_addr : verdict; }\n"
+        "add element ip pyproxy service-ips { 10.96.0.10 : drop, 10.96.0.11 : drop }\n"
+        "add set ip pyproxy new-connections-0 { type ipv4_addr; flags dynamic; }\n")
+    ns.run(["nft", "add element ip pyproxy new-connections-0 { 10.244.1.2 }"])
+    ns.run(["nft", "delete element ip pyproxy service-ips { 10.96.0.10 }"])
+    ns.run(["nft", "delete element ip pyproxy service-ips { 10.96.0.11 }; "
+                   "add element ip pyproxy service-ips { 10.96.0.11 : accept }"])
+    reports = w.wait_for(2)
+    assert [what for _, what in reports] == [
+        "ip pyproxy: element deleted from service-ips",
+        "ip pyproxy: element deleted from service-ips; "
+        "ip pyproxy: element added to service-ips"]
 
 
 @pytest.mark.netns

@@ -14,11 +14,12 @@ and a socket filter is easier to attach to a socket of our own. A classic BPF pr
 our own commits' datagrams in the kernel: a full sync at 10k services writes ~230k elements,
 whose announcements would overflow any receive buffer and cost seconds of CPU to read. (It
 cannot drop by table or message type: a datagram holds several messages, and the filter
-sees the first.) Element changes are not reported: `pyproxy diff` shows them and the next
-full sync repairs them, as before. Still, the kernel builds an event for each element
-committed while anyone is subscribed (a quarter of a 10k-service cold start's kernel time), so
-the monitor leaves the group during a staged full sync (`OwnSockets.bulk`) and has the
-structure compared after it.
+sees the first.) Someone else's element changes are reported like the rest (a deleted or
+changed element of a map or set is repaired at once, issue 28), except in the sets the
+packet path fills (affinity, connection counters: `objects.filled_by_packets`). The kernel
+builds an event for each element committed while anyone is subscribed (a quarter of a
+10k-service cold start's kernel time), so the monitor leaves the group during a staged full
+sync (`OwnSockets.bulk`) and has the structure compared after it.
 
 Parsing and deciding are pure (`parse`, `Transaction`, `filter_program`); `NftMonitor` is the
 thread around the socket.
@@ -38,7 +39,7 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from pyproxy.kernel.nft import OwnSockets
-from pyproxy.render.objects import TABLE
+from pyproxy.render.objects import TABLE, filled_by_packets
 
 log = structlog.get_logger("pyproxy.nftevents")
 
@@ -148,11 +149,13 @@ class Transaction:
 
 
 def foreign(message: Message, ours: Container[int]) -> bool:
-    """Someone else's change to one of our tables. The kernel's own messages (port id 0) and
-    element changes are not tampering the daemon repairs (the data path's dynamic sets)."""
+    """Someone else's change to one of our tables. Not tampering the daemon repairs: the
+    kernel's own messages (port id 0), and element changes in the sets the packet path fills
+    (whoever makes them: the daemon deletes counters itself, through a socket of its own)."""
+    elements = message.msg in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM)
     return (message.table == TABLE and message.family in FAMILIES and message.portid != 0
             and message.portid not in ours
-            and message.msg not in (NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM))
+            and not (elements and filled_by_packets(message.name)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,6 +54,17 @@ def connections_set(shard: int) -> str:
     return f"new-connections-{shard}"
 
 
+# Sets whose elements the packet path makes (`update @set`): session affinity's and the
+# connection counters'. No sync writes their elements (a full sync declares them without
+# flushing), and the daemon itself deletes counters through a netlink socket of its own, so
+# their element changes are nobody's tampering.
+FILLED_BY_PACKETS = ("affinity-", "new-connections-")
+
+
+def filled_by_packets(name: str) -> bool:
+    return name.startswith(FILLED_BY_PACKETS)
+
+
 class Kind(StrEnum):
     SET = "set"  # a set or map declaration; value = "set|map" + body
     CHAIN = "chain"  # value = the rules, one per line
