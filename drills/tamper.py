@@ -184,10 +184,11 @@ def _breakdown(results: list[ConnResult]) -> str:
 
 
 def _held_window(env: Env, b: SnapshotBench, r: Result, label: str, hold: float) -> None:
-    """Pause the daemon, tamper, start a TCP connection (it waits for its SYN's
-    retransmission) and a UDP exchange from a fixed source port; `hold` s later resume the
-    daemon. Both must be answered once the rules are back: the TCP connection by its
-    retransmitted SYN (1 s after the first), the UDP flow at its next datagram."""
+    """Pause the daemon, tamper, make a UDP exchange from a fixed source port and, `hold` s
+    after the tamper, start a TCP connection (it waits for its SYN's retransmission); once
+    its SYN is out resume the daemon. Both must be answered once the rules are back: the TCP
+    connection by its retransmitted SYN (1 s after the first), the UDP flow at its next
+    datagram."""
     daemon = b.daemon
     vip = HELD6 if "ip6" in label else HELD4
     until(daemon.diff_clean, 10, "clean before tampering")
@@ -198,15 +199,17 @@ def _held_window(env: Env, b: SnapshotBench, r: Result, label: str, hold: float)
     with daemon.paused():
         paused = time.time()
         env.nft(*TAMPERS[label])
+        udp_before = env.lab.connect(env.cluster.client, vip, UDP_PORT, "udp",
+                                     timeout=0.3, sport=sport)[0]
+        time.sleep(max(0.0, hold - (time.time() - paused)))
+        # The TCP connection last, just before the rules come back: its SYN's retransmission
+        # then comes about 1 s after the repair starts, as after a real window of ~30 ms.
         thread = threading.Thread(target=lambda: tcp.update(
             r=env.lab.connect(env.cluster.client, vip, 80, timeout=6.0)[0]))
         thread.start()
-        udp_before = env.lab.connect(env.cluster.client, vip, UDP_PORT, "udp",
-                                     timeout=0.3, sport=sport)[0]
-        # Until the TCP connection's SYN went out too (its client starts in ~0.1 s).
+        # Until its SYN went out (the client starts in ~0.1 s).
         during = until_value(lambda: not_dnated_entries(env, (vip,)), 3.0,
                              lambda lines: any(line.startswith("tcp") for line in lines))
-        time.sleep(max(0.0, hold - (time.time() - paused)))
         resumed = time.time()
     until(daemon.diff_clean, 10, f"repair of {label} (held)")
     left = until_value(lambda: not_dnated_entries(env, (vip,)), 3.0)

@@ -49,6 +49,7 @@ RT_TABLE_MAIN = 254
 RTN_UNICAST = 1
 
 _AF = {IPFamily.IPv4: socket.AF_INET, IPFamily.IPv6: socket.AF_INET6}
+IPS_DST_NAT = 1 << 5  # include/uapi/linux/netfilter/nf_conntrack_common.h
 _FAMILIES = (IPFamily.IPv4, IPFamily.IPv6)
 MAX_REPORTED_ERRORS = 10
 
@@ -281,6 +282,29 @@ class ConntrackCleaner:
         except Exception as err:
             raise ConntrackError(f"conntrack dump ({family}) failed: {_describe(err)}") from err
 
+    def dump_never_dnated(self, family: IPFamily,
+                          protocols: Iterable[int]) -> list[ConntrackEntry]:
+        """The entries of the family with one of these protocols that no DNAT rewrote. The
+        kernel filters on the status bit (CTA_STATUS_MASK, Linux >= 5.15), which spares
+        decoding every NATed entry: pyroute2 decodes ~60 us of CPU per entry, and in the
+        daemon, beside its other threads on a busy machine, 2,023 entries took 0.5 s, half
+        the time a SYN waits for its retransmission (the tamper drill's node). A kernel that
+        refuses the filter (or ignores it) sends more, which the planner sorts out."""
+        from pyroute2.netlink.exceptions import NetlinkError
+
+        wanted = frozenset(protocols)
+        try:
+            with self._socket(family) as sock:
+                return _convert(sock.dump(status=0, status_mask=IPS_DST_NAT), family, wanted)
+        except NetlinkError as err:
+            if err.code not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise ConntrackError(
+                    f"conntrack dump ({family}) failed: {_describe(err)}") from err
+            log.info("conntrack_status_filter_refused", family=str(family), error=str(err))
+            return self.dump(family, wanted)
+        except Exception as err:
+            raise ConntrackError(f"conntrack dump ({family}) failed: {_describe(err)}") from err
+
     def delete(self, entries: Iterable[ConntrackEntry]) -> DeleteResult:
         """Delete entries by their original tuple (and zone). Entries already gone count as
         `missing`; failures are counted and reported, never raised."""
@@ -330,7 +354,8 @@ class ConntrackCleaner:
         raises: errors are logged and returned."""
         if not allowed:
             return CleanupResult(family)
-        out = self._clean(family, (IPPROTO_UDP,), lambda entries: stale(entries, allowed))
+        out = self._clean(family, lambda: self.dump_udp(family),
+                          lambda entries: stale(entries, allowed))
         if out.stale:
             log.info("stale_udp_conntrack_deleted", **_figures(out))
         return out
@@ -341,17 +366,18 @@ class ConntrackCleaner:
         Never raises: errors are logged and returned."""
         if not frontends:
             return CleanupResult(family)
-        out = self._clean(family, sorted(frontends.protocols),
+        out = self._clean(family,
+                          lambda: self.dump_never_dnated(family, frontends.protocols),
                           lambda entries: not_dnated(entries, frontends))
         if out.stale:
             log.info("not_dnated_conntrack_deleted", **_figures(out))
         return out
 
-    def _clean(self, family: IPFamily, protocols: Iterable[int],
+    def _clean(self, family: IPFamily, dump: Callable[[], list[ConntrackEntry]],
                plan: Callable[[list[ConntrackEntry]], list[ConntrackEntry]]) -> CleanupResult:
         start = self.clock()
         try:
-            entries = self.dump(family, protocols)
+            entries = dump()
             doomed = plan(entries)
         except Exception as err:
             log.warning("conntrack_cleanup_failed", family=str(family), error=str(err))
