@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pyproxy.serve.debug import ask
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
@@ -164,11 +166,14 @@ def test_diff_and_tampering_repaired(env: tuple[Cluster, str, Path]) -> None:
     c, sock, _ = env
     code, text = cli(sock, "diff")
     assert code == 0 and "table ip pyproxy: identical" in text, text
-    # someone deletes an element: diff shows it (elements are repaired by the next full sync)
-    c.node.run(["nft", "delete", "element", "ip", "pyproxy", "cluster-ips", "{ 10.96.0.12 }"])
-    code, text = cli(sock, "diff")
-    assert code == 1 and "set cluster-ips: missing element 10.96.0.12" in text
-    c.node.run(["nft", "add", "element", "ip", "pyproxy", "cluster-ips", "{ 10.96.0.12 }"])
+    # someone deletes an element: repaired at once (issue 28), so `diff` can only show it
+    # while the kernel refuses the repair (the drills' /fault)
+    with repair_refused(sock):
+        c.node.run(["nft", "delete", "element", "ip", "pyproxy", "cluster-ips",
+                    "{ 10.96.0.12 }"])
+        code, text = cli(sock, "diff")
+        assert code == 1 and "set cluster-ips: missing element 10.96.0.12" in text
+    until(lambda: cli(sock, "diff")[0] == 0, 15, "the element repaired", interval=0.3)
     # someone flushes the dispatch chain: the daemon notices within syncPeriod and repairs it
     c.node.run(["nft", "flush", "chain", "ip", "pyproxy", "services"])
     # not DNATed until the repair (which may already have happened: syncPeriod is 2 s)
@@ -179,7 +184,18 @@ def test_diff_and_tampering_repaired(env: tuple[Cluster, str, Path]) -> None:
     assert any(r["reason"] == "table changed by someone else" for r in history)
     metrics = c.lab.exec_python(c.node, "import urllib.request;print(urllib.request.urlopen("
                                 "'http://127.0.0.1:10249/metrics').read().decode())").stdout
-    assert "pyproxy_table_repairs_total 1.0" in metrics
+    assert "pyproxy_table_repairs_total 2.0" in metrics  # the element, the chain
+
+
+@contextlib.contextmanager
+def repair_refused(sock: str) -> Iterator[None]:
+    """The kernel refuses every IPv4 transaction of the daemon (its repairs too) until the
+    block ends; the daemon's retry then repairs what was changed meanwhile."""
+    ask(sock, "/fault", fail=1000, family="ip")
+    try:
+        yield
+    finally:
+        ask(sock, "/fault", fail=0, family="ip")
 
 
 def test_unreachable_daemon_exit_code(tmp_path: Path) -> None:
@@ -194,14 +210,14 @@ def test_trace_verify_checks_the_answer_against_the_kernel(env: tuple[Cluster, s
     listing = c.node.run(["nft", "get", "element", "ip", "pyproxy", "endpoints-tcp",
                           f"{{ {slot} }}"]).stdout
     value = listing.split(f"{slot} : ", 1)[1].split()[0:3]
-    c.node.run(["nft", "delete", "element", "ip", "pyproxy", "endpoints-tcp", f"{{ {slot} }}"])
-    try:
+    assert value  # the slot is there to delete
+    with repair_refused(sock):  # or the element would be back before the check
+        c.node.run(["nft", "delete", "element", "ip", "pyproxy", "endpoints-tcp",
+                    f"{{ {slot} }}"])
         code, text = cli(sock, "trace", "--src", c.client_ip4, "--dst", f"{VIP}:80/tcp",
                          "--verify")
         assert code == 1 and "endpoints-tcp: expected" in text, text
-    finally:
-        c.node.run(["nft", "add", "element", "ip", "pyproxy", "endpoints-tcp",
-                    f"{{ {slot} : {' '.join(value)} }}"])
+    until(lambda: cli(sock, "diff")[0] == 0, 15, "the element repaired", interval=0.3)
 
 
 def new_connections(c: Cluster) -> dict[tuple[str, str, str], float]:
