@@ -6,11 +6,13 @@ API server reached through a Service address)."""
 from __future__ import annotations
 
 import base64
+import functools
 import http.server
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +33,7 @@ from pyproxy.cluster.snapshot import build_state
 from pyproxy.config import ConfigError, ProxyConfig, load_config_file
 from pyproxy.serve.metrics import Metrics
 from testkit.builders import make_service, make_service_cidr
+from testkit.controlplane import Pki, make_pki
 from testkit.fixtures import requires_netns
 from testkit.netlab import Lab
 from testkit.waits import eventually
@@ -48,6 +51,12 @@ class FakeClock:
         return self.now
 
 
+@functools.cache
+def pki() -> Pki:
+    """A CA and certificates made with openssl, once for the module."""
+    return make_pki(Path(tempfile.mkdtemp(prefix="pyproxy-test-pki-")))
+
+
 def kubeadm_files(tmp: Path, token: str = "token-1") -> Path:
     """kubeadm's ConfigMap as kube-proxy's pod sees it (config.conf and kubeconfig.conf in
     /var/lib/kube-proxy, the service account in /var/run/secrets/…), moved under `tmp`.
@@ -57,7 +66,7 @@ def kubeadm_files(tmp: Path, token: str = "token-1") -> Path:
     sa = tmp / SA_DIR.lstrip("/")
     sa.mkdir(parents=True)
     (sa / "token").write_text(token)
-    (sa / "ca.crt").write_text("-----BEGIN CERTIFICATE-----\n")
+    (sa / "ca.crt").write_bytes(pki().ca.read_bytes())
     for name, text in data.items():
         moved = text.replace("/var/", f"{tmp}/var/")
         (tmp / "var/lib/kube-proxy" / name).write_text(moved)
@@ -182,6 +191,31 @@ class TestKubeconfig:
         with pytest.raises(ConfigError) as raised:
             apiconnection.load(ProxyConfig(kubeconfig=path))
         assert str(raised.value).startswith(f"{tmp_path}/" + message.format(tmp=tmp_path))
+
+    @pytest.mark.parametrize(("ca", "cert", "key", "message"), [
+        pytest.param("not-a-cert", None, None, "certificate-authority {tmp}/not-a-cert: not "
+                     "usable for TLS", id="CA not a certificate"),
+        pytest.param("ca", "admin", "kcm_key", "client-certificate {admin} and client-key "
+                     "{kcm_key}: not usable for TLS", id="key of another certificate"),
+        pytest.param("ca", "admin", "admin_key", None, id="usable"),
+    ])
+    def test_certificates_are_checked_at_start(self, tmp_path: Path, ca: str,
+                                               cert: str | None, key: str | None,
+                                               message: str | None) -> None:
+        """What TLS would refuse at the first request is refused at start, naming the file."""
+        files = {"ca": str(pki().ca), "admin": str(pki().admin),
+                 "admin_key": str(pki().admin_key), "kcm_key": str(pki().controller_manager_key),
+                 "not-a-cert": write(tmp_path, "not-a-cert", "hello\n")}
+        config = kubeconfig(**({"client-certificate": files[cert], "client-key": files[key]}
+                               if cert and key else {}))
+        config["clusters"][0]["cluster"]["certificate-authority"] = files[ca]
+        path = write(tmp_path, "kc", config)
+        if message is None:
+            apiconnection.load(ProxyConfig(kubeconfig=path))
+            return
+        with pytest.raises(ConfigError) as raised:
+            apiconnection.load(ProxyConfig(kubeconfig=path))
+        assert str(raised.value).startswith(f"{path}: " + message.format(tmp=tmp_path, **files))
 
     def test_an_empty_token_file_is_refused(self, tmp_path: Path) -> None:
         write(tmp_path, "token", "\n")

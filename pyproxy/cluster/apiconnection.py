@@ -241,7 +241,8 @@ def _with_server(connection: ApiConnection, master: str) -> ApiConnection:
 
 
 def check_files(connection: ApiConnection) -> None:
-    """Every file the connection names can be read (and a token file is not empty)."""
+    """Every file the connection names can be read (a token file is not empty), and the
+    certificates are what TLS will need: at start, not at the first request's retries."""
     for name, path in connection.files():
         try:
             content = Path(path).read_bytes()
@@ -250,6 +251,35 @@ def check_files(connection: ApiConnection) -> None:
                               f"{err.strerror or err}") from None
         if name == "tokenFile" and not content.strip():
             raise ConfigError(f"{connection.source}: {name} {path}: empty")
+    if urlsplit(connection.server).scheme == "https":
+        _check_tls(connection)
+
+
+def _check_tls(connection: ApiConnection) -> None:
+    """Load the CA and the client certificate into a TLS context, as urllib3 will."""
+    import ssl
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    checks: list[tuple[str, Callable[[], None]]] = []
+    if not connection.insecure and connection.ca_file:
+        ca_file = connection.ca_file
+        checks.append((f"certificate-authority {ca_file}",
+                       lambda: context.load_verify_locations(cafile=ca_file)))
+    if not connection.insecure and connection.ca_data:
+        ca_data = connection.ca_data
+        checks.append(("certificate-authority-data",
+                       lambda: context.load_verify_locations(cadata=ca_data)))
+    if connection.cert_file and connection.key_file:
+        cert, key = connection.cert_file, connection.key_file
+        checks.append((f"client-certificate {cert} and client-key {key}",
+                       lambda: context.load_cert_chain(cert, key)))
+    for what, check in checks:
+        try:
+            check()
+        except (ssl.SSLError, ValueError) as err:
+            reason = getattr(err, "reason", None) or str(err)
+            raise ConfigError(f"{connection.source}: {what}: not usable for TLS "
+                              f"({reason})") from None
 
 
 class FileToken:
