@@ -411,12 +411,22 @@ def busybox_tree(users: Sequence[tuple[str, int, int, str, str]] = ROOT_USERS,
     return tree
 
 
+# /usr merged by mmdebstrap's hooks, as debootstrap does it: mmdebstrap's default for bookworm
+# installs the usrmerge package instead, which brings all of perl (~45 MB) into the image.
+MERGED_USR_HOOKS = "/usr/share/mmdebstrap/hooks/merged-usr"
+
+
+def rootfs_path(packages: Sequence[str] = ()) -> Path:
+    """Where `debian_rootfs(packages)` keeps its tar (the name holds its inputs' hash)."""
+    key = digest_of(DEBIAN_SUITE, *DEBIAN_MIRRORS, *SLIM_DPKG_OPTIONS, *sorted(packages),
+                    MERGED_USR_HOOKS, deb_version("mmdebstrap"))[:16]
+    return cache_dir() / "build" / f"rootfs-{DEBIAN_SUITE}-{key}.tar"
+
+
 def debian_rootfs(packages: Sequence[str] = ()) -> Path:
     """A minbase Debian rootfs tar (slimmed as bookworm-slim is) with packages, made by
     mmdebstrap once per package list; its .debs are kept, so the next one downloads less."""
-    key = digest_of(DEBIAN_SUITE, *DEBIAN_MIRRORS, *SLIM_DPKG_OPTIONS, *sorted(packages),
-                    deb_version("mmdebstrap"))[:16]
-    target = cache_dir() / "build" / f"rootfs-{DEBIAN_SUITE}-{key}.tar"
+    target = rootfs_path(packages)
     if target.exists():
         return target
     debs = cache_dir() / "build" / "debs"
@@ -426,6 +436,7 @@ def debian_rootfs(packages: Sequence[str] = ()) -> Path:
         log(f"mmdebstrap {DEBIAN_SUITE} minbase + {' '.join(packages) or 'nothing'}")
         argv: list[str | Path] = [_need("mmdebstrap", "mmdebstrap"), "--variant=minbase",
                                   "--quiet", "--format=tar", "--skip=essential/unlink",
+                                  f"--hook-dir={MERGED_USR_HOOKS}",
                                   "--setup-hook", 'mkdir -p "$1"/var/cache/apt/archives',
                                   "--setup-hook", f"sync-in {debs} /var/cache/apt/archives",
                                   "--customize-hook", f"sync-out /var/cache/apt/archives {debs}"]
@@ -673,23 +684,36 @@ def buildah_has(image: str) -> bool:
     return result.returncode == 0 and bool(result.stdout.strip())
 
 
+# On a base made here: the rootfs it was made from (whose name holds its recipe's hash).
+BASE_LABEL = "io.pyproxy.rootfs"
+
+
 def ensure_debian_base(pull_timeout: float = 30) -> str:
     """Makes sure buildah has the Containerfile's base (DEBIAN_BASE): already there, pulled
     if a registry answers, else made here from Debian's packages (mmdebstrap) and imported
     under that name. Returns where it came from."""
     _need("buildah", "buildah")
     if buildah_has(DEBIAN_BASE):
-        return "local"
-    try:
-        subprocess.run(["buildah", "pull", "--quiet", DEBIAN_BASE], check=True,
-                       timeout=pull_timeout, capture_output=True)
-        return "pulled"
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        log(f"no registry has {DEBIAN_BASE}: making it from Debian's packages")
+        made_from = run("buildah", "inspect", "--type=image", "--format",
+                        f'{{{{index .OCIv1.Config.Labels "{BASE_LABEL}"}}}}', DEBIAN_BASE,
+                        capture=True).strip()
+        # A pulled base has no such label and stays; one made here by an older recipe is
+        # made again.
+        if made_from in ("", "<no value>", rootfs_path().name):
+            return "local"
+        log(f"{DEBIAN_BASE} was made from {made_from}: making it again")
+    else:
+        try:
+            subprocess.run(["buildah", "pull", "--quiet", DEBIAN_BASE], check=True,
+                           timeout=pull_timeout, capture_output=True)
+            return "pulled"
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
+            log(f"no registry has {DEBIAN_BASE}: making it from Debian's packages")
     rootfs = debian_rootfs()
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "base.tar"
-        write_archive(archive, DEBIAN_BASE, [rootfs], image_config(cmd=["bash"]),
+        write_archive(archive, DEBIAN_BASE, [rootfs],
+                      image_config(cmd=["bash"], labels={BASE_LABEL: rootfs.name}),
                       history=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}")
         # buildah names an image pulled from an archive by its ID only: tag it.
         image_id = run("buildah", "pull", "--quiet", f"oci-archive:{archive}",
