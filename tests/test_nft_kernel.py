@@ -518,3 +518,22 @@ def test_its_commits_are_our_own(ns: Netns) -> None:
     assert int(nft._netlink.getsockname()[0]) in sockets.current()
     nft.renew()
     assert int(nft._netlink.getsockname()[0]) in sockets.current()
+
+
+def test_a_service_with_the_longest_names_loads(ns: Netns) -> None:
+    """`ns/name:port` of a 63-character namespace and name and a 15-character port name is
+    143 bytes; the kernel takes at most 128 in a comment (NFT_USERDATA_MAXLEN) and refuses the
+    whole transaction otherwise (kubernetes#139515). Cut, the element loads (kubernetes#139516)."""
+    namespace, name = "n" * 63, "s" * 63
+
+    def tweak(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="NodePort", externalIPs=["192.0.2.9"],
+                           ports=[{"name": "p" * 15, "port": 80, "nodePort": 30080,
+                                   "protocol": "UDP"}])
+
+    slice_ = make_slice(namespace, name, [ep("10.244.1.5", "node-a")], lambda s: s.update(
+        ports=[{"name": "p" * 15, "port": 8080, "protocol": "UDP"}]))
+    objs = [*NODES, make_service(namespace, name, tweak), slice_]
+    ns.run(["nft", "-f", "-"], input=render_text(objs))
+    listed = ns.run(["nft", "list", "map", "ip", "pyproxy", "service-ips"]).stdout
+    assert f'comment "{namespace}/{name}:"' in listed  # 128 bytes: the port name is cut

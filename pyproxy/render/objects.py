@@ -42,6 +42,21 @@ CONNECTION_SHARDS = 8
 CONNECTION_SHARD_SIZE = 131072
 
 
+# The kernel keeps at most 128 bytes of a comment (NFT_USERDATA_MAXLEN) and refuses the
+# whole transaction for a longer one: `ns/name:port` reaches 143 (63 + 63 + 15 and the
+# separators), so one Service with long names would stop every sync (kubernetes#139515).
+COMMENT_MAX_BYTES = 128
+
+
+def element_comment(text: str) -> str:
+    """`text` cut to what the kernel keeps (kubernetes#139516: comments are cosmetic, so
+    the cut changes no verdict). Cut by bytes, at a character boundary."""
+    data = text.encode()
+    if len(data) <= COMMENT_MAX_BYTES:
+        return text
+    return data[:COMMENT_MAX_BYTES].decode(errors="ignore")
+
+
 def endpoints_map(proto: str) -> str:
     return f"endpoints-{proto}"
 

@@ -77,6 +77,7 @@ from pyproxy.render.objects import (
     Item,
     Kind,
     connections_set,
+    element_comment,
     endpoints_map,
     nodeport_endpoints_map,
 )
@@ -304,7 +305,7 @@ class _ServiceRender:
         self.port, self.sel, self.cfg, self.cip = port, sel, cfg, cip
         self.proto = port.protocol.lower()
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
-        self._comment = f' comment "{port.name}"'
+        self._comment = f' comment "{element_comment(str(port.name))}"'
         self._picker: _Picker | None = None
 
     def comment(self) -> str:
