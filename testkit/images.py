@@ -505,7 +505,9 @@ def _build_pause(out: Path) -> None:
 
 
 def _build_busybox(out: Path) -> None:
-    # As the library busybox image the e2e tests use: a shell, no entrypoint.
+    # As the library busybox image the e2e tests use: a shell, no entrypoint. Its name is the
+    # e2e manifest's (1.37.0-2) though Debian 12's busybox is 1.35: pods ask for the name, and
+    # use the shell and applets, not the version.
     _archive(out, BUSYBOX, [busybox_tree()], image_config(cmd=["sh"]))
 
 
