@@ -24,6 +24,10 @@ from pyproxy.kernel.host import (
     (32768, 131072, 8, 262144),
     (32768, 0, 2, 65536),
     (0, 131072, 64, 0),  # maxPerCore 0: leave the limit alone, whatever min says
+    # kube-proxy 1.36 caps maxPerCore x CPUs at 1,048,576 (kubernetes#137002)...
+    (32768, 131072, 64, 1048576),
+    (32768, 2097152, 64, 1048576),  # ... before the floor is looked at, as getConntrackMax
+    (32768, 2097152, 8, 2097152),
 ])
 def test_conntrack_max_as_kube_proxy_computes_it(per_core: int, minimum: int, cpus: int,
                                                  expected: int) -> None:
@@ -74,6 +78,22 @@ def test_only_what_differs_is_written_and_the_hash_size_only_raised(tmp_path: Pa
     outcomes = apply_conntrack(plan[:1], str(proc_sys), str(hashsize))
     assert outcomes[1] == Outcome("nf_conntrack hashsize", 32768, "unchanged", "already 262144")
     assert hashsize.read_text() == "262144\n"
+
+
+def test_a_larger_nf_conntrack_max_is_never_lowered(tmp_path: Path) -> None:
+    """The host's own larger limit stays, and nothing is written (kubernetes#142035, the 1.36
+    regression #141943: where the sysctl is read-only, as in a container or a namespace
+    other than the initial one, the attempt to lower it failed). The hash size is still
+    raised to a quarter of the limit pyproxy wants, as kube-proxy does."""
+    proc_sys, hashsize = proc(tmp_path, {"nf_conntrack_max": 2097152}, 16384)
+    limit = proc_sys / "net/netfilter/nf_conntrack_max"
+    outcomes = apply_conntrack((Sysctl("nf_conntrack_max", 131072),), str(proc_sys),
+                               str(hashsize))
+    assert outcomes[0] == Outcome("nf_conntrack_max", 131072, "unchanged",
+                                  "already 2097152, more than wanted: left alone")
+    assert limit.read_text() == "2097152\n"
+    assert outcomes[1].action == "set"
+    assert hashsize.read_text() == "32768"
 
 
 def test_oom_score_adj(tmp_path: Path) -> None:

@@ -712,9 +712,10 @@ _TABLE: tuple[_Setting, ...] = (
              "kube-proxy's informer resync re-sends its cache to handlers that ignore unchanged "
              "objects")),
     _Setting("conntrack_max_per_core", _Type.INT32, partial(_in_range, 0, 2**31 - 1),
-             "at start nf_conntrack_max = max(maxPerCore × CPUs, min), and the conntrack hash "
-             "size raised to a quarter of it; 0 leaves both alone. Global: set only from the "
-             "initial network namespace (elsewhere reported and skipped)",
+             "at start nf_conntrack_max raised to max(maxPerCore × CPUs, min) (maxPerCore × "
+             "CPUs capped at 1,048,576 first; a larger host value is never lowered), and the "
+             "conntrack hash size raised to a quarter of it; 0 leaves both alone. Global: set "
+             "only from the initial network namespace (elsewhere reported and skipped)",
              applied_by="host.py, at start",
              paths=("conntrack.maxPerCore",),
              flag="conntrack-max-per-core",

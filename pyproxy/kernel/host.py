@@ -26,6 +26,9 @@ NETFILTER = "net/netfilter"
 CONNTRACK_MAX = "nf_conntrack_max"
 HASHSIZE = "/sys/module/nf_conntrack/parameters/hashsize"
 OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
+# kube-proxy 1.36 caps maxPerCore x CPUs here: 1M entries are ~300 MiB of kernel memory, and
+# 32768 per core on a 128-core machine asked for 4M (kubernetes#137002).
+CONNTRACK_MAX_CAP = 1048576
 
 
 @dataclass(frozen=True)
@@ -48,11 +51,15 @@ class Outcome:
 
 
 def conntrack_max(max_per_core: int, minimum: int, cpus: int) -> int:
-    """kube-proxy's getConntrackMax: maxPerCore × CPUs, at least `minimum`; 0 (leave the
+    """kube-proxy's getConntrackMax: maxPerCore × CPUs, capped at 1,048,576 (the cap wins
+    over `minimum`, as upstream checks it first), else at least `minimum`; 0 (leave the
     limit alone) when maxPerCore is 0."""
     if max_per_core <= 0:
         return 0
-    return max(max_per_core * cpus, minimum)
+    scaled = max_per_core * cpus
+    if scaled > CONNTRACK_MAX_CAP:
+        return CONNTRACK_MAX_CAP
+    return max(scaled, minimum)
 
 
 def conntrack_sysctls(config: ProxyConfig, cpus: int) -> tuple[Sysctl, ...]:
@@ -88,12 +95,30 @@ def apply_conntrack(plan: tuple[Sysctl, ...], proc_sys: str = PROC_SYS,
     outcomes: list[Outcome] = []
     for sysctl in plan:
         path = Path(proc_sys, NETFILTER, sysctl.name)
-        outcome = _set(path, sysctl.name, sysctl.value)
+        if sysctl.name == CONNTRACK_MAX:
+            outcome = _raise_conntrack_max(path, sysctl.value)
+        else:
+            outcome = _set(path, sysctl.name, sysctl.value)
         outcomes.append(outcome)
         if sysctl.name == CONNTRACK_MAX and outcome.action in ("set", "unchanged"):
             outcomes.append(_raise_hashsize(Path(hashsize), sysctl.value // 4,
                                             initial_netns=os.access(path, os.W_OK)))
     return outcomes
+
+
+def _raise_conntrack_max(path: Path, value: int) -> Outcome:
+    """nf_conntrack_max is only ever raised: a host (or an administrator) that set a larger
+    limit keeps it, and nothing is written. kube-proxy 1.36 wrote its value whenever it
+    differed, so where the sysctl is read-only (a container, LXC) the cap above turned a
+    limit it used to leave alone into a failed write (kubernetes#141943, fixed by #142035)."""
+    try:
+        current = _read_int(path)
+    except (OSError, ValueError):
+        return _set(path, CONNTRACK_MAX, value)  # unreadable: try, as kube-proxy does
+    if current > value:
+        return Outcome(CONNTRACK_MAX, value, "unchanged",
+                       f"already {current}, more than wanted: left alone")
+    return _set(path, CONNTRACK_MAX, value)
 
 
 def _set(path: Path, name: str, value: int) -> Outcome:
