@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import structlog
@@ -42,9 +42,11 @@ from pyproxy.kernel.conntrack import (
     ServiceFrontends,
     UdpTarget,
     allowed_map,
+    claimants,
     needs_cleanup,
     service_frontends,
     udp_targets,
+    withdrawn,
 )
 from pyproxy.kernel.host import Outcome, apply_host_settings
 from pyproxy.kernel.nft import OWN_SOCKETS
@@ -76,6 +78,12 @@ def sd_notify(message: str) -> None:
             sock.sendall(message.encode())
         except OSError as err:
             log.warning("sd_notify_failed", error=str(err))
+
+
+class ConntrackSink(Protocol):
+    """Where the observer hands conntrack work (ConntrackWorker; a recording fake in tests)."""
+
+    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None: ...
 
 
 class ConntrackWorker:
@@ -120,7 +128,7 @@ class DaemonObserver:
     metrics: Metrics
     service_health: ServiceHealth
     hcnp_servers: ServiceHealthServers | None = None
-    conntrack: ConntrackWorker | None = None
+    conntrack: ConntrackSink | None = None
     on_first_sync: Callable[[], None] = lambda: None
     after_sync: list[Callable[[], None]] = field(default_factory=list)
     _udp_targets: dict[Any, UdpTarget] | None = None
@@ -205,11 +213,6 @@ class DaemonObserver:
             return
         current = udp_targets(state, self.families, services)
         previous = self._udp_targets
-        if previous is None or needs_cleanup(previous, current):
-            for family in self.families:
-                targets = [t for (name, fam), t in current.items() if fam is family]
-                if targets:
-                    self.conntrack.submit(family, allowed_map(targets, self.node_ips))
         merged = dict(previous or {})
         if services is None:
             merged = dict(current)
@@ -217,6 +220,16 @@ class DaemonObserver:
             merged = {k: v for k, v in merged.items() if k[0].service not in services}
             merged.update(current)
         self._udp_targets = merged
+        if previous is not None and not needs_cleanup(previous, current, services):
+            return
+        # A frontend that went away (a deleted Service) allows nobody; one another Service
+        # still claims keeps that Service's endpoints.
+        gone = withdrawn(previous or {}, current, services)
+        work = {**claimants(merged, gone), **current}
+        for family in self.families:
+            targets = [t for (_name, fam), t in (*work.items(), *gone.items()) if fam is family]
+            if targets:
+                self.conntrack.submit(family, allowed_map(targets, self.node_ips))
 
 
 def current_selections(proxier: NodeProxier) -> list[PortSelection]:

@@ -4,7 +4,7 @@ entries a repair deletes (those to a service frontend that were never DNATed).""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -21,13 +21,19 @@ from pyproxy.kernel.conntrack import (
     UdpTarget,
     allowed_map,
     canonical_ip,
+    claimants,
     needs_cleanup,
     not_dnated,
     service_frontends,
     stale,
     udp_targets,
+    withdrawn,
 )
+from pyproxy.run import DaemonObserver
+from pyproxy.serve.health import ProxyHealth, ServiceHealth
+from pyproxy.serve.metrics import Metrics
 from testkit.builders import ep, make_service, make_slice, terminating
+from testkit.fakes import fake_node_proxier
 
 NODE_IP = "192.168.50.1"
 NODE_IP6 = "fd00:50::1"
@@ -123,8 +129,9 @@ CASES = [
          entry(NODE_IP, NODE_IP, dport=NODEPORT), True),
     Case("NodePort number to a forwarded, non-local destination",
          entry("198.18.0.1", "198.18.0.1", dport=NODEPORT), False),
-    Case("no serving endpoints: untouched", entry("10.96.0.30", GONE), False),
-    Case("no serving endpoints, not NATed: untouched", entry("10.96.0.30", "10.96.0.30"), False),
+    # kubernetes#139628: scaled to zero, a one-way flow stayed DNATed to the deleted pod.
+    Case("no serving endpoints: every entry goes", entry("10.96.0.30", GONE), True),
+    Case("no serving endpoints, not NATed: goes too", entry("10.96.0.30", "10.96.0.30"), True),
     Case("terminating but serving endpoint kept", entry("10.96.0.40", "10.244.3.2"), False),
     Case("terminating, not serving endpoint", entry("10.96.0.40", "10.244.3.3"), True),
     Case("iTP=Local without local endpoints: flows elsewhere kept",
@@ -161,6 +168,7 @@ def test_allowed_map_contents(allowed: Allowed) -> None:
         (EXTERNAL_IP, 53): both,
         (LB_IP, 53): both,
         (DNS_VIP6, 53): frozenset({POD_A6}),
+        ("10.96.0.30", 53): frozenset(),
         ("10.96.0.40", 53): frozenset({"10.244.3.2"}),
         ("10.96.0.50", 53): frozenset({"10.244.2.5"}),
     }
@@ -190,11 +198,13 @@ def test_shared_destination_allows_the_union() -> None:
         entry(EXTERNAL_IP, GONE)]
 
 
-def test_targets_per_family_and_only_udp_with_serving_endpoints() -> None:
+def test_targets_per_family_and_only_udp() -> None:
     targets = udp_targets(cluster())
     names = {(key.name, fam) for key, fam in targets}
     assert names == {("dns", IPFamily.IPv4), ("dns", IPFamily.IPv6), ("draining", IPFamily.IPv4),
-                     ("other-nodes", IPFamily.IPv4)}
+                     ("other-nodes", IPFamily.IPv4), ("empty", IPFamily.IPv4)}
+    empty = targets[(ServicePortName("default", "empty", "p", Protocol.UDP), IPFamily.IPv4)]
+    assert empty == UdpTarget(frozenset({("10.96.0.30", 53)}), 0, frozenset())
     dns6 = targets[(ServicePortName("default", "dns", "p", Protocol.UDP), IPFamily.IPv6)]
     assert dns6 == UdpTarget(frozenset({(DNS_VIP6, 53)}), NODEPORT, frozenset({POD_A6}))
     only4 = udp_targets(cluster(), families=(IPFamily.IPv4,))
@@ -234,7 +244,9 @@ NEEDS = [
      True),
     ("UDP endpoint became not ready (terminating, still serving)",
      _change(1, endpoints("dns", [ep(POD_A), terminating(POD_B)])), False),
-    ("UDP service lost every endpoint", _change(1, endpoints("dns", [])), False),
+    ("UDP service lost every endpoint", _change(1, endpoints("dns", [])), True),
+    ("UDP service deleted", BASE[2:], True),
+    ("UDP service lost its endpoints' slice", [BASE[0], *BASE[2:]], True),
     ("UDP service got an external IP", _change(0, service("dns", DNS_VIP,
                                                            externalIPs=[EXTERNAL_IP])), True),
     ("TCP endpoint removed", _change(3, endpoints("web", [], proto="TCP")), False),
@@ -257,8 +269,80 @@ def test_needs_cleanup_partial_current() -> None:
     """A partial sync passes only the changed services' targets."""
     before = _targets(BASE)
     after = _targets(_change(1, endpoints("dns", [ep(POD_A)])))
-    assert needs_cleanup(before, {}) is False
+    assert needs_cleanup(before, {}, services=[]) is False
     assert needs_cleanup(before, after) is True
+    assert needs_cleanup(before, {}) is True  # every service compared: dns is gone
+
+
+def test_an_endpointless_nodeport_needs_the_node_ips() -> None:
+    """Matched on the port alone, an endpoint-less NodePort would take every UDP flow to that
+    port number, to any host: left out without node IPs (as kube-proxy always does)."""
+    bare = UdpTarget(frozenset({(DNS_VIP, 53)}), NODEPORT, frozenset())
+    assert allowed_map([bare]).node_ports == {}
+    assert allowed_map([bare], node_ips=[NODE_IP]).node_ports == {NODEPORT: frozenset()}
+
+
+# ---------------------------------------------------------------------------------------------
+# withdrawn: frontends that went away (kubernetes#141371)
+
+DNS = ServicePortName("default", "dns", "p", Protocol.UDP)
+SHARED = [service("dns", DNS_VIP, type="NodePort", externalIPs=[EXTERNAL_IP],
+                  ports=[{"name": "p", "port": 53, "protocol": "UDP", "targetPort": 5353,
+                          "nodePort": NODEPORT}]),
+          endpoints("dns", [ep(POD_A)]),
+          service("dns2", "10.96.0.11", externalIPs=[EXTERNAL_IP]),
+          endpoints("dns2", [ep(POD_B)])]
+
+
+def _dns_with(**spec: Any) -> list[dict[str, Any]]:
+    ports = [{"name": "p", "port": 53, "protocol": "UDP", "targetPort": 5353,
+              "nodePort": spec.pop("nodePort", NODEPORT)}]
+    return [service("dns", DNS_VIP, type="NodePort", ports=ports, **spec), *SHARED[1:]]
+
+
+WITHDRAWN = [
+    ("nothing changed", SHARED, set()),
+    ("Service deleted: its ClusterIP, external IP and NodePort",
+     SHARED[1:], {(DNS_VIP, 53), (EXTERNAL_IP, 53), ("node", NODEPORT)}),
+    ("external IP taken off", _dns_with(), {(EXTERNAL_IP, 53)}),
+    ("NodePort changed", _dns_with(externalIPs=[EXTERNAL_IP], nodePort=NODEPORT + 1),
+     {("node", NODEPORT)}),
+    ("endpoints gone, Service kept: not withdrawn (the target allows nobody)",
+     [SHARED[0], *SHARED[2:]], set()),
+]
+
+
+@pytest.mark.parametrize(("name", "objects", "expected"), WITHDRAWN,
+                         ids=[w[0] for w in WITHDRAWN])
+def test_withdrawn(name: str, objects: list[dict[str, Any]], expected: set[Any]) -> None:
+    gone = withdrawn(_targets(SHARED), _targets(objects))
+    assert {k for k, _fam in gone} <= {DNS}
+    found = {d for t in gone.values() for d in t.destinations}
+    found |= {("node", t.node_port) for t in gone.values() if t.node_port}
+    assert found == expected
+    assert all(not t.endpoints for t in gone.values())
+
+
+def test_withdrawn_compares_only_the_services_a_partial_sync_saw() -> None:
+    """A partial sync's `current` holds only its services: the others are not gone."""
+    before = _targets(SHARED)
+    assert withdrawn(before, {}, services=[]) == {}
+    assert set(withdrawn(before, {}, services=[DNS.service])) == {(DNS, IPFamily.IPv4)}
+
+
+def test_a_shared_frontend_keeps_the_other_services_endpoints() -> None:
+    """dns is deleted; dns2 still has the external IP: its flows stay, dns's go."""
+    before = _targets(SHARED)
+    after = _targets(SHARED[2:])
+    gone = withdrawn(before, after, services=[DNS.service])
+    work = [*claimants(after, gone).values(), *gone.values()]
+    allowed = allowed_map(work, node_ips=[NODE_IP])
+    assert allowed.service_ips == {(DNS_VIP, 53): frozenset(),
+                                   (EXTERNAL_IP, 53): frozenset({POD_B}),
+                                   ("10.96.0.11", 53): frozenset({POD_B})}
+    assert stale([entry(EXTERNAL_IP, POD_B), entry(EXTERNAL_IP, POD_A), entry(DNS_VIP, POD_A),
+                  entry(NODE_IP, POD_A, dport=NODEPORT)], allowed) == [
+        entry(EXTERNAL_IP, POD_A), entry(DNS_VIP, POD_A), entry(NODE_IP, POD_A, dport=NODEPORT)]
 
 
 def test_canonical_ip() -> None:
@@ -342,3 +426,56 @@ def test_service_frontends_of_each_family() -> None:
     sctp = build_state([service("s", "10.96.0.60", proto="SCTP")])
     assert service_frontends(sctp, IPFamily.IPv4).protocols == {IPPROTO_SCTP}
     assert not service_frontends(build_state([]), IPFamily.IPv4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Wired to syncs (run.py's DaemonObserver)
+
+
+@dataclass
+class RecordingSink:
+    """The conntrack worker's seam: what a sync handed over, per family."""
+
+    work: list[tuple[IPFamily, Allowed | ServiceFrontends]] = field(default_factory=list)
+
+    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None:
+        self.work.append((family, work))
+
+
+def test_a_deleted_udp_service_has_every_entry_to_its_frontends_deleted() -> None:
+    """kubernetes#141371: the sync that removes a UDP Service's rules hands its ClusterIP,
+    external IP and NodePort (on this node) over as allowing nobody; the same for a Service
+    scaled to zero (#139629). A partial sync that changes nothing UDP hands nothing over."""
+    proxier, _nft, _requests = fake_node_proxier()
+    sink = RecordingSink()
+    observer = DaemonObserver(lambda: proxier, (IPFamily.IPv4,), (NODE_IP,),
+                              ProxyHealth((IPFamily.IPv4,), timeout=60.0), Metrics(),
+                              ServiceHealth(), conntrack=sink)
+    proxier.observers.append(observer)
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    for obj in SHARED:
+        kind = "on_service" if obj["kind"] == "Service" else "on_slice"
+        getattr(proxier, kind)(("default", obj["metadata"]["name"]), obj)
+    proxier.sync()
+    assert len(sink.work) == 1  # the first sync: everything
+    proxier.on_slice(("default", "dns-ipv4"), endpoints("dns", []))
+    proxier.sync()
+    _family, scaled_to_zero = sink.work[-1]
+    assert isinstance(scaled_to_zero, Allowed)
+    assert scaled_to_zero.service_ips[(DNS_VIP, 53)] == frozenset()
+    assert scaled_to_zero.node_ports == {NODEPORT: frozenset()}
+    proxier.on_service(("default", "dns"), None)
+    proxier.on_slice(("default", "dns-ipv4"), None)
+    proxier.sync()
+    family, deleted = sink.work[-1]
+    assert family is IPFamily.IPv4 and isinstance(deleted, Allowed)
+    assert deleted.service_ips == {(DNS_VIP, 53): frozenset(),
+                                   (EXTERNAL_IP, 53): frozenset({POD_B}),  # dns2's too
+                                   ("10.96.0.11", 53): frozenset({POD_B})}
+    assert deleted.node_ports == {NODEPORT: frozenset()}
+    assert deleted.node_ips == frozenset({NODE_IP})
+    submitted = len(sink.work)
+    proxier.on_service(("default", "web"), make_service("default", "web", ip="10.96.0.20"))
+    proxier.sync()
+    assert len(sink.work) == submitted

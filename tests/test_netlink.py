@@ -19,9 +19,11 @@ from pyproxy.kernel.conntrack import (
     IPPROTO_UDP,
     ConntrackEntry,
     allowed_map,
+    needs_cleanup,
     service_frontends,
     stale,
     udp_targets,
+    withdrawn,
 )
 from pyproxy.kernel.netlink import (
     IFA_F_DADFAILED,
@@ -406,3 +408,31 @@ def test_after_a_repair_only_entries_never_dnated_to_a_frontend_are_deleted(lab:
     left = {(e.orig_src, e.proto) for f in (V4, V6) for e in cleaner.dump(f, (6, 17))}
     assert left == {("203.0.113.2", IPPROTO_UDP), ("203.0.113.4", IPPROTO_TCP),
                     ("2001:db8::2", IPPROTO_UDP)}
+
+
+@requires_netns
+@pytest.mark.netns
+def test_a_deleted_udp_services_flows_are_all_deleted(lab: Lab) -> None:
+    """kubernetes#141371 with real flows: dns is deleted (its rules went with it), so every
+    entry to its ClusterIP and its NodePort on this node goes, whichever pod answered it;
+    the other Service's flow stays."""
+    cluster = lab.standard_topology(backends=2, tcp_ports=(8080,), udp_ports=(5353,))
+    node, client = cluster.node, cluster.client
+    lab.nft(node, _ruleset(cluster, v6=False, both=True))
+    node_ip = cluster.node_ip()
+    sent = _sent(lab.connect(client, DNS_VIP, 53, "udp", count=4), DNS_VIP)
+    sent |= _sent(lab.connect(client, node_ip, NODEPORT, "udp", count=2), node_ip)
+    sent |= _sent(lab.connect(client, OTHER_VIP, 53, "udp"), OTHER_VIP)
+    assert set(sent.values()) == {"pod-a", "pod-b"}
+    assert _cli_udp(lab, cluster, v6=False) == set(sent)
+
+    pod_a, pod_a6 = cluster.pods["pod-a"].ip4, cluster.pods["pod-a"].ip6
+    before = udp_targets(build_state(dns_objects(pod_a, pod_a6)), (V4,))
+    after = udp_targets(build_state(dns_objects(pod_a, pod_a6)[3:]), (V4,))
+    gone = withdrawn(before, after)
+    assert gone and needs_cleanup(before, after)
+    allowed = allowed_map([*after.values(), *gone.values()],
+                          node_ips=local_addresses(node.full))
+    summary = ConntrackCleaner(netns=node.full).cleanup(V4, allowed)
+    assert (summary.stale, summary.deleted, summary.ok) == (6, 6, True)
+    assert _cli_udp(lab, cluster, v6=False) == {k for k in sent if k[0] == OTHER_VIP}

@@ -12,8 +12,12 @@ deleted; the next packet of the flow is then NATed afresh.
 
 As upstream, the allowed endpoints are every *serving* endpoint of the service port, whatever
 the traffic policies, topology or terminating state say, so existing flows to an endpoint that
-still serves keep working (like TCP connections do). Service ports with no serving endpoint
-are skipped: their new traffic is rejected anyway and their entries expire.
+still serves keep working (like TCP connections do). A service port with no serving endpoint
+allows none: every entry to it goes (kubernetes#139628/#139629, kube-proxy 1.37.0: a one-way
+sender, statsd say, refreshes its entry with every datagram, so the reject rule never sees its
+packets and they went to the deleted pod's address for as long as it kept sending). So do the
+entries of a frontend that went away, a deleted Service's above all (kubernetes#141371, after
+kube-proxy 1.37.2): `withdrawn` names them from the previous sync's targets.
 
 The I/O half (dumping and deleting entries through netlink) is `pyproxy.netlink`.
 
@@ -82,8 +86,7 @@ class ConntrackEntry:
 class UdpTarget:
     """What one UDP service port allows, for one IP family: the (IP, port) pairs clients send to
     (ClusterIP, external IPs, LoadBalancer VIPs), its NodePort (0: none) and the IPs of its
-    serving endpoints, who may answer. Only built for ports with at least one serving
-    endpoint."""
+    serving endpoints, who may answer (empty: nobody, every entry to it is stale)."""
 
     destinations: frozenset[tuple[str, int]]
     node_port: int
@@ -135,15 +138,12 @@ def udp_target(
     port: ServicePort, family: IPFamily, endpoints: Iterable[Endpoint]
 ) -> UdpTarget | None:
     """One service port's target for `family`, from all its endpoints of that family; None
-    for non-UDP ports, ports without an address of the family and ports without a serving
-    endpoint."""
+    for non-UDP ports and ports without an address of the family."""
     if port.protocol is not Protocol.UDP:
         return None
     serving = frozenset(
         canonical_ip(ep.ip) for ep in endpoints if ep.family is family and _is_serving(ep)
     )
-    if not serving:
-        return None
     cluster_ip = port.cluster_ip(family)
     addresses = [
         *([cluster_ip] if cluster_ip else []),
@@ -161,8 +161,8 @@ def udp_targets(
     families: Collection[IPFamily] = (IPFamily.IPv4, IPFamily.IPv6),
     services: Iterable[ServiceKey] | None = None,
 ) -> dict[TargetKey, UdpTarget]:
-    """Targets of every UDP service port with a serving endpoint (of `services` only, when
-    given: a partial sync's changed services), per family. Cheap: non-UDP ports are skipped
+    """Targets of every UDP service port (of `services` only, when given: a partial sync's
+    changed services), per family. Cheap: non-UDP ports are skipped
     before their endpoints are merged."""
     if services is None:
         ports: Iterable[ServicePort] = state.ports
@@ -184,13 +184,15 @@ def udp_targets(
 def allowed_map(targets: Iterable[UdpTarget], node_ips: Iterable[str] | None = None) -> Allowed:
     """Merge targets into the lookup `stale` uses. Two ports sharing a destination (an external
     IP claimed by two services) allow the union of their endpoints: deleting a flow that is
-    legitimately served is worse than keeping a stale one."""
+    legitimately served is worse than keeping a stale one. Without `node_ips` the NodePort of
+    a target without endpoints is left out: matched on the port alone, it would take every
+    UDP flow to that port number, to any host (kube-proxy skips it for that reason)."""
     service_ips: dict[tuple[str, int], frozenset[str]] = {}
     node_ports: dict[int, frozenset[str]] = {}
     for target in targets:
         for dest in target.destinations:
             service_ips[dest] = service_ips.get(dest, frozenset()) | target.endpoints
-        if target.node_port:
+        if target.node_port and (target.endpoints or node_ips is not None):
             port = target.node_port
             node_ports[port] = node_ports.get(port, frozenset()) | target.endpoints
     nodes = None if node_ips is None else frozenset(canonical_ip(ip) for ip in node_ips)
@@ -225,16 +227,51 @@ def stale(entries: Iterable[ConntrackEntry], allowed: Allowed) -> list[Conntrack
 
 
 def needs_cleanup(
-    previous: Mapping[TargetKey, UdpTarget] | None, current: Mapping[TargetKey, UdpTarget]
+    previous: Mapping[TargetKey, UdpTarget] | None, current: Mapping[TargetKey, UdpTarget],
+    services: Collection[ServiceKey] | None = None,
 ) -> bool:
     """Whether a sync from `previous` to `current` can have made UDP entries stale: a UDP
-    service port (with serving endpoints now) that is new, or whose endpoints or addresses
-    changed. `current` may cover only the services a partial sync touched. Ports that lost
-    every serving endpoint do not count: cleanup skips them anyway. No previous state (the
-    first sync after a start) always needs one."""
+    service port that is new, whose endpoints or addresses changed, or that is gone.
+    `current` may cover only `services`, those a partial sync touched (None: all). No
+    previous state (the first sync after a start) always needs one."""
     if previous is None:
         return bool(current)
-    return any(previous.get(key) != target for key, target in current.items())
+    return (any(previous.get(key) != target for key, target in current.items())
+            or bool(withdrawn(previous, current, services)))
+
+
+def withdrawn(
+    previous: Mapping[TargetKey, UdpTarget], current: Mapping[TargetKey, UdpTarget],
+    services: Collection[ServiceKey] | None = None,
+) -> dict[TargetKey, UdpTarget]:
+    """The frontends that `previous` had and `current` has no more, as targets without
+    endpoints: every entry to them is stale. A deleted Service's or service port's
+    (kubernetes#141371: its rules go, and a one-way flow stays DNATed to an endpoint whose
+    address may already be another pod's), an external IP or LoadBalancer VIP taken off a
+    Service, a NodePort changed. Only the ports of `services` are compared (None: all),
+    since a partial sync's `current` covers no others."""
+    out: dict[TargetKey, UdpTarget] = {}
+    for key, before in previous.items():
+        if services is not None and key[0].service not in services:
+            continue
+        after = current.get(key)
+        gone = before.destinations - (after.destinations if after else frozenset())
+        node_port = before.node_port if before.node_port and (
+            after is None or after.node_port != before.node_port) else 0
+        if gone or node_port:
+            out[key] = UdpTarget(gone, node_port, frozenset())
+    return out
+
+
+def claimants(targets: Mapping[TargetKey, UdpTarget],
+              gone: Mapping[TargetKey, UdpTarget]) -> dict[TargetKey, UdpTarget]:
+    """The targets that still claim a withdrawn frontend (an external IP another Service also
+    has, a NodePort taken over at once): cleaned together, their endpoints keep their flows
+    (`allowed_map`'s union)."""
+    addresses = {dest for target in gone.values() for dest in target.destinations}
+    ports = {target.node_port for target in gone.values() if target.node_port}
+    return {key: target for key, target in targets.items()
+            if target.destinations & addresses or target.node_port in ports}
 
 
 # ---------------------------------------------------------------------------------------------
