@@ -334,6 +334,18 @@ def _log_host_setting(outcome: Outcome) -> None:
         log.warning("host_setting_failed", **fields)
 
 
+def init_host(config: ProxyConfig) -> int:
+    """kube-proxy's --init-only: the host settings `run_daemon` makes at start (the step that
+    needs the most privilege), then exit: 1 if one of them failed."""
+    setup_logging(config.logging_format, config.verbosity)
+    for warning in config.unapplied:
+        log.warning("configuration", note=warning)
+    outcomes = apply_host_settings(config)
+    for outcome in outcomes:
+        _log_host_setting(outcome)
+    return 1 if any(outcome.action == "failed" for outcome in outcomes) else 0
+
+
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits.

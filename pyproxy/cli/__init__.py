@@ -8,11 +8,12 @@ import json
 import platform
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pyproxy.cli.formats import format_history, format_services, format_status, format_trace
 from pyproxy.cluster.snapshot import SnapshotError, load_snapshot
-from pyproxy.config import ConfigError, add_flags, from_args
+from pyproxy.config import ConfigError, ProxyConfig, add_flags, from_args, run_actions
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.nft import Applier, NftError
@@ -101,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
             "(minSyncPeriod). Stops on SIGTERM/SIGINT and leaves the rules in place."),
     )
     add_flags(run)
+    run.add_argument("--version", action="version", version=f"pyproxy {version()}",
+                     help="print the version and exit (as kube-proxy's --version)")
     run.set_defaults(handler=_cmd_run)
+
+    _config_commands(commands)
 
     version_cmd = commands.add_parser(
         "version", help="print pyproxy's version", description="Print pyproxy's version "
@@ -110,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     version_cmd.set_defaults(handler=_cmd_version)
 
     for name, command in commands.choices.items():
-        if name != "run":  # `run` has it among kube-proxy's flags (and from --config)
+        # `run` and `config`'s commands have it among kube-proxy's flags (and from --config)
+        if name not in ("run", "config"):
             command.add_argument("--logging-format", choices=FORMATS, default=None,
                                  help="log lines on stderr: text (key=value) or json "
                                       "(default: text)")
@@ -126,12 +132,83 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pyproxy.run import run_daemon
+    from pyproxy.run import init_host, run_daemon
 
     try:
-        return run_daemon(from_args(args))
+        actions = run_actions(args)
+        config = from_args(args)
+        # kube-proxy's --write-config-to, --cleanup and --init-only: instead of running
+        if actions.write_config_to:
+            return _write_config(config, actions.write_config_to)
+        if actions.cleanup:
+            return _cmd_cleanup(argparse.Namespace(kube_proxy=False, force=False))
+        if actions.init_only:
+            return init_host(config)
+        return run_daemon(config)
     except ConfigError as err:  # raised before anything on the host changed
         raise UsageError(str(err)) from None
+
+
+def _write_config(config: ProxyConfig, path: str) -> int:
+    from pyproxy.config.view import effective_configuration
+
+    try:
+        Path(path).write_text(effective_configuration(config).text(), encoding="utf-8")
+    except OSError as err:
+        raise UsageError(f"--write-config-to {path}: {err.strerror or err}") from None
+    return EXIT_OK
+
+
+def _config_commands(commands: Any) -> None:
+    config = commands.add_parser(
+        "config", help="check the configuration, or print the one `pyproxy run` would use",
+        description="The configuration `pyproxy run` would use, without running it: "
+                    "`check` reports every problem, `view` prints it.")
+    sub = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
+    check = sub.add_parser(
+        "check", help="report every problem of --config FILE and the flags",
+        description="Check a configuration as `pyproxy run` would read it (--config FILE, "
+                    "then run's flags): every problem, naming its field or flag and the file; "
+                    "warnings (unknown fields, what is accepted but not applied); the notes "
+                    "run logs at start. Exit code 0 usable, 1 problems, 2 usage.")
+    add_flags(check, actions=False)
+    check.set_defaults(handler=_cmd_config_check)
+    view = sub.add_parser(
+        "view", help="print the effective configuration as YAML",
+        description="Print the configuration `pyproxy run` would use (defaults, then --config "
+                    "FILE, then run's flags) as a KubeProxyConfiguration, which --config reads "
+                    "back; what a file cannot say is listed after it as flags. Exit code 1 "
+                    "if the configuration has problems (`pyproxy config check` lists them).")
+    add_flags(view, actions=False)
+    view.set_defaults(handler=_cmd_config_view)
+
+
+def _cmd_config_check(args: argparse.Namespace) -> int:
+    from pyproxy.config.view import check_configuration
+
+    report = check_configuration(args)
+    for kind, lines in (("error", report.problems), ("warning", report.warnings),
+                        ("note", report.notes)):
+        for line in lines:
+            print(f"{kind}: {line}")
+    where = args.config or "the defaults and flags"
+    if report.problems:
+        print(f"{where}: {len(report.problems)} problem(s): pyproxy run would refuse to start")
+        return EXIT_ERROR
+    print(f"{where}: ok" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
+    return EXIT_OK
+
+
+def _cmd_config_view(args: argparse.Namespace) -> int:
+    from pyproxy.config.view import check_configuration, effective_configuration
+
+    report = check_configuration(args)
+    if report.config is None:
+        for line in report.problems:
+            print(f"pyproxy: {line}", file=sys.stderr)
+        return EXIT_ERROR
+    sys.stdout.write(effective_configuration(report.config).text())
+    return EXIT_OK
 
 
 def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:

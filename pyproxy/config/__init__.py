@@ -11,9 +11,10 @@ ConfigMap), and kube-proxy's flag names override it. Settings are resolved in th
 Every v1alpha1 field ever defined is accepted, including those that only apply to other modes or
 platforms (`iptables`, `ipvs`, `winkernel`, `portRange`, `udpIdleTimeout`, ...): they are type
 checked, and a value that would change something is reported in `ProxyConfig.notes`. A field
-that v1alpha1 never had is an error naming its path: kube-proxy merely warns (it falls back to
-lenient decoding for v1alpha1), but a typo'd field silently keeping its default is the kind of
-mistake that surfaces months later as a traffic problem.
+that v1alpha1 never had is ignored with a warning naming its path (`ProxyConfig.warnings`), as
+kube-proxy's lenient decoding does: refusing to start over a field kube-proxy accepts would
+break a working kube-proxy configuration, and `pyproxy config check` shows the typo before
+it is deployed. Every problem of a file is reported at once, each naming its field.
 
 Durations are in seconds (float) throughout; in the file and in flags they are Go duration
 strings (`30s`, `1m0s`, `500ms`), parsed by `parse_duration`.
@@ -58,7 +59,12 @@ NODEPORT_KEYWORDS = ("primary", "all")
 
 
 class ConfigError(ValueError):
-    """The configuration cannot be used; the message names the field or flag at fault."""
+    """The configuration cannot be used. `problems`: every one found, each naming the field
+    or flag at fault (and the file, when there is one); the message is one a line."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems: tuple[str, ...] = problems
 
 
 class LogFormat(StrEnum):
@@ -192,6 +198,9 @@ class ProxyConfig:
 
     file_notes: tuple[str, ...] = ()
     """What reading the file found worth saying: ignored fields, the mode's consequences."""
+    warnings: tuple[str, ...] = ()
+    """What the file and the flags hold that changes nothing, where kube-proxy too would only
+    warn or do nothing: unknown fields, kube-proxy flags pyproxy accepts without applying."""
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -202,8 +211,8 @@ class ProxyConfig:
     @property
     def unapplied(self) -> tuple[str, ...]:
         """Settings given a value other than the default that pyproxy accepts but does not
-        apply (warned about at start-up)."""
-        return tuple(_unapplied_notes(self))
+        apply, unknown fields and unapplied flags (warned about at start-up)."""
+        return self.warnings + tuple(_unapplied_notes(self))
 
     @property
     def watches_service_cidrs(self) -> bool:
@@ -419,6 +428,12 @@ def _from_flag(kind: _Type, text: str) -> Any:
         return [part.strip() for part in text.split(",") if part.strip()]
     if kind is _Type.GATES:
         return _gates_flag(text)
+    if kind is _Type.QUANTITY:
+        if not _QUANTITY.fullmatch(text):
+            raise ValueError(f"expected {_expected(kind)}, got {text!r}")
+        return text
+    if kind is _Type.VMODULE:
+        return _vmodule_flag(text)
     raise AssertionError(f"no flag has type {kind}")
 
 
@@ -430,6 +445,16 @@ def _gates_flag(text: str) -> dict[str, bool]:
             raise ValueError(f"expected Name=true|false[,...], got {item!r}")
         gates[name.strip()] = value.strip() in _GO_TRUE
     return gates
+
+
+def _vmodule_flag(text: str) -> list[dict[str, Any]]:
+    items = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        pattern, eq, level = item.partition("=")
+        if not eq or not pattern or not level.isdigit():
+            raise ValueError(f"expected pattern=N[,...], got {item!r}")
+        items.append({"filePattern": pattern, "verbosity": int(level)})
+    return items
 
 
 # ---------------------------------------------------------------------------------------------
@@ -607,6 +632,8 @@ class _Setting:
     """The default as the document shows it, where the value itself would not say it."""
     not_applied: str = ""
     """Accepted, not applied: why."""
+    kube_flags: tuple[str, ...] = ()
+    """kube-proxy's flags for this setting, where `flag` is another name (pyproxy's own)."""
 
     @property
     def description(self) -> str:
@@ -681,7 +708,9 @@ _TABLE: tuple[_Setting, ...] = (
     _Setting("masquerade_bit", _Type.INT32, partial(_in_range, 0, 31),
              "fwmark bit for masquerading, 0..31",
              applied_by="`NodeConfig` → pyproxy.render (the masquerade mark)",
-             paths=("iptables.masqueradeBit", "nftables.masqueradeBit")),
+             paths=("iptables.masqueradeBit", "nftables.masqueradeBit"),
+             flag_help="fwmark bit for masquerading, 0..31",
+             kube_flags=("iptables-masquerade-bit",)),
     _Setting("masquerade_all", _Type.BOOL, _identity,
              "masquerade all ClusterIP traffic",
              applied_by="`NodeConfig` → pyproxy.render (masquerading)",
@@ -691,13 +720,15 @@ _TABLE: tuple[_Setting, ...] = (
              "retry delay after a failed sync; health timeout is twice this",
              applied_by="run.py: sync timing (runner.py retries, health.py timeout)",
              paths=("iptables.syncPeriod", "nftables.syncPeriod"),
-             flag="sync-period", flag_help="retry delay after a failed sync",
+             flag="sync-period", flag_help="retry delay after a failed sync", own=True,
+             kube_flags=("iptables-sync-period",),
              zero_is_unset=True),
     _Setting("min_sync_period", _Type.DURATION, _not_negative_duration,
              "minimum gap between syncs",
              applied_by="run.py: sync timing (runner.py)",
              paths=("iptables.minSyncPeriod", "nftables.minSyncPeriod"),
-             flag="min-sync-period", flag_help="minimum gap between syncs",
+             flag="min-sync-period", flag_help="minimum gap between syncs", own=True,
+             kube_flags=("iptables-min-sync-period",),
              zero_is_unset=True),
     _Setting("full_sync_period", _Type.DURATION, _positive_duration,
              applied_by="run.py: sync timing (sync/node.py)",
@@ -941,22 +972,31 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _u
 
 def load_config(text: str) -> ProxyConfig:
     """A KubeProxyConfiguration (YAML or JSON) as a validated ProxyConfig. Raises ConfigError
-    naming the field at fault."""
+    with every problem found, each naming the field at fault. Fields v1alpha1 never had are
+    ignored and kept in `ProxyConfig.warnings`, as kube-proxy's lenient decoding does."""
     document = _parse(text)
     values: dict[str, Any] = {}
-    _decode(document, _TREE, "", values)
-    return _validated(_build(values))
+    problems: list[str] = []
+    warnings: list[str] = []
+    _decode(document, _TREE, "", values, problems, warnings)
+    config = _build(values, problems)
+    problems += _cross_problems(config)
+    if problems:
+        raise ConfigError(*problems)
+    return dataclasses.replace(config, warnings=tuple(warnings))
 
 
 def load_config_file(path: str) -> ProxyConfig:
+    """`load_config` of a file; every problem names the file."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"--config {path}: {getattr(err, 'strerror', None) or err}") from err
     try:
-        return load_config(text)
+        config = load_config(text)
     except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from None
+        raise ConfigError(*(f"{path}: {problem}" for problem in err.problems)) from None
+    return dataclasses.replace(config, warnings=tuple(f"{path}: {w}" for w in config.warnings))
 
 
 def _parse(text: str) -> dict[str, Any]:
@@ -966,6 +1006,8 @@ def _parse(text: str) -> dict[str, Any]:
         raise ConfigError(f"not valid YAML or JSON: {err}") from None
     if not isinstance(document, dict):
         raise ConfigError(f"expected a {KIND} object, got {_describe(document)}")
+    if document.get(_KIND) == "ConfigMap":
+        raise ConfigError(_configmap_hint(document))
     for key, want in ((_API_VERSION, API_VERSION), (_KIND, KIND)):
         got = document.pop(key, None)
         if got != want:
@@ -974,26 +1016,58 @@ def _parse(text: str) -> dict[str, Any]:
     return document
 
 
+def _configmap_hint(document: Mapping[str, Any]) -> str:
+    """A whole ConfigMap is what `kubectl get cm kube-proxy -o yaml` prints: the configuration
+    is one of its keys (kubeadm's: config.conf), which kube-proxy's pod mounts as a file."""
+    data = document.get("data")
+    keys = [key for key, value in (data.items() if isinstance(data, dict) else ())
+            if isinstance(value, str) and KIND in value]
+    key = keys[0] if keys else "config.conf"
+    meta = document.get("metadata")
+    name = meta.get("name", "kube-proxy") if isinstance(meta, dict) else "kube-proxy"
+    namespace = meta.get("namespace", "kube-system") if isinstance(meta, dict) else "kube-system"
+    escaped = key.replace(".", "\\.")
+    return (f"kind: this is a ConfigMap, not a {KIND}: give its {key} key as the file (as "
+            f"kube-proxy's pod mounts it), e.g. kubectl -n {namespace} get cm {name} -o "
+            f"jsonpath='{{.data.{escaped}}}' > {key}")
+
+
+# kube-proxy's nftables mode refuses kernels older than 5.13 unless this variable is set; a
+# field of that name is a guess kube-proxy ignores (with a warning), and so does pyproxy.
+_FIELD_HINTS = {
+    "nftables.skipKernelVersionCheck": (
+        "kube-proxy's kernel check is skipped with the environment variable "
+        "KUBE_PROXY_NFTABLES_SKIP_KERNEL_VERSION_CHECK, not a field; pyproxy makes no such "
+        "check"),
+}
+
+
+def _unknown_field(path: str) -> str:
+    hint = _FIELD_HINTS.get(path, "not a v1alpha1 field; a typo keeps the default")
+    return f"{path}: unknown field, ignored (as kube-proxy does, with a warning): {hint}"
+
+
 def _decode(document: Mapping[Any, Any], tree: Mapping[str, Any], prefix: str,
-            out: dict[str, Any]) -> None:
-    """Check every field of `document` against `tree`, storing typed values by dotted path.
-    null means unset (as an omitted field), whatever the type."""
+            out: dict[str, Any], problems: list[str], warnings: list[str]) -> None:
+    """Check every field of `document` against `tree`, storing typed values by dotted path,
+    a wrong value in `problems`, an unknown field in `warnings`. null means unset (as an
+    omitted field), whatever the type."""
     for key, value in document.items():
         path = f"{prefix}{key}"
         spec = tree.get(key) if isinstance(key, str) else None
         if spec is None:
-            raise ConfigError(f"{path}: unknown field")
-        if value is None:
+            warnings.append(_unknown_field(path))
+        elif value is None:
             continue
-        if isinstance(spec, _Field):
+        elif isinstance(spec, _Field):
             try:
                 out[path] = _from_json(spec.type, value)
             except ValueError as err:
-                raise ConfigError(f"{path}: {err}") from None
+                problems.append(f"{path}: {err}")
         elif isinstance(value, dict):
-            _decode(value, spec, f"{path}.", out)
+            _decode(value, spec, f"{path}.", out, problems, warnings)
         else:
-            raise ConfigError(f"{path}: expected an object, got {_describe(value)}")
+            problems.append(f"{path}: expected an object, got {_describe(value)}")
 
 
 def _is_zero(kind: _Type, value: Any) -> bool:
@@ -1003,9 +1077,9 @@ def _is_zero(kind: _Type, value: Any) -> bool:
     return value in (False, 0, "") or value == [] or value == {}
 
 
-def _build(values: Mapping[str, Any]) -> ProxyConfig:
+def _build(values: Mapping[str, Any], problems: list[str]) -> ProxyConfig:
     mode = values.get(_MODE, "")
-    _check_mode(mode, _MODE)
+    problems += _mode_problems(mode, _MODE)
     # As kube-proxy's v1alpha1 conversion: the mode-specific settings come from the section of
     # the mode kube-proxy would run, and an empty mode means iptables.
     section = _NFT if mode == _NFT else _IPT
@@ -1019,17 +1093,21 @@ def _build(values: Mapping[str, Any]) -> ProxyConfig:
             if not _is_zero(spec.type, value):
                 notes.append(f"{spec.path}: ignored ({_why_ignored(spec, mode)})")
         elif not (spec.zero_is_unset and _is_zero(spec.type, value)):
-            changes[spec.attr] = _setting(spec.attr, value, spec.path)
+            try:
+                changes[spec.attr] = _setting(spec.attr, value, spec.path)
+            except ConfigError as err:
+                problems.append(str(err))
     healthz, metrics = _default_servers(changes.get("bind_address", DEFAULT_BIND_ADDRESS))
     changes.setdefault("healthz_bind_address", healthz)
     changes.setdefault("metrics_bind_address", metrics)
     return ProxyConfig(**changes, file_notes=tuple(notes))
 
 
-def _check_mode(mode: str, name: str) -> None:
-    if mode not in ("", _NFT):
-        raise ConfigError(f"{name}: pyproxy only implements nftables mode, got {mode!r} "
-                          f"(use nftables, or leave it empty)")
+def _mode_problems(mode: str, name: str) -> list[str]:
+    if mode in ("", _NFT):
+        return []
+    return [f"{name}: pyproxy only implements nftables mode, got {mode!r} "
+            f"(use nftables, or leave it empty)"]
 
 
 def _mode_notes(mode: str, values: Mapping[str, Any]) -> Iterator[str]:
@@ -1063,19 +1141,20 @@ def _default_servers(bind_address: str) -> tuple[str, str]:
 # Validation across settings (file and flags alike)
 
 
-def _validated(config: ProxyConfig) -> ProxyConfig:
+def _cross_problems(config: ProxyConfig) -> list[str]:
+    problems = []
     mode = config.detect_local_mode
     if mode is LocalMode.BRIDGE_INTERFACE and not config.bridge_interface:
-        raise ConfigError("detectLocalMode is BridgeInterface but detectLocal.bridgeInterface "
-                          "(--pod-bridge-interface) is empty")
+        problems.append("detectLocalMode is BridgeInterface but detectLocal.bridgeInterface "
+                        "(--pod-bridge-interface) is empty")
     if mode is LocalMode.INTERFACE_NAME_PREFIX and not config.interface_name_prefix:
-        raise ConfigError("detectLocalMode is InterfaceNamePrefix but "
-                          "detectLocal.interfaceNamePrefix (--pod-interface-name-prefix) is empty")
+        problems.append("detectLocalMode is InterfaceNamePrefix but "
+                        "detectLocal.interfaceNamePrefix (--pod-interface-name-prefix) is empty")
     if config.full_sync_period < config.min_sync_period:
-        raise ConfigError(f"--full-sync-period ({format_duration(config.full_sync_period)}) must "
-                          f"not be shorter than minSyncPeriod "
-                          f"({format_duration(config.min_sync_period)})")
-    return config
+        problems.append(f"--full-sync-period ({format_duration(config.full_sync_period)}) must "
+                        f"not be shorter than minSyncPeriod "
+                        f"({format_duration(config.min_sync_period)})")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1087,72 +1166,176 @@ class _Flag:
     name: str
     type: _Type
     attr: str | None
+    """The setting it sets; None: `config`, `proxy-mode`, an action, or not applied."""
     help: str
     own: bool = False
     """pyproxy's own flag, not kube-proxy's."""
     short: str | None = None
+    not_applied: str = ""
+    """A kube-proxy flag accepted (type checked) that changes nothing here: why."""
+    action: bool = False
+    """Something `pyproxy run` does instead of running (`--cleanup`, `--write-config-to`)."""
 
     @property
     def dest(self) -> str:
         return self.name.replace("-", "_")
 
 
+_KLOG = "klog's; pyproxy logs through structlog"
+_IPVS = "ipvs mode only; pyproxy runs nftables"
+# kube-proxy v1.37's flags that set nothing pyproxy has (tests/test_kube_proxy_flags.py checks
+# this list against kube-proxy's own --help): accepted and type checked, so a kube-proxy
+# command line works unchanged, and each one given is warned about at start-up.
+_UNAPPLIED_FLAGS: tuple[_Flag, ...] = (
+    _Flag("iptables-localhost-nodeports", _Type.BOOL, None, "localhost NodePorts (iptables mode)",
+          not_applied="pyproxy never serves NodePorts on loopback addresses, as kube-proxy's "
+          "nftables mode"),
+    _Flag("ipvs-exclude-cidrs", _Type.STRINGS, None, "ipvs cleanup exclusions", not_applied=_IPVS),
+    _Flag("ipvs-min-sync-period", _Type.DURATION, None, "ipvs minSyncPeriod", not_applied=_IPVS),
+    _Flag("ipvs-scheduler", _Type.STRING, None, "ipvs scheduler", not_applied=_IPVS),
+    _Flag("ipvs-strict-arp", _Type.BOOL, None, "ipvs strict ARP", not_applied=_IPVS),
+    _Flag("ipvs-sync-period", _Type.DURATION, None, "ipvs syncPeriod", not_applied=_IPVS),
+    _Flag("ipvs-tcp-timeout", _Type.DURATION, None, "ipvs TCP timeout", not_applied=_IPVS),
+    _Flag("ipvs-tcpfin-timeout", _Type.DURATION, None, "ipvs TCP FIN timeout", not_applied=_IPVS),
+    _Flag("ipvs-udp-timeout", _Type.DURATION, None, "ipvs UDP timeout", not_applied=_IPVS),
+    _Flag("kube-api-content-type", _Type.STRING, None, "API content type",
+          not_applied="the Python client always speaks JSON"),
+    _Flag("log-flush-frequency", _Type.DURATION, None, "log flush period",
+          not_applied="pyproxy does not buffer logs"),
+    _Flag("log-json-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG),
+    _Flag("log-json-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG),
+    _Flag("log-text-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG),
+    _Flag("log-text-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG),
+    _Flag("profiling", _Type.BOOL, None, "pprof on /debug/pprof",
+          not_applied="pyproxy serves no pprof"),
+    _Flag("show-hidden-metrics-for-version", _Type.STRING, None, "hidden metrics",
+          not_applied="pyproxy hides no metrics"),
+    _Flag("vmodule", _Type.VMODULE, None, "per-file log verbosity",
+          not_applied="per-file verbosity is a klog feature"),
+)
+_ACTION_FLAGS: tuple[_Flag, ...] = (
+    _Flag("write-config-to", _Type.STRING, None,
+          "write the effective configuration (as `pyproxy config view` prints it) to this file "
+          "and exit", action=True),
+    _Flag("cleanup", _Type.BOOL, None,
+          "delete pyproxy's nftables tables (as `pyproxy cleanup`) and exit", action=True),
+    _Flag("init-only", _Type.BOOL, None,
+          "check the configuration, apply the start-up host settings (conntrack sysctls, "
+          "oom_score_adj) and exit", action=True),
+)
+
 _FLAGS: tuple[_Flag, ...] = (
     _Flag("config", _Type.STRING, None,
           "KubeProxyConfiguration file (YAML or JSON); flags given explicitly override it"),
     _Flag("proxy-mode", _Type.STRING, None, "must be nftables (or empty)"),
-    *(_Flag(s.flag, s.type, s.attr, s.flag_help, own=s.own, short=s.short)
-      for s in _TABLE if s.flag),
+    *_ACTION_FLAGS,
+    *(flag for s in _TABLE for flag in (
+        *((_Flag(s.flag, s.type, s.attr, s.flag_help, own=s.own, short=s.short),) if s.flag
+          else ()),
+        *(_Flag(name, s.type, s.attr, f"as --{s.flag}" if s.flag else s.flag_help)
+          for name in s.kube_flags))),
+    *_UNAPPLIED_FLAGS,
 )
 
 _METAVARS = {
     _Type.STRING: "TEXT", _Type.BOOL: "BOOL", _Type.INT32: "N", _Type.UINT32: "N",
     _Type.NUMBER: "N", _Type.DURATION: "DURATION", _Type.STRINGS: "LIST",
-    _Type.GATES: "NAME=BOOL,...",
+    _Type.GATES: "NAME=BOOL,...", _Type.QUANTITY: "QUANTITY", _Type.VMODULE: "PATTERN=N,...",
 }
-_FLAG_METAVARS = {"config": "FILE", "snapshot": "FILE", "debug-socket": "PATH"}
+_FLAG_METAVARS = {"config": "FILE", "snapshot": "FILE", "debug-socket": "PATH",
+                  "write-config-to": "FILE"}
 
 
-def add_flags(parser: argparse.ArgumentParser) -> None:
-    """Add kube-proxy's flags (and pyproxy's own) to `parser`. Every default is None, so
-    `apply_flags` can tell a flag that was not given from one given its default value."""
+def add_flags(parser: argparse.ArgumentParser,
+              settings: Sequence[str] | None = None, actions: bool = True) -> None:
+    """Add kube-proxy's flags (and pyproxy's own) to `parser`; with `settings`, only the flags
+    of those settings and --config (the node options `render`, `apply` and `trace` share with
+    `run`); `actions`: with the flags that make `run` do something else and exit. Every
+    default is None, so `apply_flags` can tell a flag that was not given from one given its
+    default value."""
     kube = parser.add_argument_group(
         "kube-proxy flags", "as kube-proxy's; a flag given overrides the --config file")
     own = parser.add_argument_group("pyproxy flags")
+    unapplied = parser.add_argument_group(
+        "kube-proxy flags accepted, not applied", "type checked; each one given is warned "
+        "about at start-up") if settings is None else None
     for flag in _FLAGS:
+        if settings is not None and flag.attr not in settings and flag.name != "config":
+            continue
+        if flag.action and not (actions and settings is None):
+            continue
         names = [f"--{flag.name}", *([flag.short] if flag.short else [])]
         options: dict[str, Any] = {
             "dest": flag.dest, "default": None,
             "metavar": _FLAG_METAVARS.get(flag.name, _METAVARS[flag.type]),
-            "help": f"{flag.help} (default: {_flag_default(flag)})".replace("%", "%%"),
+            "help": _flag_help(flag).replace("%", "%%") + (
+                "" if flag.not_applied or flag.action else f" (default: {_flag_default(flag)})"),
         }
         if flag.type is _Type.BOOL:
             options.update(nargs="?", const="true")  # `--masquerade-all`, `--masquerade-all=false`
-        (own if flag.own else kube).add_argument(*names, **options)
+        group = unapplied if flag.not_applied and unapplied else own if flag.own else kube
+        group.add_argument(*names, **options)
+
+
+def _flag_help(flag: _Flag) -> str:
+    return f"{flag.help}: not applied, {flag.not_applied}" if flag.not_applied else flag.help
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunActions:
+    """What `pyproxy run` is asked to do instead of running, as kube-proxy's flags ask it."""
+
+    write_config_to: str | None = None
+    cleanup: bool = False
+    init_only: bool = False
+
+
+def run_actions(args: argparse.Namespace) -> RunActions:
+    """The action flags given in `args`. Raises ConfigError naming a flag with a bad value."""
+    found: dict[str, Any] = {}
+    for flag in _ACTION_FLAGS:
+        raw = getattr(args, flag.dest, None)
+        if raw is not None:
+            try:
+                found[flag.dest] = _from_flag(flag.type, raw)
+            except ValueError as err:
+                raise ConfigError(f"--{flag.name}: {err}") from None
+    return RunActions(**found)
 
 
 def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
     """`config` with every flag given in `args` (not None) applied, validated again. Raises
-    ConfigError naming the flag."""
+    ConfigError with every flag at fault; a kube-proxy flag that changes nothing here adds
+    a warning."""
     changes: dict[str, Any] = {}
+    problems: list[str] = []
+    warnings: list[str] = []
     for flag in _FLAGS:
         raw = getattr(args, flag.dest, None)
         if raw is None:
             continue
         name = f"--{flag.name}"
         if flag.name == "proxy-mode":
-            _check_mode(raw, name)
-        if flag.attr is None:
+            problems += _mode_problems(raw, name)
+        if flag.attr is None and not flag.not_applied:
             continue
         try:
             value = _from_flag(flag.type, raw)
-        except ValueError as err:
-            raise ConfigError(f"{name}: {err}") from None
-        if flag.attr == "feature_gates":
-            value = {**config.feature_gates, **value}
-        changes[flag.attr] = _setting(flag.attr, value, name)
+            if flag.attr is None:
+                warnings.append(f"{name}: accepted, not applied ({flag.not_applied})")
+                continue
+            if flag.attr == "feature_gates":
+                value = {**config.feature_gates, **value}
+            changes[flag.attr] = _setting(flag.attr, value, name)
+        except ValueError as err:  # ConfigError is one, and already names the flag
+            problems.append(str(err) if isinstance(err, ConfigError) else f"{name}: {err}")
     _follow_bind_family(config, changes)
-    return _validated(dataclasses.replace(config, **changes))
+    resolved = dataclasses.replace(config, **changes,
+                                   warnings=config.warnings + tuple(warnings))
+    problems += _cross_problems(resolved)
+    if problems:
+        raise ConfigError(*problems)
+    return resolved
 
 
 def _follow_bind_family(config: ProxyConfig, changes: dict[str, Any]) -> None:
@@ -1250,7 +1433,20 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   (kube-proxy's default mode). `nodePortAddresses` defaults to `[primary]` either way.
 - **Fields.** Every v1alpha1 field is accepted. Fields that do not apply are type checked, and
   a value that would have changed kube-proxy's behaviour is reported at start-up as a note. A
-  field v1alpha1 never had is an error naming its path (kube-proxy only warns).
+  field v1alpha1 never had (a typo, or `nftables.skipKernelVersionCheck`, which is an
+  environment variable of kube-proxy's, not a field) is ignored with a start-up warning
+  naming its path, as kube-proxy's lenient decoding does. A whole ConfigMap given as the file
+  is refused with the command that extracts its `config.conf`.
+- **Flags.** Every flag of kube-proxy v1.37 is accepted: applied, or type checked and warned
+  about at start-up as not applied (the table below says which and why). `--write-config-to
+  FILE`, `--cleanup` and `--init-only` do what kube-proxy's do and exit, as `--version` and
+  `-h` do.
+- **Checking.** `pyproxy config check [--config FILE] [flags]` reports every problem at once,
+  each with its field or flag and the file, then the warnings and the notes `run` would log;
+  exit code 0 usable, 1 problems, 2 usage. `pyproxy config view [--config FILE] [flags]`
+  prints the effective configuration (defaults, file, flags) as a KubeProxyConfiguration
+  that `--config` reads back, followed by the flags for what a file cannot say (pyproxy's own
+  settings, a disabled server, a zero `--min-sync-period`).
 - **Durations** are Go duration strings: `30s`, `1m0s`, `1h`, `500ms`, `2h30m`.
 """
 
@@ -1269,9 +1465,9 @@ def _settings_section() -> list[str]:
              _row("setting", "file fields", "flag", "default", "applies", "applied by"),
              _row(*["---"] * 6)]
     for setting in _TABLE:
-        flag = f"`--{setting.flag}`" if setting.flag else "—"
-        lines.append(_row(f"`{setting.attr}`", ", ".join(f"`{p}`" for p in setting.paths) or "—",
-                          flag, _default_text(setting.attr), _setting_applies(setting),
+        fields = ", ".join(f"`{p}`" for p in setting.paths) or "—"
+        lines.append(_row(f"`{setting.attr}`", fields, _flag_for(setting.attr),
+                          _default_text(setting.attr), _setting_applies(setting),
                           setting.applied_by))
     return [*lines, ""]
 
@@ -1293,7 +1489,7 @@ def reference_markdown() -> str:
               "", _row("flag", "setting", "default", "meaning"), _row(*["---"] * 4)]
     for flag in _FLAGS:
         names = f"`--{flag.name}`" + (f", `{flag.short}`" if flag.short else "")
-        meaning = f"pyproxy's own: {flag.help}" if flag.own else flag.help
+        meaning = f"pyproxy's own: {flag.help}" if flag.own else _flag_help(flag)
         lines.append(_row(names, f"`{flag.attr}`" if flag.attr else "—",
                           _flag_default(flag), meaning))
     return "\n".join(lines) + "\n"

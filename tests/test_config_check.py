@@ -1,0 +1,219 @@
+"""`pyproxy config check`, `pyproxy config view` and kube-proxy's `--write-config-to`: the
+configuration `pyproxy run` would use, checked and shown without running it (issue 27, 1)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import structlog
+import yaml
+
+from pyproxy.cli import build_parser, main
+from pyproxy.config import ConfigError, ProxyConfig, apply_flags, load_config, load_config_file
+from pyproxy.config.view import effective_configuration
+
+DATA = Path(__file__).resolve().parent / "data"
+HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    saved = structlog.get_config()
+    yield None
+    structlog.configure(**saved)
+
+
+def kubeadm_config_conf(tmp_path: Path) -> Path:
+    """config.conf of the ConfigMap kubeadm v1.37.2 writes, as kube-proxy's pod mounts it."""
+    configmap = yaml.safe_load((DATA / "kubeadm-kube-proxy-configmap.yaml").read_text())
+    path = tmp_path / "config.conf"
+    path.write_text(configmap["data"]["config.conf"])
+    return path
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def written(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "kube-proxy.yaml"
+    path.write_text(HEADER + body)
+    return path
+
+
+class TestCheck:
+    def test_kubeadm_config_conf_is_accepted(self, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+        """kubeadm's config.conf checks out, with the notes `run` would log."""
+        path = kubeadm_config_conf(tmp_path)
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}",
+                           "--hostname-override=node-a")
+        assert code == 0, out
+        assert out.splitlines()[-1] == f"{path}: ok"
+        assert "note: mode is empty (kube-proxy would run iptables)" in out
+        assert "error:" not in out
+
+    def test_every_problem_with_its_setting_and_file(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """All problems of the file and of the flags at once, each naming its field or flag
+        and the file; exit code 1."""
+        path = written(tmp_path, "mode: ipvs\nclusterCIDR: 10.244.0.0\n"
+                                 "conntrack: {min: -1}\noomScoreAdj: 2000\n")
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}",
+                           "--min-sync-period=soon", "--detect-local-mode=Bridge")
+        assert code == 1
+        errors = [line for line in out.splitlines() if line.startswith("error: ")]
+        assert errors == [
+            f"error: {path}: mode: pyproxy only implements nftables mode, got 'ipvs' "
+            "(use nftables, or leave it empty)",
+            f"error: {path}: clusterCIDR: '10.244.0.0' is not a CIDR (e.g. 10.244.0.0/16)",
+            f"error: {path}: conntrack.min: must be within 0..2147483647, got -1",
+            f"error: {path}: oomScoreAdj: must be within -1000..1000, got 2000",
+            "error: --detect-local-mode: expected one of ClusterCIDR, NodeCIDR, "
+            "BridgeInterface, InterfaceNamePrefix, got 'Bridge'",
+            "error: --min-sync-period: invalid duration 'soon'; expected a duration such as "
+            "30s, 1m0s, 500ms or 2h30m",
+        ]
+        assert out.splitlines()[-1] == (f"{path}: 6 problem(s): pyproxy run would refuse "
+                                        "to start")
+
+    def test_no_file_checks_the_flags(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """Without --config the defaults and the flags are checked."""
+        code, out, _ = cli(capsys, "config", "check", "--detect-local-mode=BridgeInterface")
+        assert code == 1
+        assert ("error: detectLocalMode is BridgeInterface but detectLocal.bridgeInterface "
+                "(--pod-bridge-interface) is empty") in out
+        code, out, _ = cli(capsys, "config", "check", "--cluster-cidr=10.244.0.0/16")
+        assert (code, out.splitlines()[-1]) == (0, "the defaults and flags: ok")
+
+    def test_missing_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, _ = cli(capsys, "config", "check", f"--config={tmp_path}/nope.yaml")
+        assert code == 1
+        assert f"error: --config {tmp_path}/nope.yaml: No such file or directory" in out
+
+    def test_unknown_flag_is_a_usage_error(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exited:
+            main(["config", "check", "--no-such-flag"])
+        assert exited.value.code == 2
+
+    def test_a_whole_configmap_gets_a_hint(self, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+        """`kubectl get cm kube-proxy -o yaml` given as --config: use its config.conf."""
+        path = DATA / "kubeadm-kube-proxy-configmap.yaml"
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}")
+        assert code == 1
+        assert (f"error: {path}: kind: this is a ConfigMap, not a KubeProxyConfiguration: give "
+                "its config.conf key as the file (as kube-proxy's pod mounts it), e.g. kubectl "
+                "-n kube-system get cm kube-proxy -o jsonpath='{.data.config\\.conf}' > "
+                "config.conf") in out
+
+
+class TestWarnings:
+    """What kube-proxy only warns about (its lenient decoding) is a warning here too."""
+
+    @pytest.mark.parametrize(("body", "path"), [
+        pytest.param("nftables: {skipKernelVersionCheck: true}",
+                     "nftables.skipKernelVersionCheck", id="skipKernelVersionCheck"),
+        pytest.param("nftables: {minSyncPeriod2: 1s}", "nftables.minSyncPeriod2",
+                     id="unknown nested field"),
+        pytest.param("masqueradeAll: true", "masqueradeAll", id="unknown top-level field"),
+        pytest.param("logging: {options: {xml: {}}}", "logging.options.xml",
+                     id="unknown deep field"),
+        pytest.param("Mode: nftables", "Mode", id="field names are case-sensitive"),
+        pytest.param("1: x", "1", id="non-string key"),
+    ])
+    def test_unknown_fields_warn_and_start(self, body: str, path: str) -> None:
+        loaded = load_config(HEADER + body + "\n")
+        assert dataclasses.replace(loaded, warnings=()) == load_config(HEADER)
+        [warning] = loaded.unapplied  # logged as a warning at start-up
+        assert warning.startswith(f"{path}: unknown field, ignored (as kube-proxy does, with "
+                                  "a warning): ")
+
+    def test_skip_kernel_version_check_says_what_kube_proxy_reads(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        path = written(tmp_path, "mode: nftables\nnftables: {skipKernelVersionCheck: true}\n")
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}")
+        assert code == 0
+        assert (f"warning: {path}: nftables.skipKernelVersionCheck: unknown field, ignored (as "
+                "kube-proxy does, with a warning): kube-proxy's kernel check is skipped with the "
+                "environment variable KUBE_PROXY_NFTABLES_SKIP_KERNEL_VERSION_CHECK, not a "
+                "field; pyproxy makes no such check") in out
+        assert out.splitlines()[-1] == f"{path}: ok (1 warning(s))"
+
+    def test_a_wrong_value_is_still_an_error(self) -> None:
+        with pytest.raises(ConfigError, match=r"^nftables\.syncPeriod: expected"):
+            load_config(HEADER + "nftables: {syncPeriod: 5, skipKernelVersionCheck: true}\n")
+
+
+def run_flags(*argv: str) -> object:
+    return build_parser().parse_args(["run", *argv])
+
+
+class TestView:
+    def test_kubeadm_with_flags_reads_back(self, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+        """The YAML `config view` prints, given as --config with the flags it lists, gives
+        the same settings."""
+        path = kubeadm_config_conf(tmp_path)
+        flags = ["--hostname-override=node-a", "--iptables-min-sync-period=0",
+                 "--full-sync-period=2h", "--healthz-bind-address=", "--masquerade-all",
+                 "--feature-gates=MultiCIDRServiceAllocator=false"]
+        code, out, _ = cli(capsys, "config", "view", f"--config={path}", *flags)
+        assert code == 0
+        document = yaml.safe_load(out)
+        assert document["mode"] == "nftables"
+        assert document["nftables"]["masqueradeAll"] is True
+        listed = [line.strip("# ") for line in out.splitlines() if line.startswith("#   ")]
+        assert listed == ["--healthz-bind-address=", "--min-sync-period=0s",
+                          "--full-sync-period=2h0m0s"]
+        view = tmp_path / "view.yaml"
+        view.write_text(out)
+        original = apply_flags(load_config_file(str(path)), run_flags(*flags))
+        again = apply_flags(load_config_file(str(view)), run_flags(*listed))
+        assert dataclasses.replace(again, file_notes=(), warnings=()) == \
+            dataclasses.replace(original, file_notes=(), warnings=())
+
+    @pytest.mark.parametrize("config", [
+        pytest.param(ProxyConfig(), id="defaults"),
+        pytest.param(ProxyConfig(bind_address="fd00::1", healthz_bind_address="[::]:10256",
+                                 metrics_bind_address="[::1]:10249",
+                                 cluster_cidrs=("10.0.0.0/8", "fd00::/48"),
+                                 nodeport_addresses=("all",), conntrack_max_per_core=0,
+                                 snapshot="/x.yaml", qps=0.5, verbosity=4),
+                     id="IPv6 and more"),
+    ])
+    def test_round_trip(self, config: ProxyConfig) -> None:
+        effective = effective_configuration(config)
+        again = apply_flags(load_config(yaml.safe_dump(dict(effective.document))),
+                            run_flags(*effective.flags))
+        assert dataclasses.replace(again, file_notes=()) == config
+
+    def test_problems_exit_1(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, err = cli(capsys, "config", "view", "--oom-score-adj=5000")
+        assert (code, out) == (1, "")
+        assert err == "pyproxy: --oom-score-adj: must be within -1000..1000, got 5000\n"
+
+
+class TestWriteConfigTo:
+    def test_writes_the_view_and_exits(self, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+        """kube-proxy's `--write-config-to`: the effective configuration, and nothing runs
+        (no API server is asked for: none is configured here)."""
+        path = kubeadm_config_conf(tmp_path)
+        target = tmp_path / "out.yaml"
+        code, _, _ = cli(capsys, "run", f"--config={path}", "--hostname-override=node-a",
+                         f"--write-config-to={target}")
+        assert code == 0
+        code, view, _ = cli(capsys, "config", "view", f"--config={path}",
+                            "--hostname-override=node-a")
+        assert target.read_text() == view
+        assert load_config_file(str(target)).hostname_override == "node-a"
+
+    def test_unwritable(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        code, _, err = cli(capsys, "run", f"--write-config-to={tmp_path}/no/such/dir/x.yaml")
+        assert code == 2
+        assert "--write-config-to" in err and "No such file or directory" in err
