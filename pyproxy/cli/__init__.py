@@ -13,9 +13,16 @@ from typing import Any
 
 from pyproxy.cli.formats import format_history, format_services, format_status, format_trace
 from pyproxy.cluster.snapshot import SnapshotError, load_snapshot
-from pyproxy.config import ConfigError, ProxyConfig, add_flags, from_args, run_actions
+from pyproxy.config import (
+    NODE_SETTINGS,
+    ConfigError,
+    ProxyConfig,
+    add_flags,
+    from_args,
+    run_actions,
+)
 from pyproxy.core.explain import explain_report, format_table
-from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, ServiceKey, override_ips
+from pyproxy.core.model import ClusterState, IPFamily, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.nft import Applier, NftError
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
@@ -211,52 +218,51 @@ def _cmd_config_view(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _node_flags(cmd: argparse.ArgumentParser, required: bool = True) -> None:
-    if required:
-        cmd.add_argument("--node", "--hostname-override", dest="node", required=True,
-                         help="the node's name (as in its Node object)")
+def _node_flags(cmd: argparse.ArgumentParser) -> None:
+    """The node options of `render`, `apply` and offline `trace`: `run`'s, with the same
+    names and meanings (and --config), plus the node's name and addresses, which `run` learns
+    from the host and its Node object."""
+    cmd.add_argument("--node", help="the node's name (as in its Node object); the same as "
+                                    "--hostname-override, which may also come from --config")
     cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
-                     help="this node's address (repeat for dual-stack); NodePorts listen on it. "
-                          "Default: the Node object's (status.addresses, InternalIP first); "
-                          "a given address replaces the Node's of its family")
-    cmd.add_argument("--cluster-cidr", default="",
-                     help="pod CIDR(s), comma-separated: traffic from elsewhere to a ClusterIP "
-                          "is masqueraded")
-    cmd.add_argument("--detect-local-mode", default="ClusterCIDR",
-                     choices=[m.value for m in LocalMode if m is not LocalMode.NONE],
-                     help="how pod traffic is recognised (default ClusterCIDR)")
-    cmd.add_argument("--pod-interface", default="",
-                     help="bridge name or interface prefix for the interface detect-local modes")
-    cmd.add_argument("--nodeport-addresses", default="primary",
-                     help="CIDRs (comma-separated) or 'primary' of node addresses accepting "
-                          "NodePorts; empty for all local addresses (default primary)")
-    cmd.add_argument("--masquerade-all", action="store_true",
-                     help="masquerade all traffic to ClusterIPs")
+                     help="this node's address, at most one per family (repeat for "
+                          "dual-stack); NodePorts listen on it. Default: the Node object's "
+                          "(status.addresses, InternalIP first); a given address replaces the "
+                          "Node's of its family, the other family keeps the Node's")
+    add_flags(cmd, settings=NODE_SETTINGS)
 
 
-def _node_config(args: argparse.Namespace, node: Node | None = None) -> NodeConfig:
-    """The node flags over what the snapshot's Node object says: its IPs (status.addresses,
-    as kube-proxy picks them), each --node-ip replacing the one of its family, and its
-    podCIDRs (detect-local mode NodeCIDR)."""
+def _node_ips(texts: Sequence[str]) -> tuple[str, ...]:
+    """--node-ip values: one per family, as a node has one primary IP per family."""
+    by_family: dict[int, str] = {}
+    for text in texts:
+        try:
+            ip = ipaddress.ip_address(text)
+        except ValueError:
+            raise UsageError(f"--node-ip: {text!r} is not an IP address") from None
+        if ip.version in by_family:
+            raise UsageError(f"--node-ip: two IPv{ip.version} addresses ({by_family[ip.version]}, "
+                             f"{ip}): give at most one per family")
+        by_family[ip.version] = str(ip)
+    return tuple(by_family.values())
 
-    def split(text: str) -> tuple[str, ...]:
-        return tuple(part.strip() for part in text.split(",") if part.strip())
 
+def _node_config(args: argparse.Namespace, state: ClusterState) -> NodeConfig:
+    """The node options over what the snapshot's Node object says, as `run` resolves them:
+    --config, then the flags; the Node's IPs (status.addresses, as kube-proxy picks them),
+    each --node-ip replacing the one of its family; its podCIDRs (detect-local mode
+    NodeCIDR)."""
     try:
-        ips = tuple(str(ipaddress.ip_address(ip)) for ip in args.node_ip)
-        cidrs = tuple(str(ipaddress.ip_network(c, strict=False)) for c in split(args.cluster_cidr))
-        nodeport = split(args.nodeport_addresses)
-        for entry in nodeport:
-            if entry != "primary":
-                ipaddress.ip_network(entry, strict=False)
-    except ValueError as err:
+        config = from_args(args)
+    except ConfigError as err:
         raise UsageError(str(err)) from None
-    return NodeConfig(
-        node_name=args.node, node_ips=override_ips(ips, node.host_ips if node else ()),
-        cluster_cidrs=cidrs, local_mode=LocalMode(args.detect_local_mode),
-        local_interface=args.pod_interface, node_cidrs=node.pod_cidrs if node else (),
-        nodeport_addresses=nodeport, masquerade_all=args.masquerade_all,
-    )
+    name = (args.node or config.hostname_override or "").strip().lower()
+    if not name:
+        raise UsageError(f"{args.command} needs --node (or --hostname-override, or "
+                         f"hostnameOverride in --config)")
+    node = state.nodes.get(name)
+    ips = override_ips(_node_ips(args.node_ip), node.host_ips if node else ())
+    return config.node_config(name, ips, node.pod_cidrs if node else ())
 
 
 class UsageError(ValueError):
@@ -265,13 +271,13 @@ class UsageError(ValueError):
 
 def _cmd_render(args: argparse.Namespace) -> int:
     state = load_snapshot(args.file)
-    sys.stdout.write(render_script(state, _node_config(args, state.nodes.get(args.node))))
+    sys.stdout.write(render_script(state, _node_config(args, state)))
     return EXIT_OK
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     state = load_snapshot(args.file)
-    config = _node_config(args, state.nodes.get(args.node))
+    config = _node_config(args, state)
     for family in node_families(state, config):
         result = FamilyProxier(family, config).sync(state, full=True)
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
@@ -377,9 +383,7 @@ def _live_commands(commands: Any) -> None:
                        help="the connection starts on the node itself (output hook)")
     trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
     trace.add_argument("-f", "--file", help="snapshot file: trace offline")
-    trace.add_argument("--node", "--hostname-override", dest="node",
-                       help="the node (offline mode)")
-    _node_flags(trace, required=False)
+    _node_flags(trace)
     _socket_flag(trace)
     trace.set_defaults(handler=_cmd_trace)
 
@@ -426,8 +430,6 @@ def _cmd_services(args: argparse.Namespace) -> int:
 
 def _cmd_trace(args: argparse.Namespace) -> int:
     if args.file:
-        if not args.node:
-            raise UsageError("trace -f needs --node")
         result = _offline_trace(args)
     else:
         result = ask(args.socket, "/trace", src=args.src, dst=args.dst, sport=args.sport,
@@ -450,7 +452,7 @@ def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.serve.live import parse_destination
 
     state = load_snapshot(args.file)
-    config = _node_config(args, state.nodes.get(args.node))
+    config = _node_config(args, state)
     try:
         dst, port, proto = parse_destination(args.dst)
         family = ip_family(dst)

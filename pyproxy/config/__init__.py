@@ -260,6 +260,12 @@ class ProxyConfig:
         return override_ips((str(bind),), node_ips)
 
 
+# The settings of a node's rules: `render`, `apply` and `trace` take their flags (and --config)
+# with the meanings `run` gives them.
+NODE_SETTINGS = ("hostname_override", "bind_address", "cluster_cidrs", "detect_local_mode",
+                 "bridge_interface", "interface_name_prefix", "nodeport_addresses",
+                 "masquerade_bit", "masquerade_all")
+
 # Feature gates pyproxy reads; any other is accepted and changes nothing.
 APPLIED_FEATURE_GATES = frozenset({"MultiCIDRServiceAllocator"})
 
@@ -1273,6 +1279,8 @@ def add_flags(parser: argparse.ArgumentParser,
         }
         if flag.type is _Type.BOOL:
             options.update(nargs="?", const="true")  # `--masquerade-all`, `--masquerade-all=false`
+        if settings is not None and flag.attr == "hostname_override":
+            options["help"] = "the Node's name, as --node (no default offline)"
         group = unapplied if flag.not_applied and unapplied else own if flag.own else kube
         group.add_argument(*names, **options)
 
@@ -1441,6 +1449,13 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   about at start-up as not applied (the table below says which and why). `--write-config-to
   FILE`, `--cleanup` and `--init-only` do what kube-proxy's do and exit, as `--version` and
   `-h` do.
+- **Offline commands.** `render`, `apply` and `trace -f` take `run`'s node options with the
+  same names and values (`--hostname-override` or `--node`, `--bind-address`,
+  `--cluster-cidr`, `--detect-local-mode`, `--pod-bridge-interface`,
+  `--pod-interface-name-prefix`, `--nodeport-addresses` with `primary` and `all`,
+  `--masquerade-all`, `--iptables-masquerade-bit`) and `--config`, resolved and checked as
+  `run` does; `--node-ip` (at most one per family) replaces the snapshot Node's address of its
+  family, the other family keeps the Node's.
 - **Checking.** `pyproxy config check [--config FILE] [flags]` reports every problem at once,
   each with its field or flag and the file, then the warnings and the notes `run` would log;
   exit code 0 usable, 1 problems, 2 usage. `pyproxy config view [--config FILE] [flags]`
