@@ -400,6 +400,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                      name="connection-counters", daemon=True).start()
     proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
     proxier.observers.append(observer)
+    proxier.on_node_change.append(health.set_node)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
     health.damage = proxier.damage
     NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost).start(stop)

@@ -463,3 +463,17 @@ def test_lost_events_check_the_structure_at_the_next_sync_even_with_changes() ->
     proxier.sync()
     assert proxier.history[-1].reason == REPAIR_REASON
     assert proxier.history[-1].full and "10.244.1.3" in nft.last
+
+
+def test_a_node_event_reaches_the_node_hooks_without_a_sync() -> None:
+    """The ToBeDeletedByClusterAutoscaler taint means no new rules, so no sync follows it:
+    /healthz (health.set_node is such a hook) must learn it from the event itself."""
+    proxier, nft, _ = make_proxier()
+    seen: list[Any] = []
+    proxier.on_node_change.append(seen.append)
+    proxier.on_node(("", "node-a"), {"metadata": {"name": "node-a"}, "spec": {"taints": [
+        {"key": "ToBeDeletedByClusterAutoscaler", "value": "1", "effect": "NoSchedule"}]}})
+    assert [n.taints for n in seen] == [("ToBeDeletedByClusterAutoscaler",)]
+    assert not nft.scripts and not proxier.history  # no sync was needed for it
+    proxier.on_node(("", "node-a"), None)
+    assert seen[-1] is None
