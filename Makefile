@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python3-venv python3-pip openssl
+# The real nodes (testkit/cluster.py): runc under containerd, the CNI plugins (ptp, host-local,
+# portmap) and util-linux's nsenter/unshare.
+APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
 .PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy demo clean k8s k8s-path \
@@ -44,7 +47,7 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q -m 'not netns'
 
-test: venv lint k8s
+test: venv lint k8s images
 	$(BIN)/pytest -q
 
 # The real control plane the `k8s` tests start (testkit/controlplane.py): kube-apiserver,
@@ -194,3 +197,27 @@ CHAOS_FLAGS ?=
 .PHONY: chaos
 chaos: venv k8s
 	$(BIN)/python -m drills.chaos $(CHAOS_FLAGS)
+
+# ---------------------------------------------------------------------------------------------
+# A real cluster on this machine (testkit/cluster.py): the control plane, kube-scheduler and
+# NODES worker nodes (default 2), each a kubelet with containerd and runc in namespaces of its
+# own, CoreDNS, and pyproxy's DaemonSet from manifests/ (the image `make image` builds).
+#   make cluster            up, show it, down (KEEP=1: stays until Enter or Ctrl-C)
+#   make cluster-up         returns with it running; its last line is the admin kubeconfig
+#   make cluster-down       removes everything cluster-up made
+#   make cluster-drills     operations under load: rolling update, container killed, API
+#                           server restart, node reboot, kube-proxy migration, LB drain
+# kubectl and the other binaries are in `make -s k8s-path`.
+NODES ?= 2
+.PHONY: cluster cluster-up cluster-down cluster-drills
+cluster: venv k8s
+	$(BIN)/python -m testkit.cluster run --nodes $(NODES) $(if $(KEEP),--keep)
+
+cluster-up: venv k8s
+	@$(BIN)/python -m testkit.cluster up --nodes $(NODES)
+
+cluster-down: venv
+	@$(BIN)/python -m testkit.cluster down
+
+cluster-drills: venv k8s
+	$(BIN)/python -m drills.cluster_ops $(CLUSTER_FLAGS)

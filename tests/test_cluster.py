@@ -1,0 +1,201 @@
+"""pyproxy on real nodes: its image run by real kubelets from manifests/ (testkit/cluster.py).
+
+A real cluster on this machine (control plane, kube-scheduler, two nodes each with a kubelet,
+containerd and runc, CoreDNS): pyproxy's DaemonSet as shipped (only the image and the API
+server's address filled in) goes Ready under the kubelet's probes, a pod on one node reaches a
+Service by its DNS name with the endpoint on the other node, and a rolling update of the
+DaemonSet to a new image tag loses no connection. The operations drills (migration, node
+reboot, ...) are `make cluster-drills`.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from testkit.cluster import (
+    OUTSIDE_NET,
+    Prober,
+    RealCluster,
+    Target,
+    bring_up,
+    netexec,
+    service,
+)
+from testkit.controlplane import binaries_dir, missing_binaries, wait_for
+from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
+from testkit.netlab import Lab
+
+pytestmark = [pytest.mark.netns, pytest.mark.k8s, pytest.mark.cluster, requires_netns]
+
+NS = "smoke"
+NODE_PORT = 30180
+
+
+@pytest.fixture(scope="module")
+def real_cluster() -> Iterator[RealCluster]:
+    bin_dir = binaries_dir()
+    if missing := missing_binaries(bin_dir):
+        pytest.skip(f"make k8s has not built {missing}")
+    with Lab() as lab:
+        up: RealCluster | None = None
+        try:
+            up = bring_up(lab, bin_dir, nodes=2)
+            yield up
+        finally:
+            if up is not None:
+                up.close()
+                up.plane.stop()
+
+
+def apply(cluster: RealCluster, *docs: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def pods(cluster: RealCluster, namespace: str, selector: str) -> list[Any]:
+    return list(cluster.kube.core.list_namespaced_pod(namespace,
+                                                      label_selector=selector).items)
+
+
+def http_get(netns: str, ip: str, port: int, path: str, timeout: float = 5.0) -> str:
+    import urllib.request
+
+    def get() -> str:
+        with urllib.request.urlopen(f"http://{ip}:{port}{path}", timeout=timeout) as answer:
+            return str(answer.read().decode())
+    return call_in_netns(netns, get, timeout=timeout + 5)
+
+
+def test_pyproxy_runs_from_the_shipped_manifests_on_every_node(real_cluster: RealCluster) -> None:
+    cluster = real_cluster
+    running = pods(cluster, "kube-system", "app.kubernetes.io/name=pyproxy")
+    assert sorted(p.spec.node_name for p in running) == ["node-a", "node-b"]
+    for pod in running:
+        assert all(c.ready for c in pod.status.container_statuses)  # /healthz answered 200
+        container = pod.spec.containers[0]
+        assert container.security_context.read_only_root_filesystem
+        assert container.security_context.capabilities.add == ["NET_ADMIN", "NET_RAW"]
+        assert container.liveness_probe.http_get.path == "/livez"
+        assert container.image == cluster.pyproxy_image
+    for node in cluster.nodes:  # the kubelet started it in the node's network namespace
+        tables = node.run(["nft", "list", "tables"]).stdout
+        assert "table ip pyproxy" in tables
+
+
+def test_a_pod_reaches_a_service_by_dns_name_on_the_other_node(real_cluster: RealCluster) -> None:
+    cluster = real_cluster
+    cluster.kubectl("create", "namespace", NS, check=False)
+    apply(cluster, netexec("web", NS, node="node-b"), netexec("client", NS, node="node-a"),
+          service("web", NS, {"app": "web"}, kind="NodePort", node_port=NODE_PORT))
+    cluster.rollout("deployment", "web", NS)
+    cluster.rollout("deployment", "client", NS)
+    cluster.rollout("deployment", "coredns", "kube-system")
+    (web,) = pods(cluster, NS, "app=web")
+    (client,) = pods(cluster, NS, "app=client")
+    node_a = cluster.nodes[0]
+    query = urllib.parse.urlencode({"host": f"web.{NS}.svc.cluster.local", "port": 80,
+                                    "request": "hostname", "protocol": "http", "tries": 1})
+    answers: list[Any] = []
+
+    def dialled() -> bool:
+        out = json.loads(http_get(node_a.ns.full, client.status.pod_ip, 8080, f"/dial?{query}"))
+        answers[:] = out.get("responses") or []
+        return answers == [web.metadata.name]
+
+    wait_for(dialled, 60, f"{client.metadata.name} on node-a reaching web.{NS} on node-b")
+
+
+def test_a_rolling_update_of_pyproxy_loses_no_connection(real_cluster: RealCluster) -> None:
+    cluster = real_cluster
+    svc = cluster.kube.core.read_namespaced_service("web", NS)
+    targets = [Target(node.ns.full, svc.spec.cluster_ip, 80, f"{node.name} -> ClusterIP")
+               for node in cluster.nodes]
+    targets += [Target(cluster.outside.full, node.spec.ip, NODE_PORT,
+                       f"outside {OUTSIDE_NET[1]} -> {node.name}:NodePort")
+                for node in cluster.nodes]
+    new_image = cluster.retag_pyproxy("rolled")
+    before = {p.metadata.name for p in pods(cluster, "kube-system",
+                                            "app.kubernetes.io/name=pyproxy")}
+    with Prober(targets) as prober:
+        cluster.kubectl("-n", "kube-system", "set", "image", "daemonset/pyproxy",
+                        f"pyproxy={new_image}")
+        cluster.rollout("daemonset", "pyproxy")
+        # Connections on after the last new pod went Ready: its first syncs are seen too.
+        prober.settle(5.0)
+    report = prober.report
+    after = pods(cluster, "kube-system", "app.kubernetes.io/name=pyproxy")
+    assert {p.metadata.name for p in after}.isdisjoint(before)
+    assert {p.spec.containers[0].image for p in after} == {new_image}
+    print(f"rolling update: {report.line()}")
+    assert report.total > 100
+    assert report.failed == 0, report.line()
+
+
+def hostnames(netns: str, ip: str, port: int, count: int) -> list[str]:
+    return [http_get(netns, ip, port, "/hostname") for _ in range(count)]
+
+
+def test_services_on_real_pods(real_cluster: RealCluster) -> None:
+    """eTP=Local LoadBalancer with its health-check node port, session affinity, a readiness
+    flip and a scale to zero, on pods a container runtime started."""
+    cluster = real_cluster
+    node_a, node_b = cluster.nodes
+    lb_ip = "172.20.0.10"
+    flip = netexec("flip", NS, replicas=2)
+    probe = {"exec": {"command": ["/bin/sh", "-c", "test ! -e /tmp/unready"]},
+             "periodSeconds": 1, "failureThreshold": 1}
+    flip["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] = probe
+    apply(cluster, flip,
+          service("flip-lb", NS, {"app": "flip"}, kind="LoadBalancer",
+                  externalTrafficPolicy="Local"),
+          service("flip-sticky", NS, {"app": "flip"}, sessionAffinity="ClientIP"))
+    cluster.rollout("deployment", "flip", NS)
+    backends = {p.spec.node_name: p for p in pods(cluster, NS, "app=flip")}
+    assert set(backends) == {"node-a", "node-b"}
+    # The load balancer's address, as a cloud controller would write it; the fabric sends it
+    # to node-a (a cloud LB would pick any node its health checks pass).
+    cluster.kube.core.patch_namespaced_service_status("flip-lb", NS, {"status": {
+        "loadBalancer": {"ingress": [{"ip": lb_ip}]}}})
+    cluster.lab.add_route(cluster.net, f"{lb_ip}/32", via=node_a.spec.ip)
+    lb = cluster.kube.core.read_namespaced_service("flip-lb", NS)
+    outside = cluster.outside.full
+
+    def lb_answers() -> bool:
+        return http_get(outside, lb_ip, 80, "/hostname", 2) == backends["node-a"].metadata.name
+    wait_for(lb_answers, 30, "the LoadBalancer IP answered by node-a's local endpoint")
+    client = http_get(outside, lb_ip, 80, "/clientip")
+    assert client.rsplit(":", 1)[0] == OUTSIDE_NET[1]  # eTP=Local keeps the client's address
+    hc = lb.spec.health_check_node_port
+    health = {n.name: json.loads(http_get(outside, n.spec.ip, hc, "/"))
+              for n in cluster.nodes}
+    assert health["node-a"]["localEndpoints"] == health["node-b"]["localEndpoints"] == 1
+
+    sticky = cluster.kube.core.read_namespaced_service("flip-sticky", NS).spec.cluster_ip
+    wait_for(lambda: len(set(hostnames(node_a.ns.full, sticky, 80, 1))) == 1, 30,
+             "the sticky Service answering")
+    assert len(set(hostnames(node_a.ns.full, sticky, 80, 20))) == 1  # ClientIP affinity
+
+    # Readiness flip: node-b's pod unready -> gone from every node's choice, then back.
+    pod_b = backends["node-b"].metadata.name
+    cluster.kubectl("-n", NS, "exec", pod_b, "--", "touch", "/tmp/unready")
+    plain = service("flip", NS, {"app": "flip"})
+    apply(cluster, plain)
+    ip = cluster.kube.core.read_namespaced_service("flip", NS).spec.cluster_ip
+    wait_for(lambda: set(hostnames(node_a.ns.full, ip, 80, 10))
+             == {backends["node-a"].metadata.name}, 30, "the unready pod left out")
+    cluster.kubectl("-n", NS, "exec", pod_b, "--", "rm", "/tmp/unready")
+    wait_for(lambda: pod_b in set(hostnames(node_a.ns.full, ip, 80, 20)), 30,
+             "the pod back once ready")
+
+    # Scale to zero: no endpoints anywhere -> rejected at once (kube-proxy's semantics).
+    cluster.kubectl("-n", NS, "scale", "deployment", "flip", "--replicas=0")
+    from testkit.inproc import http_probe
+
+    wait_for(lambda: http_probe(node_b.ns.full, ip, 80, 1, 2.0) == {"refused": 1}, 60,
+             "connections refused once the service has no endpoints")
