@@ -1,0 +1,515 @@
+"""`make cluster-drills`: operations on the real cluster (testkit/cluster.py), each with clients
+running and their failed connections counted (the goal is 0 for each).
+
+    .venv/bin/python -m drills.cluster_ops                  # all of them (about 10 minutes)
+    .venv/bin/python -m drills.cluster_ops --only reboot    # those whose name contains "reboot"
+    .venv/bin/python -m drills.cluster_ops --json out.json
+
+- rolling-update: pyproxy's DaemonSet to a new image tag;
+- container-killed: pyproxy's container SIGKILLed on a node (the kubelet restarts it; the rules
+  stay in the kernel meanwhile);
+- apiserver-restart: kube-apiserver killed and started again; then a new Service must work on
+  every node;
+- node-reboot: a node's processes all killed, its ruleset and conntrack table wiped, /run
+  emptied, containerd and the kubelet started again with no proxy rules: pyproxy's pod must
+  come back and program the node by itself (it reaches the API server's real address). Clients
+  through the other nodes count as failures; the rebooted node's time to serve again is
+  reported;
+- migration: kube-proxy's DaemonSet (kubeadm's, nftables mode) to pyproxy's following
+  docs/deploying.md step by step, and back;
+- lb-drain: a prober outside the nodes does what cloud load balancers do (health checks of
+  every node's /healthz for an eTP=Cluster Service and of the health-check node port for an
+  eTP=Local one, clients sent only to nodes it sees healthy) while a node is drained for
+  deletion (the ToBeDeletedByClusterAutoscaler taint, the node stopped, its Node deleted) and
+  while pyproxy's DaemonSet rolls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from testkit.cluster import (
+    Prober,
+    ProbeReport,
+    RealCluster,
+    Target,
+    bring_up,
+    is_failure,
+    netexec,
+    service,
+)
+from testkit.controlplane import API_IP, binaries_dir, wait_for
+from testkit.inproc import call_in_netns, http_probe
+from testkit.netlab import NETNS_USABLE, Lab
+
+NS = "ops"
+NODE_PORT = 30280
+LOCAL_NODE_PORT = 30281
+
+
+@dataclass
+class OpResult:
+    name: str
+    report: ProbeReport
+    seconds: float
+    figures: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.report.failed == 0
+
+    def summary(self) -> str:
+        extra = "; ".join(f"{k} {v:.1f}" for k, v in self.figures.items())
+        head = f"{self.name}: {self.report.line()}" + (f"; {extra}" if extra else "")
+        if self.error:
+            head += f"; BROKE DOWN: {self.error}"
+        return head + "".join(f"\n   - {note}" for note in self.notes)
+
+
+def pyproxy_pods(cluster: RealCluster) -> list[Any]:
+    return list(cluster.kube.core.list_namespaced_pod(
+        "kube-system", label_selector="app.kubernetes.io/name=pyproxy").items)
+
+
+def apply(cluster: RealCluster, *docs: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+def workload(cluster: RealCluster) -> None:
+    """Backends on every node behind an eTP=Cluster NodePort Service and an eTP=Local
+    LoadBalancer Service (its health-check node port is what load balancers probe)."""
+    cluster.kubectl("create", "namespace", NS, check=False)
+    apply(cluster, netexec("web", NS, replicas=len(cluster.nodes)),
+          service("web", NS, {"app": "web"}, kind="NodePort", node_port=NODE_PORT),
+          service("web-local", NS, {"app": "web"}, kind="LoadBalancer",
+                  node_port=LOCAL_NODE_PORT, externalTrafficPolicy="Local"))
+    cluster.rollout("deployment", "web", NS)
+    # Ready pods are not yet programmed rules (the EndpointSlice controller, then each proxy's
+    # minSyncPeriod): the operations start once every client is answered.
+    wait_for(lambda: all(_answers(t.netns, t.ip, t.port) for t in targets(cluster)), 60,
+             "web answering every client")
+
+
+def targets(cluster: RealCluster, nodes: Sequence[Any] | None = None) -> list[Target]:
+    """From each node's namespace to the ClusterIP, from outside to each node's NodePort."""
+    svc = cluster.kube.core.read_namespaced_service("web", NS)
+    chosen = list(nodes if nodes is not None else cluster.nodes)
+    return ([Target(n.ns.full, svc.spec.cluster_ip, 80, f"{n.name} -> ClusterIP")
+             for n in chosen]
+            + [Target(cluster.outside.full, n.spec.ip, NODE_PORT, f"outside -> {n.name}")
+               for n in chosen])
+
+
+def timed(name: str, body: Callable[[OpResult], None]) -> OpResult:
+    result = OpResult(name, ProbeReport(), 0.0)
+    started = time.monotonic()
+    try:
+        body(result)
+    except Exception as err:  # a drill that breaks down is a result too
+        result.error = f"{type(err).__name__}: {err}"[:1500]
+    result.seconds = time.monotonic() - started
+    return result
+
+
+# -- the operations ---------------------------------------------------------------------------
+
+
+def rolling_update(cluster: RealCluster, tag: str = "rolled") -> OpResult:
+    def body(result: OpResult) -> None:
+        image = cluster.retag_pyproxy(tag)
+        with Prober(targets(cluster)) as prober:
+            cluster.kubectl("-n", "kube-system", "set", "image", "daemonset/pyproxy",
+                            f"pyproxy={image}")
+            cluster.rollout("daemonset", "pyproxy")
+            prober.settle(5.0)
+        result.report = prober.report
+        cluster.pyproxy_image = image
+    return timed("rolling-update", body)
+
+
+def container_killed(cluster: RealCluster) -> OpResult:
+    def body(result: OpResult) -> None:
+        node = cluster.nodes[0]
+        (pod,) = [p for p in pyproxy_pods(cluster) if p.spec.node_name == node.name]
+        restarts = pod.status.container_statuses[0].restart_count
+        container = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+        with Prober(targets(cluster)) as prober:
+            killed = time.monotonic()
+            out = node.ctr("tasks", "kill", "--signal", "SIGKILL", container)
+            if out.returncode != 0:
+                raise RuntimeError(f"ctr tasks kill: {out.stderr.strip()}")
+
+            def restarted() -> bool:
+                now = cluster.kube.core.read_namespaced_pod(pod.metadata.name, "kube-system")
+                status = now.status.container_statuses[0]
+                return bool(status.restart_count > restarts and status.ready)
+            wait_for(restarted, 120, "the kubelet restarting pyproxy's container")
+            result.figures["back Ready after s"] = time.monotonic() - killed
+            prober.settle(3.0)
+        result.report = prober.report
+    return timed("container-killed", body)
+
+
+def apiserver_restart(cluster: RealCluster, down: float = 10.0) -> OpResult:
+    def body(result: OpResult) -> None:
+        with Prober(targets(cluster)) as prober:
+            cluster.plane.kill_apiserver()
+            prober.settle(down)
+            cluster.plane.start_apiserver()
+            answered = time.monotonic()
+            result.figures["API server down s"] = down
+            cluster.kubectl("-n", NS, "apply", "-f", "-", input=yaml.safe_dump(
+                service("after-restart", NS, {"app": "web"})))
+            svc = cluster.kube.core.read_namespaced_service("after-restart", NS)
+            wait_for(lambda: any(e.conditions.ready for piece in cluster.kube.slices(
+                NS, "after-restart") for e in piece.endpoints or []), 60,
+                "the new Service's EndpointSlice")
+            result.figures["its EndpointSlice after s"] = time.monotonic() - answered
+
+            def everywhere() -> bool:
+                return all(_answers(n.ns.full, svc.spec.cluster_ip, 80) for n in cluster.nodes)
+            wait_for(everywhere, 60, "a Service made after the restart working on every node")
+            result.figures["new Service on every node after s"] = time.monotonic() - answered
+            prober.settle(2.0)
+        result.report = prober.report
+    return timed("apiserver-restart", body)
+
+
+def node_reboot(cluster: RealCluster) -> OpResult:
+    def body(result: OpResult) -> None:
+        node, others = cluster.nodes[0], cluster.nodes[1:]
+        svc = cluster.kube.core.read_namespaced_service("web", NS)
+        # Backends only where nothing reboots: the clients through the other nodes must not
+        # notice, whatever the rebooted node does.
+        cluster.kubectl("-n", NS, "patch", "deployment", "web", "--type=merge", "-p", json.dumps(
+            {"spec": {"template": {"spec": {"nodeSelector": {
+                "kubernetes.io/hostname": others[0].name}, "topologySpreadConstraints": None}}}}))
+        cluster.rollout("deployment", "web", NS)
+        # The old pods gone too.
+        wait_for(lambda: {p.spec.node_name for p in cluster.kube.core.list_namespaced_pod(
+            NS, label_selector="app=web").items} == {others[0].name}, 60,
+            f"web's pods on {others[0].name} only")
+        time.sleep(2)
+        with Prober(targets(cluster, others)) as prober:
+            rebooted = time.monotonic()
+            node.reboot()
+            result.notes.append(f"{node.name}: ruleset {node_tables(node) or 'empty'} after "
+                                "the reboot, before pyproxy")
+            wait_for(lambda: _answers(node.ns.full, svc.spec.cluster_ip, 80), 180,
+                     f"{node.name} serving the ClusterIP again")
+            result.figures["rebooted node serving again after s"] = time.monotonic() - rebooted
+            prober.settle(2.0)
+        result.report = prober.report
+        cluster.wait_nodes_ready()
+        cluster.rollout("daemonset", "pyproxy")
+        cluster.kubectl("-n", NS, "patch", "deployment", "web", "--type=json", "-p", json.dumps(
+            [{"op": "remove", "path": "/spec/template/spec/nodeSelector"}]))
+        cluster.rollout("deployment", "web", NS)
+    return timed("node-reboot", body)
+
+
+def node_tables(node: Any) -> str:
+    return " ".join(line.split(None, 1)[1] for line in
+                    node.run(["nft", "list", "tables"]).stdout.splitlines() if line.strip())
+
+
+def _answers(netns: str, ip: str, port: int) -> bool:
+    return not any(is_failure(o) for o in http_probe(netns, ip, port, 1, 2.0))
+
+
+# -- kube-proxy and the migration -------------------------------------------------------------
+
+
+def deploy_kube_proxy(cluster: RealCluster) -> None:
+    """kube-proxy as kubeadm deploys it (its ConfigMap with config.conf and kubeconfig.conf,
+    privileged DaemonSet), nftables mode, the image built here."""
+    from testkit import images as built
+
+    text = (Path(__file__).resolve().parent.parent / "testkit" / "cluster_manifests"
+            / "kube-proxy.yaml").read_text()
+    cluster.kubectl("apply", "-f", "-", input=text.replace("KUBE_PROXY_IMAGE", built.KUBE_PROXY)
+                    .replace("API_SERVER", f"https://{API_IP}:6443"))
+    cluster.rollout("daemonset", "kube-proxy")
+    wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
+             "kube-proxy's table on every node")
+
+
+def pyproxy_synced(cluster: RealCluster) -> bool:
+    """docs/deploying.md step 3: ask every pyproxy pod whether it has synced."""
+    for pod in pyproxy_pods(cluster):
+        out = cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
+                              "pyproxy", "status", "-o", "json", check=False)
+        if out.returncode != 0 or json.loads(out.stdout).get("lastFullSync") is None:
+            return False
+    return True
+
+
+def to_kube_proxy_only(cluster: RealCluster) -> None:
+    """The starting point of a migration: kube-proxy's DaemonSet alone (pyproxy's removed and
+    its tables deleted once kube-proxy has synced)."""
+    deploy_kube_proxy(cluster)
+    cluster.kubectl("-n", "kube-system", "delete", "ds", "pyproxy")
+    wait_for(lambda: not pyproxy_pods(cluster), 120, "pyproxy's pods gone")
+    for node in cluster.nodes:
+        node.run(["nft", "delete", "table", "ip", "pyproxy"], check=False)
+        node.run(["nft", "delete", "table", "ip6", "pyproxy"], check=False)
+
+
+def migration(cluster: RealCluster) -> OpResult:
+    """docs/deploying.md, "From kube-proxy to pyproxy" and "Back to kube-proxy", literally,
+    from a cluster that runs kube-proxy only; pyproxy alone again at the end."""
+    def body(result: OpResult) -> None:
+        to_kube_proxy_only(cluster)
+        with Prober(targets(cluster)) as prober:
+            cluster.deploy_pyproxy(cluster.pyproxy_image)  # step 2
+            cluster.rollout("daemonset", "pyproxy")
+            wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
+            cluster.kubectl("-n", "kube-system", "patch", "ds", "kube-proxy", "-p", json.dumps(
+                {"spec": {"template": {"spec": {"nodeSelector": {
+                    "pyproxy.io/no-kube-proxy": "true"}}}}}))  # step 4
+            wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120,
+                     "kube-proxy's pods gone")
+            for pod in pyproxy_pods(cluster):  # step 5
+                cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
+                                "pyproxy", "cleanup", "--kube-proxy")
+            prober.settle(5.0)
+            forward = dataclasses.replace(prober.report,
+                                          failures=dict(prober.report.failures))
+            result.notes.append(f"to pyproxy: {forward.line()}; tables: "
+                                + ", ".join(f"{n.name}: {node_tables(n)}" for n in cluster.nodes))
+            # Back to kube-proxy, step 1 to 4.
+            cluster.kubectl("-n", "kube-system", "patch", "ds", "kube-proxy", "-p", json.dumps(
+                {"spec": {"template": {"spec": {"nodeSelector": {
+                    "pyproxy.io/no-kube-proxy": None}}}}}))
+            cluster.rollout("daemonset", "kube-proxy")
+            wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
+                     "kube-proxy's table on every node")
+            cluster.kubectl("-n", "kube-system", "delete", "ds", "pyproxy")
+            wait_for(lambda: not pyproxy_pods(cluster), 120, "pyproxy's pods gone")
+            for node in cluster.nodes:  # "as root on the node"
+                node.run(["nft", "delete", "table", "ip", "pyproxy"], check=False)
+                node.run(["nft", "delete", "table", "ip6", "pyproxy"], check=False)
+            cluster.kubectl("-n", "kube-system", "rollout", "restart", "ds/kube-proxy")
+            cluster.rollout("daemonset", "kube-proxy")
+            prober.settle(5.0)
+        result.report = prober.report
+        result.notes.append("back to kube-proxy: tables: "
+                            + ", ".join(f"{n.name}: {node_tables(n)}" for n in cluster.nodes))
+        # Leave the cluster as it was: pyproxy in, kube-proxy out.
+        cluster.deploy_pyproxy(cluster.pyproxy_image)
+        cluster.rollout("daemonset", "pyproxy")
+        wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
+        cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
+        wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
+        for pod in pyproxy_pods(cluster):
+            cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
+                            "pyproxy", "cleanup", "--kube-proxy")
+    return timed("migration", body)
+
+
+def _pods(cluster: RealCluster, selector: str) -> list[Any]:
+    return list(cluster.kube.core.list_namespaced_pod("kube-system",
+                                                      label_selector=selector).items)
+
+
+# -- a cloud load balancer's view -------------------------------------------------------------
+
+
+@dataclass
+class Backend:
+    node: str
+    ip: str
+    healthy: bool = True
+    passes: int = 0
+    fails: int = 0
+
+
+class LoadBalancer:
+    """What a cloud load balancer does with a Service's nodes: a health check of each node
+    every `interval` (HTTP, 1 s timeout; `threshold` results in a row flip the state, 2 like
+    most clouds), client connections spread over the nodes it sees healthy only."""
+
+    def __init__(self, cluster: RealCluster, health_port: int, path: str, traffic_port: int,
+                 interval: float = 1.0, threshold: int = 2) -> None:
+        self.cluster = cluster
+        self.health_port, self.path, self.traffic_port = health_port, path, traffic_port
+        self.interval, self.threshold = interval, threshold
+        self.backends = [Backend(n.name, n.spec.ip) for n in cluster.nodes]
+        self.report = ProbeReport()
+        self.flips: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._check_loop, daemon=True),
+                         threading.Thread(target=self._client_loop, daemon=True)]
+        self._started = time.monotonic()
+
+    def __enter__(self) -> LoadBalancer:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _healthy(self, backend: Backend) -> bool:
+        def get() -> bool:
+            try:
+                url = f"http://{backend.ip}:{self.health_port}{self.path}"
+                with urllib.request.urlopen(url, timeout=1.0) as answer:
+                    return bool(answer.status == 200)
+            except Exception:
+                return False
+        return call_in_netns(self.cluster.outside.full, get)
+
+    def _check_loop(self) -> None:
+        while not self._stop.is_set():
+            for backend in self.backends:
+                ok = self._healthy(backend)
+                backend.passes, backend.fails = ((backend.passes + 1, 0) if ok
+                                                 else (0, backend.fails + 1))
+                if backend.healthy and backend.fails >= self.threshold:
+                    backend.healthy = False
+                    self.flips.append(f"{time.monotonic() - self._started:.1f}s "
+                                      f"{backend.node} out")
+                elif not backend.healthy and backend.passes >= self.threshold:
+                    backend.healthy = True
+                    self.flips.append(f"{time.monotonic() - self._started:.1f}s "
+                                      f"{backend.node} in")
+            self._stop.wait(self.interval)
+
+    def _client_loop(self) -> None:
+        while not self._stop.is_set():
+            for backend in [b for b in self.backends if b.healthy]:
+                counts = http_probe(self.cluster.outside.full, backend.ip, self.traffic_port,
+                                    2, 3.0)
+                for outcome, n in counts.items():
+                    self.report.total += n
+                    if is_failure(outcome):
+                        self.report.failed += n
+                        key = f"{backend.node}: {outcome}"
+                        self.report.failures[key] = self.report.failures.get(key, 0) + n
+            self._stop.wait(0.05)
+
+    def wait_out(self, node: str, timeout: float = 60.0) -> float:
+        (backend,) = [b for b in self.backends if b.node == node]
+        return wait_for(lambda: not backend.healthy, timeout, f"the LB taking {node} out")
+
+
+def lb_drain(cluster: RealCluster) -> OpResult:
+    """A node drained for deletion, then pyproxy's DaemonSet rolled, under a load balancer's
+    health checks for an eTP=Cluster Service (:10256/healthz) and an eTP=Local one."""
+    def body(result: OpResult) -> None:
+        local = cluster.kube.core.read_namespaced_service("web-local", NS)
+        hc_port = local.spec.health_check_node_port
+        victim = cluster.nodes[-1]
+        with contextlib.ExitStack() as stack:
+            cluster_lb = stack.enter_context(LoadBalancer(cluster, 10256, "/healthz", NODE_PORT))
+            local_lb = stack.enter_context(
+                LoadBalancer(cluster, hc_port, "/", LOCAL_NODE_PORT))
+            time.sleep(4)
+            cluster.kubectl("taint", "node", victim.name,
+                            "ToBeDeletedByClusterAutoscaler=1:NoSchedule")
+            result.figures["LB took the tainted node out after s"] = cluster_lb.wait_out(
+                victim.name)
+            cluster.kubectl("drain", victim.name, "--ignore-daemonsets", "--force",
+                            "--delete-emptydir-data", "--timeout=120s", timeout=180)
+            local_lb.wait_out(victim.name)
+            victim.stop()  # the autoscaler deletes the machine...
+            cluster.kubectl("delete", "node", victim.name)  # ...and its Node
+            cluster.nodes.remove(victim)
+            time.sleep(5)
+            image = cluster.retag_pyproxy("lb-roll")
+            cluster.kubectl("-n", "kube-system", "set", "image", "daemonset/pyproxy",
+                            f"pyproxy={image}")
+            cluster.rollout("daemonset", "pyproxy")
+            cluster.pyproxy_image = image
+            time.sleep(5)
+        result.report = ProbeReport(
+            cluster_lb.report.total + local_lb.report.total,
+            cluster_lb.report.failed + local_lb.report.failed,
+            {**{f"eTP=Cluster {k}": v for k, v in cluster_lb.report.failures.items()},
+             **{f"eTP=Local {k}": v for k, v in local_lb.report.failures.items()}})
+        result.notes.append("eTP=Cluster LB: " + ", ".join(cluster_lb.flips))
+        result.notes.append("eTP=Local LB: " + ", ".join(local_lb.flips))
+    return timed("lb-drain", body)
+
+
+OPERATIONS: list[tuple[str, Callable[[RealCluster], OpResult]]] = [
+    ("rolling-update", rolling_update),
+    ("container-killed", container_killed),
+    ("apiserver-restart", apiserver_restart),
+    ("node-reboot", node_reboot),
+    ("migration", migration),
+    ("lb-drain", lb_drain),  # last: it removes a node
+]
+
+
+@contextlib.contextmanager
+def cluster_for_drills(nodes: int) -> Iterator[RealCluster]:
+    with Lab() as lab:
+        cluster: RealCluster | None = None
+        try:
+            cluster = bring_up(lab, binaries_dir(), nodes)
+            yield cluster
+        finally:
+            if cluster is not None:
+                cluster.close()
+                cluster.plane.stop()
+
+
+def markdown(results: Sequence[OpResult]) -> str:
+    rows = ["| operation | connections | failed | figures | seconds |", "|---|---|---|---|---|"]
+    for r in results:
+        figures = "; ".join(f"{k} {v:.1f}" for k, v in r.figures.items()) or "-"
+        failed = f"{r.report.failed}" + (" (broke down)" if r.error else "")
+        rows.append(f"| {r.name} | {r.report.total} | {failed} | {figures} | {r.seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    if not NETNS_USABLE:
+        print("cluster drills: needs root and `ip netns`", file=sys.stderr)
+        return 2
+    selected = [(n, f) for n, f in OPERATIONS if not args.only or any(o in n for o in args.only)]
+    results: list[OpResult] = []
+    started = time.monotonic()
+    with cluster_for_drills(args.nodes) as cluster:
+        print(f"cluster up in {cluster.up_seconds:.0f} s ({len(cluster.nodes)} nodes)",
+              flush=True)
+        workload(cluster)
+        for name, run in selected:
+            print(f"\n== {name}", flush=True)
+            result = run(cluster)
+            print(result.summary(), flush=True)
+            results.append(result)
+    print(f"\ncluster drills: {len(results)} in {time.monotonic() - started:.0f} s\n")
+    print(markdown(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results],
+                                              indent=2, default=str))
+    return 0 if all(r.ok for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
