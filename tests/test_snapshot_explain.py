@@ -112,8 +112,9 @@ def test_snapshot_errors() -> None:
         parse_snapshot("- 1\n- 2\n")
     state = parse_snapshot(yaml.safe_dump_all([{"kind": "ConfigMap", "metadata": {"name": "x"}},
                                                {"metadata": {"name": "nokind"}}]))
-    assert [(s.object, s.invalid) for s in state.skipped] == [
-        ("ConfigMap x", False), ("None nokind", True)]
+    assert [(s.object, s.reason, s.invalid) for s in state.skipped] == [
+        ("ConfigMap x", "kind not used by the proxy", False),
+        ("item 2", "not a Kubernetes object: it has no kind (metadata.name nokind)", True)]
 
 
 def test_one_bad_object_does_not_hide_the_others() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pyproxy.cli.formats import format_history, format_services, format_status, format_trace
-from pyproxy.cluster.snapshot import SnapshotError, load_snapshot
+from pyproxy.cluster.snapshot import SnapshotError, load_snapshot, nothing_usable
 from pyproxy.config import (
     NODE_SETTINGS,
     ConfigError,
@@ -21,15 +21,22 @@ from pyproxy.config import (
     from_args,
     run_actions,
 )
-from pyproxy.core.explain import explain_report, format_table
+from pyproxy.core.explain import conflict_text, explain_report, format_table
 from pyproxy.core.model import ClusterState, IPFamily, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.nft import Applier, NftError
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.services import render_config
 from pyproxy.serve.debug import DEFAULT_SOCKET, DebugError, ask
-from pyproxy.serve.live import service_key
-from pyproxy.sync.proxier import FamilyProxier, desired_state, node_families, render_script
+from pyproxy.serve.live import TraceRequest, service_key, trace_request
+from pyproxy.sync.proxier import (
+    FamilyProxier,
+    conflicts,
+    desired_state,
+    disputes_report,
+    node_families,
+    render_script,
+)
 from pyproxy.version import version
 
 EXIT_OK = 0
@@ -82,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         cmd = commands.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("-f", "--file", required=True, help="snapshot file (YAML or JSON)")
+        cmd.add_argument("--allow-empty", action="store_true",
+                         help="go on with a snapshot that holds nothing usable (empty, not "
+                              "Kubernetes objects, all invalid): an empty ruleset, which "
+                              "`apply` programs (refused without this flag)")
         _node_flags(cmd)
         cmd.set_defaults(handler=_cmd_render if name == "render" else _cmd_apply)
 
@@ -269,22 +280,46 @@ class UsageError(ValueError):
     """A flag's value is unusable."""
 
 
+def _load_offline(path: str, allow_empty: bool | None) -> ClusterState:
+    """The snapshot of an offline command, refused when nothing in it is usable (most likely
+    the wrong file: `apply` would program an empty ruleset over the node's rules).
+    allow_empty: --allow-empty, None where the command has no such flag."""
+    state = load_snapshot(path)
+    why = nothing_usable(state)
+    if why is not None and not allow_empty:
+        raise SnapshotError(f"{path}: nothing usable in this snapshot ({why}); expected what "
+                            "`kubectl get nodes,services,endpointslices -A -o yaml` prints"
+                            + ("; --allow-empty goes on anyway" if allow_empty is not None
+                               else ""))
+    return state
+
+
+def _report_input(state: ClusterState, config: NodeConfig) -> None:
+    """What an offline command dropped or had to choose, on stderr (standard output holds the
+    answer): the invalid objects and the conflicts, as explain lists them."""
+    for skipped in state.skipped:
+        if skipped.invalid:
+            print(f"pyproxy: skipped {skipped.object}: {skipped.reason}", file=sys.stderr)
+    for conflict in conflicts(state, config):
+        print(f"pyproxy: conflict: {conflict_text(conflict)}", file=sys.stderr)
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
-    state = load_snapshot(args.file)
-    sys.stdout.write(render_script(state, _node_config(args, state)))
+    state = _load_offline(args.file, args.allow_empty)
+    config = _node_config(args, state)
+    _report_input(state, config)
+    sys.stdout.write(render_script(state, config))
     return EXIT_OK
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    state = load_snapshot(args.file)
+    state = _load_offline(args.file, args.allow_empty)
     config = _node_config(args, state)
+    _report_input(state, config)
     for family in node_families(state, config):
         result = FamilyProxier(family, config).sync(state, full=True)
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
               f"{result.kernel_seconds * 1000:.0f} ms")
-    for skipped in state.skipped:
-        if skipped.invalid:
-            print(f"skipped {skipped.object}: {skipped.reason}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -322,8 +357,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.file:
         if not args.node:
             raise UsageError("explain -f needs --node")
-        state = load_snapshot(args.file)
+        state = _load_offline(args.file, None)
         report = explain_report(state, args.node, service)
+        report["conflicts"] = _explain_conflicts(state, args.node, service)
         where = "in the snapshot"
     else:
         report = ask(args.socket, "/explain", service=service)
@@ -336,6 +372,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_table(report))
     return EXIT_OK
+
+
+def _explain_conflicts(state: ClusterState, node_name: str,
+                       service: ServiceKey | None) -> list[dict[str, Any]]:
+    """The conflicts render would report for this node (with run's default node settings)."""
+    node = state.nodes.get(node_name)
+    config = ProxyConfig().node_config(node_name, node.host_ips if node else (),
+                                       node.pod_cidrs if node else ())
+    return disputes_report(((family, desired_state(state, config, family))
+                            for family in node_families(state, config)), service)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,7 +420,7 @@ def _live_commands(commands: Any) -> None:
     trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
     trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
                        help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
-    trace.add_argument("--sport", type=int, metavar="PORT",
+    trace.add_argument("--sport", metavar="PORT",
                        help="the client's source port (Maglev hashes address and port)")
     trace.add_argument("--verify", action="store_true",
                        help="check every element the answer relied on against the kernel "
@@ -429,10 +475,14 @@ def _cmd_services(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
+    try:  # checked here too, so a live trace's mistakes name the flag as an offline one's do
+        request = trace_request(args.src, args.dst, args.sport)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     if args.file:
-        result = _offline_trace(args)
+        result = _offline_trace(args, request)
     else:
-        result = ask(args.socket, "/trace", src=args.src, dst=args.dst, sport=args.sport,
+        result = ask(args.socket, "/trace", src=request.src, dst=args.dst, sport=request.sport,
                      from_node="1" if args.from_node else None,
                      verify="1" if args.verify else None)
     if args.output == "json":
@@ -446,21 +496,17 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return EXIT_ERROR if problems else EXIT_OK
 
 
-def _offline_trace(args: argparse.Namespace) -> dict[str, Any]:
+def _offline_trace(args: argparse.Namespace, request: TraceRequest) -> dict[str, Any]:
     from pyproxy.core.model import ip_family
     from pyproxy.render.trace import trace
-    from pyproxy.serve.live import parse_destination
 
-    state = load_snapshot(args.file)
+    state = _load_offline(args.file, None)
     config = _node_config(args, state)
-    try:
-        dst, port, proto = parse_destination(args.dst)
-        family = ip_family(dst)
-        ipaddress.ip_address(args.src)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    _report_input(state, config)
+    family = ip_family(request.dst)
     answer = trace(desired_state(state, config, family), render_config(config, family),
-                   args.src, dst, port, proto, from_node=args.from_node, sport=args.sport)
+                   request.src, request.dst, request.port, request.protocol,
+                   from_node=args.from_node, sport=request.sport)
     return answer.as_dict()
 
 

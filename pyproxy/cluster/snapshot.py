@@ -8,7 +8,8 @@ Parsing is pure (text in, model out); only `load_snapshot` touches the file syst
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,28 @@ def parse_objects(text: str) -> list[Any]:
 
 
 def load_snapshot(path: str | Path) -> ClusterState:
+    """`parse_snapshot` of a file; errors name it."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise SnapshotError(f"cannot read {path}: {err}") from None
-    return parse_snapshot(text)
+    try:
+        return parse_snapshot(text)
+    except SnapshotError as err:
+        raise SnapshotError(f"{path}: {err}") from None
+
+
+def nothing_usable(state: ClusterState) -> str | None:
+    """Why a snapshot gives a node no rules at all (None: something is usable). An empty file,
+    YAML that is not Kubernetes objects, or objects that are all invalid or not proxied
+    are most likely the wrong file: a real cluster has at least its `kubernetes` Service."""
+    if state.ports_by_service or state.slices or state.nodes or state.service_cidrs:
+        return None
+    if not state.skipped:
+        return "no objects"
+    shown = "; ".join(f"{s.object}: {s.reason}" for s in state.skipped[:3])
+    more = f"; and {len(state.skipped) - 3} more" if len(state.skipped) > 3 else ""
+    return f"{len(state.skipped)} object(s), none usable: {shown}{more}"
 
 
 def build_state(objects: Iterable[Any]) -> ClusterState:
@@ -66,12 +84,16 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
     nodes: dict[str, Node] = {}
     ports: list[ServicePort] = []
     slices: dict[ServiceKey, list[SliceEndpoints]] = {}
-    skipped: list[Skipped] = []
     service_cidrs: list[str] = []
-    for obj in objects:
+    objects = list(objects)
+    replaced = _replaced(objects)
+    skipped = list(replaced.values())
+    for index, obj in enumerate(objects, 1):
+        if index in replaced:
+            continue
         kind = (obj.get("kind") if isinstance(obj, Mapping)
                 else "EndpointSlice" if type(obj) is SliceDoc  # as the API's decoder made it
-                else type(obj).__name__[2:])
+                else _model_kind(obj))
         if kind == "Service":
             result = convert_service(obj)
             if isinstance(result, Skipped):
@@ -96,9 +118,11 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
                 skipped.append(cidrs)
             else:
                 service_cidrs.extend(cidrs)
+        elif isinstance(kind, str) and kind:
+            skipped.append(Skipped(kind, "", _name_of(obj), "kind not used by the proxy",
+                                   invalid=False))
         else:
-            skipped.append(Skipped(str(kind), "", _name_of(obj), "kind not used by the proxy",
-                                   invalid=kind is None))
+            skipped.append(Skipped(f"item {index}", "", "", _not_kubernetes(obj)))
     ports.sort(key=lambda p: (p.name.namespace, p.name.name, p.name.port, p.name.protocol))
     by_service: dict[ServiceKey, list[ServicePort]] = {}
     for port in ports:
@@ -110,6 +134,62 @@ def _build_state(objects: Iterable[Any]) -> ClusterState:
         skipped=tuple(skipped),
         service_cidrs=all_cidrs(service_cidrs),
     )
+
+
+# Kinds that the API keeps one of per namespace/name: a snapshot holding two is two
+# versions of one object (files concatenated, a resource listed twice).
+_UNIQUE_KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
+
+
+def _replaced(objects: Sequence[Any]) -> dict[int, Skipped]:
+    """The items (1-based) another item of the same kind and namespace/name comes after, and
+    why they are ignored: the later one is used, as applying the file in order would leave
+    it. Every command reading the snapshot (explain, render, apply, trace) drops the same."""
+    last: dict[tuple[str, str, str], int] = {}
+    for index, obj in enumerate(objects, 1):
+        key = _identity(obj)
+        if key is not None:
+            last[key] = index
+    replaced = {}
+    for index, obj in enumerate(objects, 1):
+        key = _identity(obj)
+        if key is not None and last[key] != index:
+            kind, namespace, name = key
+            replaced[index] = Skipped(kind, namespace, name, f"duplicate: item {index} is "
+                                      f"ignored, item {last[key]} (the same {kind}, later "
+                                      f"in the snapshot) is used")
+    return replaced
+
+
+def _identity(obj: Any) -> tuple[str, str, str] | None:
+    if not isinstance(obj, Mapping) or obj.get("kind") not in _UNIQUE_KINDS:
+        return None
+    name = _name_of(obj)
+    if not name:
+        return None
+    cluster_scoped = obj["kind"] in ("Node", "ServiceCIDR")
+    meta = obj.get("metadata")
+    namespace = meta.get("namespace") if isinstance(meta, Mapping) else None
+    return (obj["kind"], "" if cluster_scoped else
+            namespace if isinstance(namespace, str) and namespace else "default", name)
+
+
+# The kubernetes client's model classes: V1Service, V1EndpointSlice, V2HorizontalPod…
+_MODEL_CLASS = re.compile(r"V\d+(?:alpha\d+|beta\d+)?([A-Z]\w*)")
+
+
+def _model_kind(obj: Any) -> str | None:
+    match = _MODEL_CLASS.fullmatch(type(obj).__name__)
+    return match[1] if match else None
+
+
+def _not_kubernetes(obj: Any) -> str:
+    if isinstance(obj, Mapping):
+        name = _name_of(obj)
+        return "not a Kubernetes object: it has no kind" + (f" (metadata.name {name})"
+                                                             if name else "")
+    names = {str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+    return f"not a Kubernetes object: {names.get(type(obj), type(obj).__name__)}"
 
 
 def _name_of(obj: Any) -> str:
@@ -128,7 +208,16 @@ def _documents(text: str) -> list[Any]:
     try:
         return [doc for doc in yaml.safe_load_all(text) if doc is not None]
     except yaml.YAMLError as err:
-        raise SnapshotError(f"not valid YAML or JSON: {err}") from None
+        raise SnapshotError(f"not valid YAML or JSON: {_yaml_problem(err)}") from None
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The parser's complaint and where, on one line (its own text names "<unicode string>")."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{context + ': ' if context else ''}{problem}{where}"
 
 
 def _objects(documents: Iterable[Any]) -> Iterator[Any]:

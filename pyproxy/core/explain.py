@@ -153,6 +153,8 @@ def format_table(report: dict[str, Any]) -> str:
         details.append(f"{name} ({entry['ipFamily']}):")
         details.extend(f"  - {reason}" for reason in entry["reasons"])
     lines.extend(_align(rows))
+    if any(" more" in cell for row in rows[1:] for cell in row[4:]):
+        lines.append(f"(endpoint lists are cut after {CELL_ENDPOINTS}: -o json has them all)")
     if details:
         lines.append("")
         lines.append("why:")
@@ -163,11 +165,24 @@ def format_table(report: dict[str, Any]) -> str:
         for s in report["skipped"]:
             tag = "invalid" if s["invalid"] else "not proxied"
             lines.append(f"  {s['object']} ({tag}): {s['reason']}")
+    if report.get("conflicts"):
+        lines.append("")
+        lines.append("conflicts:")
+        lines.extend(f"  {conflict_text(c)}" for c in report["conflicts"])
     if report.get("serviceCIDRs"):
         lines.append("")
         lines.append(f"service CIDRs: {', '.join(report['serviceCIDRs'])} (addresses in them "
                      "that are no ClusterIP: dropped)")
     return "\n".join(lines) + "\n"
+
+
+def conflict_text(conflict: dict[str, Any]) -> str:
+    """One of a report's `conflicts` (sync.proxier.conflicts) in words."""
+    elements = conflict["elements"]
+    more = f" and {len(elements) - 1} more element(s)" if len(elements) > 1 else ""
+    return (f"{elements[0]}{more} ({conflict['family']}): claimed by "
+            f"{', '.join(conflict['claimedBy'])}; the rules of {', '.join(conflict['used'])} "
+            "are used (of differing rules the smallest wins, whatever the order of events)")
 
 
 def topology_text(mode: str | None) -> str:
@@ -182,12 +197,19 @@ def _topology_cell(entry: dict[str, Any]) -> str:
     return "+".join([topology_text(entry["topology"]), *wider])
 
 
+# Endpoints shown in a table cell before "+ N more" (as kubectl's ENDPOINTS column): a
+# 300-endpoint service would otherwise make one row thousands of characters wide.
+CELL_ENDPOINTS = 3
+
+
 def _cell(endpoints: list[str] | None) -> str:
     if endpoints is None:
         return "(not used)"
     if not endpoints:
         return "(none)"
-    return ",".join(endpoints)
+    shown = ",".join(endpoints[:CELL_ENDPOINTS])
+    more = len(endpoints) - CELL_ENDPOINTS
+    return f"{shown} + {more} more" if more > 0 else shown
 
 
 def _align(rows: Sequence[tuple[str, ...]]) -> list[str]:

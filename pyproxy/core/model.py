@@ -354,7 +354,7 @@ class Skipped:
     def object(self) -> str:
         if self.namespace:
             return f"{self.kind} {self.namespace}/{self.name}"
-        return f"{self.kind} {self.name}"
+        return f"{self.kind} {self.name}" if self.name else self.kind
 
 
 def is_valid_ip(text: str) -> bool:

@@ -145,6 +145,44 @@ class DesiredState:
             yield kind, container, _resolved(inner)
 
 
+    def disputes(self) -> list[Dispute]:
+        """Slots owners want with different values (two Services claiming one external IP and
+        port, or one NodePort), each with its owners per value; the smallest value is the
+        one used. Scans every owner's items: for offline reports, not for the sync loop."""
+        disputed = {(kind, container, key): current
+                    for (kind, container), inner in self._values.items()
+                    for key, current in inner.items()
+                    if not isinstance(current, str) and len(current) > 1}
+        if not disputed:
+            return []
+        owners: dict[tuple[Slot, str], list[Hashable]] = {}
+        for owner, flat in self._fragments.items():
+            for i in range(0, len(flat), 4):
+                slot = (Kind(flat[i]), flat[i + 1], flat[i + 2])
+                if slot in disputed:
+                    owners.setdefault((slot, flat[i + 3]), []).append(owner)
+        return [Dispute(slot, tuple((value, tuple(owners.get((slot, value), ())))
+                                    for value in sorted(values)))
+                for slot, values in sorted(disputed.items())]
+
+
+@dataclass(frozen=True, slots=True)
+class Dispute:
+    """One slot owners disagree about: each value with the owners wanting it, the value used
+    first (the smallest, so the outcome does not depend on the order of events)."""
+
+    slot: Slot
+    claims: tuple[tuple[str, tuple[Hashable, ...]], ...]
+
+    @property
+    def used_by(self) -> tuple[Hashable, ...]:
+        return self.claims[0][1]
+
+    @property
+    def owners(self) -> tuple[Hashable, ...]:
+        return tuple(owner for _, owners in self.claims for owner in owners)
+
+
 def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, str]]:
     for key, current in inner.items():
         yield key, current if isinstance(current, str) else min(current)

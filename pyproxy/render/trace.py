@@ -56,7 +56,7 @@ class Trace:
 
     def as_dict(self) -> dict[str, object]:
         return {
-            "src": self.src, "dst": f"{self.dst}:{self.port}/{self.protocol}",
+            "src": self.src, "dst": f"{_endpoint(self.dst, str(self.port))}/{self.protocol}",
             "verdict": self.verdict, "service": self.service, "steps": self.steps,
             "candidates": [{"endpoint": ep, "probability": round(p, 4)}
                            for ep, p in self.candidates],

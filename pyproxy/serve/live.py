@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from ipaddress import ip_address
 from typing import Any
 
 import structlog
@@ -18,7 +20,7 @@ from pyproxy.render.trace import trace
 from pyproxy.serve.connections import ConnectionCounters, CountingContext, Series, endpoint_family
 from pyproxy.serve.debug import Handler
 from pyproxy.serve.health import ProxyHealth
-from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.proxier import FamilyProxier, disputes_report
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
 from pyproxy.sync.node import NodeProxier, SyncRecord  # isort: skip
@@ -35,15 +37,53 @@ def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:
 
 
 def parse_destination(text: str) -> tuple[str, int, str]:
-    """"IP:PORT/PROTO" (IPv6 as "[IP]:PORT/PROTO"; PROTO defaults to tcp)."""
+    """"IP:PORT/PROTO" (IPv6 as "[IP]:PORT/PROTO"; PROTO defaults to tcp). Raises ValueError
+    for a port outside 1..65535 or an address that is not an IP."""
     address, _, proto = text.partition("/")
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"destination {text!r}: expected IP:PORT[/PROTO]")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"destination {text!r}: port {int(port)} is outside 1..65535")
     proto = (proto or "tcp").lower()
     if proto not in ("tcp", "udp", "sctp"):
         raise ValueError(f"destination {text!r}: protocol must be tcp, udp or sctp")
-    return host.strip("[]"), int(port), proto
+    host = host.strip("[]")
+    try:
+        return str(ip_address(host)), int(port), proto
+    except ValueError:
+        raise ValueError(f"destination {text!r}: {host!r} is not an IP address") from None
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One connection to trace, checked: the addresses of one family, ports in 1..65535."""
+
+    src: str
+    dst: str
+    port: int
+    protocol: str
+    sport: int | None
+
+
+def trace_request(src: str, dst: str, sport: str | int | None) -> TraceRequest:
+    """A trace's inputs as `pyproxy trace` takes them (--src, --dst, --sport), checked by the
+    CLI before it asks (offline or live) and by the daemon; each error names the flag."""
+    try:
+        source = ip_address(src)
+    except ValueError:
+        raise ValueError(f"--src: {src!r} is not an IP address") from None
+    try:
+        address, port, proto = parse_destination(dst)
+    except ValueError as err:
+        raise ValueError(f"--dst: {err}") from None
+    if ip_address(address).version != source.version:
+        raise ValueError(f"--src {source} is IPv{source.version} and --dst {address} is "
+                         f"IPv{ip_address(address).version}: a connection has one family")
+    if sport is not None and not (str(sport).isdigit() and 1 <= int(sport) <= 65535):
+        raise ValueError(f"--sport: expected a port in 1..65535, got {str(sport)[:20]!r}")
+    return TraceRequest(str(source), address, port, proto,
+                        int(sport) if sport is not None else None)
 
 
 MAX_FAULTS = 1_000_000
@@ -64,15 +104,15 @@ def service_key(text: str) -> ServiceKey:
 
 
 def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[str, Any]:
-    dst, port, proto = parse_destination(query.get("dst", ""))
-    src = query.get("src") or ""
-    family = ip_family(dst)
+    request = trace_request(query.get("src") or "", query.get("dst", ""),
+                            query.get("sport") or None)
+    family = ip_family(request.dst)
     for proxier in proxiers:
         if proxier.family is family:
             cfg = render_config(proxier.config, family)
-            sport = int(query["sport"]) if query.get("sport") else None
-            result = trace(proxier.state, cfg, src, dst, port, proto,
-                           from_node=query.get("from_node") == "1", sport=sport)
+            result = trace(proxier.state, cfg, request.src, request.dst, request.port,
+                           request.protocol, from_node=query.get("from_node") == "1",
+                           sport=request.sport)
             answer = result.as_dict()
             if query.get("verify") == "1":
                 answer["verified"] = verify(proxier, result.consulted)
@@ -161,7 +201,10 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
 
     def explain(query: Mapping[str, str]) -> Any:
         wanted = service_key(query["service"]) if query.get("service") else None
-        return explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
+        report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
+        report["conflicts"] = disputes_report(((p.family, p.state) for p in proxier.proxiers),
+                                              wanted)
+        return report
 
     def trace_handler(query: Mapping[str, str]) -> Any:
         return trace_in(proxier.proxiers, query)

@@ -6,7 +6,7 @@ import itertools
 import time
 from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pyproxy.core.balancing import keep_slots
 from pyproxy.core.model import (
@@ -127,6 +127,36 @@ def desired_state(state: ClusterState, config: NodeConfig, family: IPFamily) -> 
     for owner, fragment in fragments(state, config, family).items():
         desired.set(owner, fragment, Change())
     return desired
+
+
+def conflicts(state: ClusterState, config: NodeConfig) -> list[dict[str, Any]]:
+    """What service ports claim with different rules (one external IP and port, one NodePort)
+    in the node's tables, and whose rules are used: the same answer explain, render, apply and
+    trace give (offline: renders every family once more)."""
+    return disputes_report((family, desired_state(state, config, family))
+                           for family in node_families(state, config))
+
+
+def disputes_report(tables: Iterable[tuple[IPFamily, DesiredState]],
+                    service: ServiceKey | None = None) -> list[dict[str, Any]]:
+    """The tables' disputed slots, one entry per family and set of claimants with every
+    element they dispute (a frontend's map entries go together); with `service`, those it
+    is among the claimants of."""
+    found: dict[tuple[str, tuple[str, ...], tuple[str, ...]], list[str]] = {}
+    for family, desired in tables:
+        for dispute in desired.disputes():
+            if service is not None and not any(
+                    isinstance(owner, ServicePortName) and owner.service == service
+                    for owner in dispute.owners):
+                continue
+            _, container, key = dispute.slot
+            claimants = tuple(sorted({str(owner) for owner in dispute.owners}))
+            used = tuple(sorted({str(owner) for owner in dispute.used_by}))
+            found.setdefault((str(family), claimants, used), []).append(
+                f"{container} {{ {key} }}")
+    return [{"family": family, "elements": elements, "claimedBy": list(claimants),
+             "used": list(used)}
+            for (family, claimants, used), elements in found.items()]
 
 
 def render_script(state: ClusterState, config: NodeConfig,

@@ -1,0 +1,230 @@
+"""Strict offline inputs (issue 27, point 5): trace's arguments checked and named, snapshots
+with nothing usable refused, duplicates and conflicting claims reported the same way by
+explain, render, apply and trace, readable tables for big services, errors naming the file."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import yaml
+
+from pyproxy.cli import main
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.netlab import Lab
+
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> object:
+    saved = structlog.get_config()
+    yield None
+    structlog.configure(**saved)
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def snapshot(tmp_path: Path, *objects: Any, name: str = "cluster.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump_all(objects))
+    return path
+
+
+def dual_stack(tmp_path: Path) -> Path:
+    service = make_service("demo", "web", ip="10.96.0.10")
+    service["spec"].update(clusterIPs=["10.96.0.10", "fd00:96::10"],
+                           ipFamilies=["IPv4", "IPv6"], ipFamilyPolicy="RequireDualStack")
+    return snapshot(tmp_path, make_node("node-a"), service,
+                    make_slice("demo", "web", [ep("fd00:244::5", "node-a")], family="IPv6"))
+
+
+class TestTrace:
+    @pytest.mark.parametrize(("argv", "message"), [
+        pytest.param(["--src=10.0.0.1", "--dst=10.96.0.10:0"],
+                     "--dst: destination '10.96.0.10:0': port 0 is outside 1..65535", id="port 0"),
+        pytest.param(["--src=10.0.0.1", "--dst=10.96.0.10:65536/udp"],
+                     "--dst: destination '10.96.0.10:65536/udp': port 65536 is outside "
+                     "1..65535", id="port 65536"),
+        pytest.param(["--src=10.0.0.1", "--dst=[fd00:96::10]:80"],
+                     "--src 10.0.0.1 is IPv4 and --dst fd00:96::10 is IPv6: a connection has "
+                     "one family", id="mixed families"),
+        pytest.param(["--src=pod-a", "--dst=10.96.0.10:80"],
+                     "--src: 'pod-a' is not an IP address", id="src not an IP"),
+        pytest.param(["--src=10.0.0.1", "--dst=web:80"],
+                     "--dst: destination 'web:80': 'web' is not an IP address",
+                     id="dst not an IP"),
+        pytest.param(["--src=10.0.0.1", "--dst=10.96.0.10"],
+                     "--dst: destination '10.96.0.10': expected IP:PORT[/PROTO]", id="no port"),
+        pytest.param(["--src=10.0.0.1", "--dst=10.96.0.10:80", "--sport=70000"],
+                     "--sport: expected a port in 1..65535, got '70000'", id="sport"),
+    ])
+    @pytest.mark.parametrize("mode", ["offline", "live"])
+    def test_refused_naming_the_flag(self, argv: list[str], message: str, mode: str,
+                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """Exit code 2 offline and live alike (live: before the daemon is asked)."""
+        where = (["-f", str(dual_stack(tmp_path)), "--node=node-a"] if mode == "offline"
+                 else [f"--socket={tmp_path}/none.sock"])
+        assert cli(capsys, "trace", *where, *argv)[1:] == ("", f"pyproxy: {message}\n")
+        assert main(["trace", *where, *argv]) == 2
+
+    def test_ipv6_destination_is_bracketed(self, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+        code, out, _ = cli(capsys, "trace", "-f", str(dual_stack(tmp_path)), "--node=node-a",
+                           "--src=fd00:244::9", "--dst=[fd00:96::10]:80", "-o", "json")
+        assert code == 0
+        result = json.loads(out)
+        assert result["dst"] == "[fd00:96::10]:80/tcp"
+        assert result["candidates"][0]["endpoint"].startswith("[fd00:244::5]:")
+
+
+class TestNothingUsable:
+    CASES = [
+        pytest.param("", "no objects", id="empty"),
+        pytest.param("foo: bar\n", "1 object(s), none usable: item 1: not a Kubernetes "
+                     "object: it has no kind", id="not Kubernetes"),
+        pytest.param(yaml.safe_dump(make_service("demo", "web", ip="10.96.0.999")),
+                     "1 object(s), none usable: Service demo/web: spec.clusterIPs[0]: "
+                     "'10.96.0.999' is not an IP address", id="everything invalid"),
+    ]
+
+    @pytest.mark.parametrize(("text", "why"), CASES)
+    @pytest.mark.parametrize("command", ["render", "apply", "explain", "trace"])
+    def test_refused(self, command: str, text: str, why: str, tmp_path: Path,
+                     capsys: pytest.CaptureFixture[str]) -> None:
+        path = tmp_path / "cluster.yaml"
+        path.write_text(text)
+        extra = ["--src=10.0.0.1", "--dst=10.96.0.10:80"] if command == "trace" else []
+        code, out, err = cli(capsys, command, "-f", str(path), "--node=node-a", *extra)
+        assert (code, out) == (1, "")
+        allow = "; --allow-empty goes on anyway" if command in ("render", "apply") else ""
+        assert err == (f"pyproxy: {path}: nothing usable in this snapshot ({why}); expected "
+                       "what `kubectl get nodes,services,endpointslices -A -o yaml` prints"
+                       f"{allow}\n")
+
+    def test_render_allow_empty(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        path = tmp_path / "cluster.yaml"
+        path.write_text("")
+        code, out, _ = cli(capsys, "render", "-f", str(path), "--node=node-a", "--allow-empty")
+        assert code == 0 and out.startswith("add table ip pyproxy")
+
+    @pytest.mark.netns
+    def test_apply_allow_empty(self, lab: Lab, tmp_path: Path) -> None:
+        """In a throwaway namespace: refused, then programmed with --allow-empty."""
+        ns = lab.add_ns("apply")
+        path = tmp_path / "cluster.yaml"
+        path.write_text("")
+        argv = [PYPROXY, "apply", "-f", str(path), "--node=node-a", "--node-ip=192.0.2.1"]
+        assert lab.run(ns, argv, check=False).returncode == 1
+        assert lab.run(ns, ["nft", "list", "tables"]).stdout == ""
+        assert lab.run(ns, [*argv, "--allow-empty"], check=False).returncode == 0
+        assert lab.run(ns, ["nft", "list", "tables"]).stdout.split() == [
+            "table", "ip", "pyproxy"]
+
+    def test_yaml_errors_name_the_file(self, tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+        path = tmp_path / "cluster.yaml"
+        path.write_text("items: [\n")
+        code, _, err = cli(capsys, "explain", "-f", str(path), "--node=node-a")
+        assert code == 1
+        assert err == (f"pyproxy: {path}: not valid YAML or JSON: while parsing a flow node: "
+                       "expected the node content, but found '<stream end>' at line 2, "
+                       "column 1\n")
+
+
+class TestReportedTheSameEverywhere:
+    def test_non_kubernetes_items_are_named(self, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+        path = snapshot(tmp_path, make_node("node-a"), {"metadata": {"name": "x"}},
+                        {"kind": "ConfigMap", "metadata": {"name": "y", "namespace": "z"}})
+        code, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+        assert code == 0
+        assert json.loads(out)["skipped"] == [
+            {"object": "item 2", "reason": "not a Kubernetes object: it has no kind "
+             "(metadata.name x)", "invalid": True},
+            {"object": "ConfigMap y", "reason": "kind not used by the proxy", "invalid": False}]
+
+    def test_duplicate_service_the_later_is_used(self, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+        path = snapshot(tmp_path, make_node("node-a"), make_service("demo", "web", ip="10.96.0.10"),
+                        make_slice("demo", "web", [ep("10.244.1.5", "node-a")]),
+                        make_service("demo", "web", ip="10.96.0.20"))
+        reason = ("duplicate: item 2 is ignored, item 4 (the same Service, later in the "
+                  "snapshot) is used")
+        _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+        report = json.loads(out)
+        assert [s["clusterIPs"] for s in report["services"]] == [["10.96.0.20"]]
+        assert report["skipped"] == [{"object": "Service demo/web", "reason": reason,
+                                      "invalid": True}]
+        _, out, err = cli(capsys, "render", "-f", str(path), "--node=node-a")
+        assert "10.96.0.20" in out and "10.96.0.10" not in out
+        assert err == f"pyproxy: skipped Service demo/web: {reason}\n"
+        _, out, err = cli(capsys, "trace", "-f", str(path), "--node=node-a",
+                          "--src=10.0.0.1", "--dst=10.96.0.20:80")
+        assert out.startswith("10.0.0.1 -> 10.96.0.20:80/tcp: DNAT (service demo/web:http)")
+        assert err == f"pyproxy: skipped Service demo/web: {reason}\n"
+
+    def test_duplicate_endpoint_slice(self, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+        path = snapshot(tmp_path, make_node("node-a"), make_service("demo", "web", ip="10.96.0.10"),
+                        make_slice("demo", "web", [ep("10.244.1.5", "node-a")]),
+                        make_slice("demo", "web", [ep("10.244.1.6", "node-a")]))
+        _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+        report = json.loads(out)
+        assert [e.split(":")[0] for e in report["services"][0]["clusterEndpoints"]] == \
+            ["10.244.1.6"]
+        [skipped] = report["skipped"]
+        assert skipped["object"].startswith("EndpointSlice demo/")
+        assert "duplicate: item 3 is ignored, item 4" in skipped["reason"]
+
+    def test_two_services_claiming_one_external_ip_and_port(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """explain names both and the one used; render and trace use that one and say so."""
+        services = []
+        for name, ip in (("b", "10.96.0.11"), ("a", "10.96.0.10")):
+            service = make_service("demo", name, ip=ip)
+            service["spec"]["externalIPs"] = ["192.0.2.50"]
+            services.append(service)
+        path = snapshot(tmp_path, make_node("node-a"), *services,
+                        make_slice("demo", "a", [ep("10.244.1.5", "node-a")]),
+                        make_slice("demo", "b", [ep("10.244.1.6", "node-a")]))
+        code, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+        [conflict] = json.loads(out)["conflicts"]
+        assert (conflict["family"], conflict["claimedBy"], conflict["used"]) == \
+            ("IPv4", ["demo/a:http", "demo/b:http"], ["demo/a:http"])
+        assert "service-ips { 192.0.2.50 . tcp . 80 }" in conflict["elements"]
+        code, table, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a")
+        assert "conflicts:\n  " in table
+        assert "(IPv4): claimed by demo/a:http, demo/b:http; the rules of demo/a:http are " \
+               "used" in table
+        code, out, err = cli(capsys, "trace", "-f", str(path), "--node=node-a",
+                             "--src=10.0.0.1", "--dst=192.0.2.50:80")
+        assert code == 0 and "(service demo/a:http)" in out.splitlines()[0]
+        assert "10.244.1.5" in out and "10.244.1.6" not in out
+        line = "(IPv4): claimed by demo/a:http, demo/b:http; the rules of demo/a:http are used"
+        assert err.startswith("pyproxy: conflict: ") and line in err
+        _, out, err = cli(capsys, "render", "-f", str(path), "--node=node-a")
+        assert err.startswith("pyproxy: conflict: ") and line in err
+
+
+def test_a_big_service_keeps_its_row_readable(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """300 endpoints: the table shows three and how many more; -o json has them all."""
+    endpoints = [ep(f"10.244.{i // 250}.{i % 250 + 1}", "node-a") for i in range(300)]
+    path = snapshot(tmp_path, make_node("node-a"), make_service("demo", "big", ip="10.96.0.10"),
+                    make_slice("demo", "big", endpoints))
+    _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a")
+    row = next(line for line in out.splitlines() if line.startswith("demo/big"))
+    assert len(row) < 150, row
+    assert row.split()[4].count(",") == 2 and row.split()[5:8] == ["+", "297", "more"]
+    assert "(endpoint lists are cut after 3: -o json has them all)" in out
+    _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+    assert len(json.loads(out)["services"][0]["clusterEndpoints"]) == 300
