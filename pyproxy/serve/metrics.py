@@ -6,9 +6,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
 import structlog
+import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -28,6 +32,147 @@ log = structlog.get_logger("pyproxy.metrics")
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")
 
 
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One exported metric family: what Prometheus sees (name, type, labels, help) and what
+    it tells an operator (`meaning`, for docs/metrics.md). Every metric pyproxy exports is a
+    row of SPECS; `Metrics` and the collectors build theirs from the rows, and
+    tests/test_metrics_reference.py checks the rows against a scrape."""
+
+    name: str
+    """As exposed, with a counter's `_total`."""
+    type: str  # counter | gauge | histogram
+    help: str
+    meaning: str
+    labels: tuple[str, ...] = ()
+    source: str = "pyproxy"
+    """Who defines it: pyproxy, or prometheus_client's process collector."""
+
+    @property
+    def family(self) -> str:
+        """The name prometheus_client takes (a counter's without `_total`)."""
+        return self.name.removesuffix("_total") if self.type == "counter" else self.name
+
+
+_PROCESS = "prometheus_client's process collector (as kube-proxy's Go runtime exports them)"
+SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec("kubeproxy_sync_proxy_rules_duration_seconds", "histogram",
+               "SyncProxyRules latency in seconds",
+               "time per sync, full or partial (render, diff, kernel); kube-proxy's name"),
+    MetricSpec("kubeproxy_sync_full_proxy_rules_duration_seconds", "histogram",
+               "SyncProxyRules latency in seconds for full resyncs",
+               "time per full sync (start, after a failure, every --full-sync-period)"),
+    MetricSpec("kubeproxy_sync_partial_proxy_rules_duration_seconds", "histogram",
+               "SyncProxyRules latency in seconds for partial resyncs",
+               "time per partial sync (only what changed)"),
+    MetricSpec("kubeproxy_sync_proxy_rules_last_timestamp_seconds", "gauge",
+               "The last time proxy rules were successfully synced",
+               "Unix time of the last successful sync; a sync runs at least every syncPeriod, "
+               "so an old value means syncs fail or stall"),
+    MetricSpec("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds", "gauge",
+               "The last time a sync of proxy rules was queued",
+               "Unix time a change last asked for a sync; above last_timestamp: a change waits "
+               "(/healthz fails when it waits more than 2 × syncPeriod)"),
+    MetricSpec("kubeproxy_network_programming_duration_seconds", "histogram",
+               "In Cluster Network Programming Latency in seconds",
+               "from an EndpointSlice's last-change-trigger-time to the commit of its rules "
+               "on this node (network programming latency, the Kubernetes SLI)"),
+    MetricSpec("kubeproxy_sync_proxy_rules_endpoint_changes_pending", "gauge",
+               "Pending proxy rules Endpoint changes",
+               "EndpointSlice changes received, not yet synced"),
+    MetricSpec("kubeproxy_sync_proxy_rules_endpoint_changes_total", "counter",
+               "Cumulative proxy rules Endpoint changes", "EndpointSlice changes received"),
+    MetricSpec("kubeproxy_sync_proxy_rules_service_changes_pending", "gauge",
+               "Pending proxy rules Service changes", "Service changes received, not yet synced"),
+    MetricSpec("kubeproxy_sync_proxy_rules_service_changes_total", "counter",
+               "Cumulative proxy rules Service changes", "Service changes received"),
+    MetricSpec("kubeproxy_sync_proxy_rules_nftables_sync_failures_total", "counter",
+               "Cumulative proxy nftables sync failures",
+               "syncs the kernel refused (each retried after syncPeriod with a full sync)"),
+    MetricSpec("kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total", "counter",
+               "Cumulative proxy nftables cleanup failures",
+               "stale chains that could not be deleted"),
+    MetricSpec("kubeproxy_proxy_healthz_total", "counter",
+               "Cumulative proxy healthz HTTP status", "/healthz answers by HTTP status",
+               labels=("code",)),
+    MetricSpec("kubeproxy_proxy_livez_total", "counter",
+               "Cumulative proxy livez HTTP status", "/livez answers by HTTP status",
+               labels=("code",)),
+    MetricSpec("kubeproxy_conntrack_reconciler_deleted_entries_total", "counter",
+               "Cumulative conntrack flows deleted by conntrack reconciler",
+               "stale conntrack entries deleted (UDP endpoints gone, repairs)",
+               labels=("ip_family",)),
+    MetricSpec("kubeproxy_conntrack_reconciler_sync_duration_seconds", "histogram",
+               "conntrack reconciler sync duration in seconds",
+               "time per conntrack clean-up", labels=("ip_family",)),
+    MetricSpec("kubeproxy_sync_proxy_rules_no_local_endpoints_total", "gauge",
+               "Number of services with a Local traffic policy and no endpoints",
+               "service ports with internal/externalTrafficPolicy Local and no endpoint on "
+               "this node (their traffic from that side is dropped); computed at scrape time",
+               labels=("traffic_policy", "ip_family")),
+    MetricSpec("pyproxy_invalid_objects_total", "counter", "API objects skipped as invalid",
+               "API objects skipped as invalid (the log and `pyproxy explain` say why)",
+               labels=("kind",)),
+    MetricSpec("pyproxy_sync_phase_duration_seconds", "histogram", "Time per sync phase",
+               "time per sync phase: render, diff, kernel", labels=("phase",)),
+    MetricSpec("pyproxy_table_repairs_total", "counter",
+               "Changes to pyproxy's tables made by someone else, repaired",
+               "someone else changed pyproxy's tables (nft, a firewall reload) and pyproxy "
+               "repaired them; while one is unrepaired /healthz answers 503"),
+    MetricSpec("pyproxy_api_server_via_service_address", "gauge",
+               "1 if the API server address pyproxy uses is a Service ClusterIP, or in a "
+               "service CIDR, which a node without proxy rules cannot reach",
+               "1: the API server is reached through a Service address, which a rebooted node "
+               "cannot reach before pyproxy programs it (docs/deploying.md, step 2)"),
+    MetricSpec("pyproxy_service_topology_mode", "gauge",
+               "Topology mode in force per service port on this node (1 = in force)",
+               "the topology mode (PreferSameZone, PreferSameNode, topology keys…) in force per "
+               "service port; computed at scrape time",
+               labels=("service", "port", "ip_family", "mode")),
+    MetricSpec("pyproxy_endpoint_new_connections_total", "counter",
+               "New connections this node sent to each endpoint of a service port, counted by "
+               "the kernel; scope: where the endpoint runs relative to this node (node, zone, "
+               "cluster)",
+               "new connections per endpoint, counted by the kernel, read at scrape time "
+               "(README, \"New connections per endpoint\")",
+               labels=Series._fields),
+    MetricSpec("process_cpu_seconds_total", "counter", "Total user and system CPU time spent "
+               "in seconds.", "CPU time of the daemon", source=_PROCESS),
+    MetricSpec("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
+               "virtual memory of the daemon", source=_PROCESS),
+    MetricSpec("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.",
+               "resident memory of the daemon (docs/deploying.md, Sizing)", source=_PROCESS),
+    MetricSpec("process_start_time_seconds", "gauge",
+               "Start time of the process since unix epoch in seconds.",
+               "when the daemon started", source=_PROCESS),
+    MetricSpec("process_open_fds", "gauge", "Number of open file descriptors.",
+               "open file descriptors", source=_PROCESS),
+    MetricSpec("process_max_fds", "gauge", "Maximum number of open file descriptors.",
+               "the file descriptor limit", source=_PROCESS),
+)
+_BY_NAME = {spec.name: spec for spec in SPECS}
+
+
+def _spec(name: str) -> MetricSpec:
+    return _BY_NAME[name]
+
+
+def _counter(registry: CollectorRegistry, name: str) -> Counter:
+    spec = _spec(name)
+    return Counter(spec.family, spec.help, spec.labels, registry=registry)
+
+
+def _gauge(registry: CollectorRegistry, name: str) -> Gauge:
+    spec = _spec(name)
+    return Gauge(spec.family, spec.help, spec.labels, registry=registry)
+
+
+def _histogram(registry: CollectorRegistry, name: str,
+               buckets: tuple[float, ...] = _SYNC_BUCKETS) -> Histogram:
+    spec = _spec(name)
+    return Histogram(spec.family, spec.help, spec.labels, buckets=buckets, registry=registry)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None,
                  started: float | None = None) -> None:
@@ -37,72 +182,40 @@ class Metrics:
         ProcessCollector(registry=r)
         # Trigger times from before this (wall clock) are not ours to measure (see below).
         self.started = time.time() if started is None else started
-        self.sync_duration = Histogram(
-            "kubeproxy_sync_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds", buckets=_SYNC_BUCKETS, registry=r)
-        self.sync_full_duration = Histogram(
-            "kubeproxy_sync_full_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds for full resyncs", buckets=_SYNC_BUCKETS,
-            registry=r)
-        self.sync_partial_duration = Histogram(
-            "kubeproxy_sync_partial_proxy_rules_duration_seconds",
-            "SyncProxyRules latency in seconds for partial resyncs", buckets=_SYNC_BUCKETS,
-            registry=r)
-        self.last_sync = Gauge(
-            "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-            "The last time proxy rules were successfully synced", registry=r)
-        self.last_queued = Gauge(
-            "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
-            "The last time a sync of proxy rules was queued", registry=r)
-        self.network_programming = Histogram(
-            "kubeproxy_network_programming_duration_seconds",
-            "In Cluster Network Programming Latency in seconds", buckets=_NPL_BUCKETS,
-            registry=r)
-        self.endpoint_changes_pending = Gauge(
-            "kubeproxy_sync_proxy_rules_endpoint_changes_pending",
-            "Pending proxy rules Endpoint changes", registry=r)
-        self.endpoint_changes_total = Counter(
-            "kubeproxy_sync_proxy_rules_endpoint_changes",
-            "Cumulative proxy rules Endpoint changes", registry=r)
-        self.service_changes_pending = Gauge(
-            "kubeproxy_sync_proxy_rules_service_changes_pending",
-            "Pending proxy rules Service changes", registry=r)
-        self.service_changes_total = Counter(
-            "kubeproxy_sync_proxy_rules_service_changes",
-            "Cumulative proxy rules Service changes", registry=r)
-        self.sync_failures = Counter(
-            "kubeproxy_sync_proxy_rules_nftables_sync_failures",
-            "Cumulative proxy nftables sync failures", registry=r)
-        self.cleanup_failures = Counter(
-            "kubeproxy_sync_proxy_rules_nftables_cleanup_failures",
-            "Cumulative proxy nftables cleanup failures", registry=r)
-        self.healthz = Counter("kubeproxy_proxy_healthz", "Cumulative proxy healthz HTTP status",
-                               ["code"], registry=r)
-        self.livez = Counter("kubeproxy_proxy_livez", "Cumulative proxy livez HTTP status",
-                             ["code"], registry=r)
-        self.conntrack_deleted = Counter(
-            "kubeproxy_conntrack_reconciler_deleted_entries",
-            "Cumulative conntrack flows deleted by conntrack reconciler", ["ip_family"],
-            registry=r)
-        self.conntrack_duration = Histogram(
-            "kubeproxy_conntrack_reconciler_sync_duration_seconds",
-            "conntrack reconciler sync duration in seconds", ["ip_family"],
-            buckets=_SYNC_BUCKETS, registry=r)
+        self.sync_duration = _histogram(r, "kubeproxy_sync_proxy_rules_duration_seconds")
+        self.sync_full_duration = _histogram(
+            r, "kubeproxy_sync_full_proxy_rules_duration_seconds")
+        self.sync_partial_duration = _histogram(
+            r, "kubeproxy_sync_partial_proxy_rules_duration_seconds")
+        self.last_sync = _gauge(r, "kubeproxy_sync_proxy_rules_last_timestamp_seconds")
+        self.last_queued = _gauge(r, "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds")
+        self.network_programming = _histogram(
+            r, "kubeproxy_network_programming_duration_seconds", _NPL_BUCKETS)
+        self.endpoint_changes_pending = _gauge(
+            r, "kubeproxy_sync_proxy_rules_endpoint_changes_pending")
+        self.endpoint_changes_total = _counter(
+            r, "kubeproxy_sync_proxy_rules_endpoint_changes_total")
+        self.service_changes_pending = _gauge(
+            r, "kubeproxy_sync_proxy_rules_service_changes_pending")
+        self.service_changes_total = _counter(
+            r, "kubeproxy_sync_proxy_rules_service_changes_total")
+        self.sync_failures = _counter(
+            r, "kubeproxy_sync_proxy_rules_nftables_sync_failures_total")
+        self.cleanup_failures = _counter(
+            r, "kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total")
+        self.healthz = _counter(r, "kubeproxy_proxy_healthz_total")
+        self.livez = _counter(r, "kubeproxy_proxy_livez_total")
+        self.conntrack_deleted = _counter(
+            r, "kubeproxy_conntrack_reconciler_deleted_entries_total")
+        self.conntrack_duration = _histogram(
+            r, "kubeproxy_conntrack_reconciler_sync_duration_seconds")
         # pyproxy's own
-        self.invalid_objects = Counter(
-            "pyproxy_invalid_objects", "API objects skipped as invalid", ["kind"], registry=r)
-        self.sync_phase = Histogram(
-            "pyproxy_sync_phase_duration_seconds", "Time per sync phase",
-            ["phase"], buckets=_SYNC_BUCKETS, registry=r)
-        self.table_repairs = Counter(
-            "pyproxy_table_repairs", "Changes to pyproxy's tables made by someone else, repaired",
-            registry=r)
+        self.invalid_objects = _counter(r, "pyproxy_invalid_objects_total")
+        self.sync_phase = _histogram(r, "pyproxy_sync_phase_duration_seconds")
+        self.table_repairs = _counter(r, "pyproxy_table_repairs_total")
         # 1 while the API server is reached through a Service address (the bootstrap trap:
         # that address works only while some proxy's rules for it are in the kernel).
-        self.api_server_via_service = Gauge(
-            "pyproxy_api_server_via_service_address",
-            "1 if the API server address pyproxy uses is a Service ClusterIP, or in a "
-            "service CIDR, which a node without proxy rules cannot reach", registry=r)
+        self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")
 
     def watch_selections(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
         """Metrics computed at scrape time from the selections in force (off the sync path)."""
@@ -132,19 +245,18 @@ class Metrics:
                 self.network_programming.observe(now - when)
 
 
+def _gauge_family(name: str) -> GaugeMetricFamily:
+    spec = _spec(name)
+    return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+
+
 class _SelectionCollector(Collector):
     def __init__(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
         self.selections = selections
 
     def collect(self) -> Iterator[Metric]:
-        no_local = GaugeMetricFamily(
-            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
-            "Number of services with a Local traffic policy and no endpoints",
-            labels=["traffic_policy", "ip_family"])
-        topology = GaugeMetricFamily(
-            "pyproxy_service_topology_mode",
-            "Topology mode in force per service port on this node (1 = in force)",
-            labels=["service", "port", "ip_family", "mode"])
+        no_local = _gauge_family("kubeproxy_sync_proxy_rules_no_local_endpoints_total")
+        topology = _gauge_family("pyproxy_service_topology_mode")
         # Per family (upstream's newest labels): a dual-stack service counts once in each.
         counts = {(policy, family): 0 for policy in ("internal", "external")
                   for family in ("IPv4", "IPv6")}
@@ -170,11 +282,8 @@ class _ConnectionCollector(Collector):
         self.totals = totals
 
     def _family(self) -> CounterMetricFamily:
-        return CounterMetricFamily(
-            "pyproxy_endpoint_new_connections",
-            "New connections this node sent to each endpoint of a service port, counted by the "
-            "kernel; scope: where the endpoint runs relative to this node (node, zone, cluster)",
-            labels=list(Series._fields))
+        spec = _spec("pyproxy_endpoint_new_connections_total")
+        return CounterMetricFamily(spec.family, spec.help, labels=list(spec.labels))
 
     def describe(self) -> Iterator[Metric]:
         # without it, registering would call collect(): a kernel read before the first sync
@@ -190,3 +299,68 @@ class _ConnectionCollector(Collector):
         for series, count in totals.items():
             family.add_metric(list(series), count)
         yield family
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference documentation (docs/metrics.md is this function's output)
+
+_DOC_INTRO = """\
+# Metrics
+
+<!-- Generated by pyproxy.serve.metrics.reference_markdown(); regenerate with
+     `python -m pyproxy.serve.metrics > docs/metrics.md`. tests/test_metrics_reference.py
+     checks it, and checks the table against what the daemon exports. -->
+
+`pyproxy run` serves Prometheus metrics on `metricsBindAddress` (default `127.0.0.1:10249`,
+`/metrics`): kube-proxy's names where kube-proxy has the metric, so its dashboards and alerts
+keep working, and pyproxy's own under `pyproxy_`. Counters are exposed with `_total`,
+histograms with `_bucket`, `_sum` and `_count`.
+
+## Scraping with the Prometheus Operator
+
+`manifests/monitoring/` (not applied by `kubectl apply -f manifests/`):
+
+- `service.yaml`: a headless Service `pyproxy-metrics` over the pods' port 10249;
+- `servicemonitor.yaml`: a ServiceMonitor scraping it every 30 s, with the node's name as the
+  label `node`;
+- `prometheusrule.yaml`: the alerts below.
+
+The default `metricsBindAddress` is the node's loopback, which nothing off the node can
+reach: set `metricsBindAddress: 0.0.0.0:10249` in the configuration (`02-configmap.yaml`, or
+kubeadm's ConfigMap) to scrape it, knowing that the metrics describe the cluster's Services
+(limit who reaches port 10249). Then `kubectl apply -f manifests/monitoring/`.
+
+{alerts}
+
+tests/test_metrics_reference.py checks every expression: each metric it selects is one the
+daemon exports, by the name Prometheus sees (`_total`, `_bucket`), each label it matches or
+groups by is one those series carry (or the scrape adds), `rate`/`increase` only over
+counters and `histogram_quantile` only over buckets.
+
+## Every metric
+"""
+
+
+def reference_markdown(rules: Mapping[str, Any]) -> str:
+    """docs/metrics.md: every metric pyproxy exports, with its type, labels and meaning, and
+    the alerts of `rules` (manifests/monitoring/prometheusrule.yaml, a PrometheusRule)."""
+    alerts = ["| alert | expression | for | severity |", "| --- | --- | --- | --- |"]
+    for group in rules["spec"]["groups"]:
+        for rule in group["rules"]:
+            expr = rule["expr"].replace("|", "\\|")
+            alerts.append(f"| `{rule['alert']}` | `{expr}` | {rule.get('for', '—')} | "
+                          f"{rule['labels']['severity']} |")
+    lines = [_DOC_INTRO.format(alerts="\n".join(alerts)),
+             "| metric | type | labels | meaning | from |", "| --- | --- | --- | --- | --- |"]
+    for spec in SPECS:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "—"
+        source = ("kube-proxy's name" if spec.name.startswith("kubeproxy_")
+                  else "pyproxy" if spec.source == "pyproxy" else spec.source)
+        lines.append(f"| `{spec.name}` | {spec.type} | {labels} | {spec.meaning} | {source} |")
+    return "\n".join(lines) + "\n"
+
+
+RULES_FILE = Path(__file__).resolve().parents[2] / "manifests/monitoring/prometheusrule.yaml"
+
+if __name__ == "__main__":
+    print(reference_markdown(yaml.safe_load(RULES_FILE.read_text())), end="")
