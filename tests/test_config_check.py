@@ -217,3 +217,31 @@ class TestWriteConfigTo:
         code, _, err = cli(capsys, "run", f"--write-config-to={tmp_path}/no/such/dir/x.yaml")
         assert code == 2
         assert "--write-config-to" in err and "No such file or directory" in err
+
+
+class TestConnectionNote:
+    """config check also says what run would find of its API connection, as a note: the
+    files often exist only on the node (kubeadm's kubeconfig.conf, the pod's token)."""
+
+    def test_kubeadm_kubeconfig_missing_here(self, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+        path = kubeadm_config_conf(tmp_path)
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}")
+        assert code == 0
+        assert ("note: API connection: not usable here (kubeconfig "
+                "/var/lib/kube-proxy/kubeconfig.conf (clientConnection.kubeconfig, "
+                "--kubeconfig): No such file or directory)") in out
+
+    def test_usable_kubeconfig(self, tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+        token = tmp_path / "token"
+        token.write_text("abc\n")
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "c",
+            "clusters": [{"name": "k", "cluster": {"server": "http://192.0.2.10:8080"}}],
+            "users": [{"name": "u", "user": {"tokenFile": str(token)}}],
+            "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}]}))
+        code, out, _ = cli(capsys, "config", "check", f"--kubeconfig={kubeconfig}")
+        assert code == 0
+        assert f"note: API connection: http://192.0.2.10:8080 ({kubeconfig}): usable" in out

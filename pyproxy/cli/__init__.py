@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -205,8 +206,9 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     from pyproxy.config.view import check_configuration
 
     report = check_configuration(args)
+    connection = _connection_notes(report.config) if report.config is not None else []
     for kind, lines in (("error", report.problems), ("warning", report.warnings),
-                        ("note", report.notes)):
+                        ("note", (*report.notes, *connection))):
         for line in lines:
             print(f"{kind}: {line}")
     where = args.config or "the defaults and flags"
@@ -215,6 +217,25 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     print(f"{where}: ok" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     return EXIT_OK
+
+
+def _connection_notes(config: ProxyConfig) -> list[str]:
+    """What `run` would find of its API connection here. A note, not a problem: the files
+    (kubeadm's kubeconfig.conf, the pod's token) often exist only on the node, where `run`
+    checks them all at start before changing anything."""
+    from pyproxy.cluster import apiconnection
+
+    if config.snapshot:
+        return ["API connection: none (--snapshot)"]
+    if not config.kubeconfig and "KUBERNETES_SERVICE_HOST" not in os.environ:
+        return ["API connection: in-cluster (the pod's service account, the API server from "
+                "KUBERNETES_SERVICE_HOST/PORT): checked by run at start"]
+    try:
+        connection = apiconnection.load(config)
+    except ConfigError as err:
+        return [f"API connection: not usable here ({err}); run checks it again on the node "
+                "at start and refuses to start if it is not usable there"]
+    return [f"API connection: {connection.server} ({connection.source}): usable"]
 
 
 def _cmd_config_view(args: argparse.Namespace) -> int:

@@ -1457,7 +1457,8 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   `run` does; `--node-ip` (at most one per family) replaces the snapshot Node's address of its
   family, the other family keeps the Node's.
 - **Checking.** `pyproxy config check [--config FILE] [flags]` reports every problem at once,
-  each with its field or flag and the file, then the warnings and the notes `run` would log;
+  each with its field or flag and the file, then the warnings and the notes `run` would log,
+  and what it finds of the API connection (a note: its files may exist only on the node);
   exit code 0 usable, 1 problems, 2 usage. `pyproxy config view [--config FILE] [flags]`
   prints the effective configuration (defaults, file, flags) as a KubeProxyConfiguration
   that `--config` reads back, followed by the flags for what a file cannot say (pyproxy's own
