@@ -34,9 +34,10 @@ from pyproxy.sync.proxier import (
     FamilyProxier,
     conflicts,
     desired_state,
+    desired_states,
     disputes_report,
     node_families,
-    render_script,
+    script_of,
 )
 from pyproxy.version import version
 
@@ -315,28 +316,28 @@ def _load_offline(path: str, allow_empty: bool | None) -> ClusterState:
     return state
 
 
-def _report_input(state: ClusterState, config: NodeConfig) -> None:
+def _report_input(state: ClusterState, found: list[dict[str, Any]]) -> None:
     """What an offline command dropped or had to choose, on stderr (standard output holds the
-    answer): the invalid objects and the conflicts, as explain lists them."""
+    answer): the invalid objects and the conflicts `found`, as explain lists them."""
     for skipped in state.skipped:
         if skipped.invalid:
             print(f"pyproxy: skipped {skipped.object}: {skipped.reason}", file=sys.stderr)
-    for conflict in conflicts(state, config):
+    for conflict in found:
         print(f"pyproxy: conflict: {conflict_text(conflict)}", file=sys.stderr)
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
     state = _load_offline(args.file, args.allow_empty)
-    config = _node_config(args, state)
-    _report_input(state, config)
-    sys.stdout.write(render_script(state, config))
+    tables = desired_states(state, _node_config(args, state))
+    _report_input(state, disputes_report(tables.items()))
+    sys.stdout.write(script_of(tables))
     return EXIT_OK
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
     state = _load_offline(args.file, args.allow_empty)
     config = _node_config(args, state)
-    _report_input(state, config)
+    _report_input(state, conflicts(state, config))
     for family in node_families(state, config):
         result = FamilyProxier(family, config).sync(state, full=True)
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
@@ -523,7 +524,7 @@ def _offline_trace(args: argparse.Namespace, request: TraceRequest) -> dict[str,
 
     state = _load_offline(args.file, None)
     config = _node_config(args, state)
-    _report_input(state, config)
+    _report_input(state, conflicts(state, config))
     family = ip_family(request.dst)
     answer = trace(desired_state(state, config, family), render_config(config, family),
                    request.src, request.dst, request.port, request.protocol,

@@ -133,8 +133,7 @@ def conflicts(state: ClusterState, config: NodeConfig) -> list[dict[str, Any]]:
     """What service ports claim with different rules (one external IP and port, one NodePort)
     in the node's tables, and whose rules are used: the same answer explain, render, apply and
     trace give (offline: renders every family once more)."""
-    return disputes_report((family, desired_state(state, config, family))
-                           for family in node_families(state, config))
+    return disputes_report(desired_states(state, config).items())
 
 
 def disputes_report(tables: Iterable[tuple[IPFamily, DesiredState]],
@@ -162,9 +161,19 @@ def disputes_report(tables: Iterable[tuple[IPFamily, DesiredState]],
 def render_script(state: ClusterState, config: NodeConfig,
                   families: Iterable[IPFamily] | None = None) -> str:
     """The complete nft script for the node: what `nft -f` loads into an empty namespace."""
-    return "".join(
-        full_commands(family.nft_family, desired_state(state, config, family)).text()
-        for family in (families or node_families(state, config)))
+    return script_of({family: desired_state(state, config, family)
+                      for family in (families or node_families(state, config))})
+
+
+def desired_states(state: ClusterState, config: NodeConfig) -> dict[IPFamily, DesiredState]:
+    """Every family's desired table, rendered once for both the script and its report."""
+    return {family: desired_state(state, config, family)
+            for family in node_families(state, config)}
+
+
+def script_of(tables: Mapping[IPFamily, DesiredState]) -> str:
+    return "".join(full_commands(family.nft_family, desired).text()
+                   for family, desired in tables.items())
 
 
 class FamilyProxier:
