@@ -27,9 +27,11 @@ from pyproxy.cluster.events import record_start
 from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.config import ConfigError, ProxyConfig
+from pyproxy.core.localhost import nodeport_specs
 from pyproxy.core.model import (
     ClusterState,
     IPFamily,
+    LocalhostNodePorts,
     Node,
     NodeConfig,
     ServiceKey,
@@ -49,15 +51,17 @@ from pyproxy.kernel.conntrack import (
     withdrawn,
 )
 from pyproxy.kernel.host import Outcome, apply_host_settings
-from pyproxy.kernel.nft import OWN_SOCKETS
+from pyproxy.kernel.nft import OWN_SOCKETS, rule_packets
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.logs import setup_logging
+from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
 from pyproxy.serve.debug import DebugServer
 from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.serve.live import counting_context, handlers
-from pyproxy.serve.metrics import Metrics
+from pyproxy.serve.localhost import LocalhostListeners
+from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.sync.node import REPAIR_REASON, NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
@@ -232,6 +236,53 @@ class DaemonObserver:
                 self.conntrack.submit(family, allowed_map(targets, self.node_ips))
 
 
+@dataclass
+class LocalhostProxies:
+    """Localhost NodePorts (KEP-6032): after every sync, under the sync lock, each family
+    whose configuration turns the userspace proxy on gets listeners for the TCP NodePorts of
+    the selections in force; a family that has it off has none."""
+
+    metrics: Metrics
+    listeners: dict[IPFamily, LocalhostListeners] = field(default_factory=dict)
+
+    def sync(self, proxier: NodeProxier) -> None:
+        for family_proxier in proxier.proxiers:
+            family = family_proxier.family
+            mode = family_proxier.config.localhost_nodeports(family)
+            current = self.listeners.get(family)
+            if mode is not LocalhostNodePorts.PROXY:
+                if current is not None:
+                    self.listeners.pop(family).shutdown()
+                continue
+            if current is None:
+                on_listeners, on_failure = self.metrics.localhost_listener_callbacks(str(family))
+                current = self.listeners[family] = LocalhostListeners(
+                    family, on_listeners=on_listeners, on_failure=on_failure)
+            current.sync(nodeport_specs(family_proxier.selections.values()))
+
+    def shutdown(self) -> None:
+        for listeners in self.listeners.values():
+            listeners.shutdown()
+        self.listeners.clear()
+
+
+def rejected_reader(proxier: NodeProxier,
+                    packets: Callable[[str, str], int | None] = rule_packets,
+                    ) -> Callable[[], dict[tuple[str, str], int]]:
+    """What the localhost NodePort reject chains of every family counted, per (family,
+    protocol as kube-proxy spells it: TCP, UDP, SCTP)."""
+    def read() -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for family_proxier in list(proxier.proxiers):
+            family = family_proxier.family
+            for proto in PROTOCOLS:
+                found = packets(family.nft_family, localhost_nodeport_reject_chain(proto))
+                if found is not None:
+                    out[(str(family), proto.upper())] = found
+        return out
+    return read
+
+
 def current_selections(proxier: NodeProxier) -> list[PortSelection]:
     """The selections in force, copied under the sync lock (for metrics and the live CLI)."""
     with proxier.lock:
@@ -391,6 +442,10 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         ServiceHealthServers(service_health, health, _hcnp_addresses(node_config)),
         ConntrackWorker(metrics), on_first_sync=lambda: sd_notify("READY=1"))
     tracker.on_change.append(lambda new: reconfigure(new, proxier, observer, health))
+    localhost = LocalhostProxies(metrics)
+    if config.localhost_nodeports_gate:
+        metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
+        observer.after_sync.append(lambda: localhost.sync(proxier))
     metrics.watch_selections(lambda: current_selections(proxier))
     counters = KernelCounters()
     connections = ConnectionCounters(families, lambda: counting_context(proxier),
@@ -442,6 +497,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         debug.stop()
     if observer.hcnp_servers is not None:
         observer.hcnp_servers.stop()
+    localhost.shutdown()
     return 0
 
 

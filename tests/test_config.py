@@ -643,12 +643,10 @@ ERRORS = [
                  "detectLocal.bridgeInterface: expected an interface name ([A-Za-z0-9_.:-], at "
                  "most 15 characters), got 'averyveryverylong'", id="interface name too long"),
     pytest.param("nodePortAddresses: [eth0]", "nodePortAddresses: 'eth0' is neither a CIDR nor "
-                 "one of primary, all", id="nodePortAddresses interface name"),
+                 "one of primary, localhost, all", id="nodePortAddresses interface name"),
     pytest.param("nodePortAddresses: [192.168.1.1]", "nodePortAddresses: '192.168.1.1' is "
-                 "neither a CIDR nor one of primary, all", id="nodePortAddresses bare IP"),
-    pytest.param("nodePortAddresses: [localhost]", "nodePortAddresses: 'localhost' is not "
-                 "supported: pyproxy never serves NodePorts on loopback addresses",
-                 id="nodePortAddresses localhost"),
+                 "neither a CIDR nor one of primary, localhost, all",
+                 id="nodePortAddresses bare IP"),
 ]
 
 
@@ -858,9 +856,6 @@ class TestFlags:
         pytest.param(["--pod-bridge-interface=br*"], "--pod-bridge-interface: expected an "
                      "interface name ([A-Za-z0-9_.:-], at most 15 characters), got 'br*'",
                      id="interface"),
-        pytest.param(["--nodeport-addresses=localhost"], "--nodeport-addresses: 'localhost' is "
-                     "not supported: pyproxy never serves NodePorts on loopback addresses",
-                     id="nodeport localhost"),
         pytest.param(["--logging-format=xml"], "--logging-format: expected text or json, got "
                      "'xml'", id="logging format"),
         pytest.param(["--detect-local-mode=BridgeInterface"], "detectLocalMode is "

@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 
-from pyproxy.core.model import LocalMode, NodeConfig, override_ips
+from pyproxy.core.model import LocalMode, NodeConfig, is_loopback_cidr, override_ips
 
 API_VERSION = "kubeproxy.config.k8s.io/v1alpha1"
 KIND = "KubeProxyConfiguration"
@@ -55,7 +55,15 @@ METRICS_PORT = 10249
 # Interface names go into nft text inside double quotes (`iifname "cbr0"`): nothing that could
 # end the string or add a wildcard gets through. 15 = IFNAMSIZ - 1.
 INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")
-NODEPORT_KEYWORDS = ("primary", "all")
+NODEPORT_KEYWORDS = ("primary", "localhost", "all")
+# KEP-6032: localhost NodePorts in nftables mode (pyproxy/core/model.py, LocalhostNodePorts).
+# Alpha and off in kube-proxy 1.37; on here, as the KEP's beta for 1.38 has it
+# (kubernetes/enhancements#6378). `false` restores the 1.37 default.
+LOCALHOST_NODEPORTS_GATE = "KubeProxyNFTablesLocalhostNodePorts"
+LOCALHOST_NODEPORTS_DEFAULT = True
+# What `localhost` stands for (kube-proxy's expandNodePortAddressKeywords: both families,
+# whatever the node has).
+LOCALHOST_CIDRS = ("127.0.0.0/8", "::1/128")
 
 
 class ConfigError(ValueError):
@@ -220,6 +228,10 @@ class ProxyConfig:
         MultiCIDRServiceAllocator gate on (the default)."""
         return self.feature_gates.get("MultiCIDRServiceAllocator", True)
 
+    @property
+    def localhost_nodeports_gate(self) -> bool:
+        return self.feature_gates.get(LOCALHOST_NODEPORTS_GATE, LOCALHOST_NODEPORTS_DEFAULT)
+
     def node_name(self, hostname: Callable[[], str] = socket.gethostname) -> str:
         """The Node this proxy serves: hostname_override or the OS hostname, trimmed and
         lowercased (kube-proxy's GetHostname: Node names are lowercase, hostnames need not be)."""
@@ -244,11 +256,23 @@ class ProxyConfig:
             local_mode=self.detect_local_mode,
             local_interface=interface,
             node_cidrs=tuple(node_cidrs),
-            # NodeConfig spells "every local address" as the empty tuple.
-            nodeport_addresses=() if "all" in self.nodeport_addresses else self.nodeport_addresses,
+            nodeport_addresses=self._nodeport_cidrs(),
             masquerade_bit=self.masquerade_bit,
             masquerade_all=self.masquerade_all,
+            localhost_nodeports_gate=self.localhost_nodeports_gate,
         )
+
+    def _nodeport_cidrs(self) -> tuple[str, ...]:
+        """nodePortAddresses for NodeConfig: `localhost` expanded; with `all`, the empty tuple
+        (NodeConfig's "every local address") plus whatever names loopback explicitly, which
+        still turns the localhost proxy on (kube-proxy: `all,localhost` does, `all` does not)."""
+        entries: list[str] = []
+        for entry in self.nodeport_addresses:
+            entries.extend(LOCALHOST_CIDRS if entry == "localhost" else (entry,))
+        if "all" in entries:
+            loopback = tuple(e for e in entries if is_loopback_cidr(e))
+            return ("0.0.0.0/0", "::/0", *loopback) if loopback else ()
+        return tuple(dict.fromkeys(entries))
 
     def _primary_first(self, node_ips: Sequence[str]) -> tuple[str, ...]:
         # As kube-proxy's detectNodeIPs: a specific bindAddress replaces the node IP of its
@@ -267,7 +291,7 @@ NODE_SETTINGS = ("hostname_override", "bind_address", "cluster_cidrs", "detect_l
                  "masquerade_bit", "masquerade_all")
 
 # Feature gates pyproxy reads; any other is accepted and changes nothing.
-APPLIED_FEATURE_GATES = frozenset({"MultiCIDRServiceAllocator"})
+APPLIED_FEATURE_GATES = frozenset({"MultiCIDRServiceAllocator", LOCALHOST_NODEPORTS_GATE})
 
 
 def _unapplied_notes(config: ProxyConfig) -> Iterator[str]:
@@ -530,11 +554,6 @@ def _nodeport_addresses(value: list[str]) -> tuple[str, ...]:
         return ("primary",)  # unset or empty: the nftables-mode default
     entries = []
     for entry in value:
-        if entry == "localhost":
-            # Upstream serves NodePorts on loopback only behind a feature gate, through a
-            # userspace proxy; a loopback-only list here would fall back to every address.
-            raise ValueError("'localhost' is not supported: pyproxy never serves NodePorts on "
-                             "loopback addresses")
         entries.append(entry if entry in NODEPORT_KEYWORDS else _nodeport_cidr(entry))
     return tuple(dict.fromkeys(entries))
 
@@ -705,12 +724,15 @@ _TABLE: tuple[_Setting, ...] = (
              flag="pod-interface-name-prefix",
              flag_help="pod interface name prefix, for --detect-local-mode InterfaceNamePrefix"),
     _Setting("nodeport_addresses", _Type.STRINGS, _nodeport_addresses,
-             "CIDRs, `primary` (the node's primary IPs) or `all`, of node addresses accepting "
-             "NodePorts",
+             "CIDRs, `primary` (the node's primary IPs), `localhost` (127.0.0.0/8 and ::1/128) "
+             "or `all`, in any combination, of node addresses accepting NodePorts; loopback "
+             "(`localhost`, 127.0.0.1/32, ::1/128) turns on the userspace proxy for TCP "
+             "NodePorts on it (featureGates KubeProxyNFTablesLocalhostNodePorts)",
              applied_by="`NodeConfig` → pyproxy.render (NodePort addresses)",
              paths=("nodePortAddresses",),
              flag="nodeport-addresses",
-             flag_help="comma-separated CIDRs, primary or all: node addresses accepting NodePorts"),
+             flag_help="comma-separated CIDRs, primary, localhost or all: node addresses "
+             "accepting NodePorts"),
     _Setting("masquerade_bit", _Type.INT32, partial(_in_range, 0, 31),
              "fwmark bit for masquerading, 0..31",
              applied_by="`NodeConfig` → pyproxy.render (the masquerade mark)",
@@ -830,13 +852,17 @@ _TABLE: tuple[_Setting, ...] = (
              paths=("oomScoreAdj",),
              flag="oom-score-adj", flag_help="the process's oom_score_adj"),
     _Setting("feature_gates", _Type.GATES, _gates,
-             "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; any "
-             "other gate is accepted, not applied (a warning at start)",
-             applied_by="run.py: the ServiceCIDR watch (watch.py)",
+             "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; "
+             "KubeProxyNFTablesLocalhostNodePorts (default true, as KEP-6032's beta; kube-proxy "
+             "1.37: false) handles NodePorts on loopback: TCP through a userspace proxy where "
+             "nodePortAddresses names loopback, everything else rejected and counted; any other "
+             "gate is accepted, not applied (a warning at start)",
+             applied_by="run.py: the ServiceCIDR watch (watch.py), localhost NodePorts "
+             "(NodeConfig → pyproxy.render, serve/localhost.py)",
              paths=("featureGates",),
              flag="feature-gates",
              flag_help="Name=true|false,...; merged over the file's featureGates; only "
-             "MultiCIDRServiceAllocator is applied",
+             "MultiCIDRServiceAllocator and KubeProxyNFTablesLocalhostNodePorts are applied",
              partly=True),
     _Setting("debug_socket", _Type.STRING, _text_or_none,
              applied_by="run.py: the debug server (debug.py, live.py)",

@@ -392,6 +392,30 @@ class Algorithm(StrEnum):
 # This node's configuration
 
 
+class LocalhostNodePorts(StrEnum):
+    """What happens to a connection to a NodePort on a loopback address (127.0.0.0/8, ::1),
+    per family, as kube-proxy's nftables mode decides it (KEP-6032, gate
+    `KubeProxyNFTablesLocalhostNodePorts`). Loopback addresses cannot be DNATed to another
+    host (IPv4 only with `route_localnet`, which opens CVE-2020-8558; IPv6 not at all), so
+    TCP goes through a userspace proxy and the rest is rejected."""
+
+    OFF = "off"  # the gate off: no rule (the connection meets whatever listens there)
+    # The gate on, no loopback in nodePortAddresses: every protocol rejected and counted.
+    REJECT = "reject"
+    # The gate on and nodePortAddresses names loopback explicitly (`localhost`, 127.0.0.1/32,
+    # ::1/128; `all` does not): TCP through the userspace proxy, UDP and SCTP rejected.
+    PROXY = "proxy"
+
+
+def is_loopback_cidr(entry: str) -> bool:
+    """A nodePortAddresses CIDR that targets loopback itself (127.0.0.0/8, ::1/128), not a
+    catch-all that happens to contain it: kube-proxy's ContainsExplicitLoopback."""
+    try:
+        return ip_network(entry, strict=False).network_address.is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """How this node proxies (the parts of kube-proxy's configuration that shape rules)."""
@@ -409,6 +433,9 @@ class NodeConfig:
     masquerade_all: bool = False
     # New connections counted per endpoint in the kernel (metrics, `services -o wide`).
     count_connections: bool = True
+    # featureGates KubeProxyNFTablesLocalhostNodePorts (see LocalhostNodePorts). Off here,
+    # where tests and offline tools build a NodeConfig; the daemon's default is ProxyConfig's.
+    localhost_nodeports_gate: bool = False
 
     def local_mode_for(self, family: IPFamily) -> LocalMode:
         return self.local_mode if self.local_value(family) else LocalMode.NONE
@@ -423,23 +450,45 @@ class NodeConfig:
         return ""
 
     def nodeport_ips(self, family: IPFamily) -> tuple[str, ...] | None:
-        """Node addresses accepting NodePorts, or None for "every local address"."""
+        """Node addresses accepting NodePorts, or None for "every local address". Loopback
+        CIDRs name no address here (kube-proxy leaves loopback out of `nodeport-ips`: they
+        are the userspace proxy's): with nothing else of the family, no address."""
         mine = [ip for ip in self.node_ips if ip_family(ip) is family]
         if not self.nodeport_addresses:
             return None
         chosen: list[str] = []
+        loopback_only = True
         for entry in self.nodeport_addresses:
             if entry == "primary":
                 chosen.extend(mine[:1])
+                loopback_only = False
                 continue
             net = ip_network(entry, strict=False)
             if net.version != (4 if family is IPFamily.IPv4 else 6):
                 continue
             if net.prefixlen == 0:
                 return None  # match-all for this family
+            if net.network_address.is_loopback:
+                continue
+            loopback_only = False
             chosen.extend(ip for ip in mine if ip_address(ip) in net)
+        if not chosen and loopback_only and self.loopback_cidrs(family):
+            return ()
         # No known address: fall back to every local address rather than to no NodePorts.
         return tuple(dict.fromkeys(chosen)) if chosen else None
+
+    def loopback_cidrs(self, family: IPFamily) -> tuple[str, ...]:
+        return tuple(entry for entry in self.nodeport_addresses
+                     if is_loopback_cidr(entry) and ip_family(entry) is family)
+
+    def localhost_nodeports(self, family: IPFamily) -> LocalhostNodePorts:
+        """kube-proxy's choice for `family` (nftables proxier: localhostNodePortsEnabled and
+        useLocalhostNodePortProxy, per family)."""
+        if not self.localhost_nodeports_gate:
+            return LocalhostNodePorts.OFF
+        if self.loopback_cidrs(family):
+            return LocalhostNodePorts.PROXY
+        return LocalhostNodePorts.REJECT
 
 
 def _first_of(cidrs: Sequence[str], family: IPFamily) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import os
 import socket
 import threading
@@ -398,11 +399,14 @@ class LibNftables:
 
     def list_structure(self, family: str) -> str | None:
         """Our table without set elements: chains, rules, set declarations. None when the
-        table does not exist."""
+        table does not exist. Stateless: a rule's counter (the localhost NodePort reject
+        chains') moves with traffic, which is nobody's tampering."""
         ctx = self._factory()
         ctx.set_terse_output(True)
+        ctx.set_stateless_output(True)
         rc, out, _ = ctx.cmd("list ruleset")
         return table_block(str(out), family) if rc == 0 else None
+
 
     def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
         """The elements of one set or map as nft prints them (None: no such set)."""
@@ -431,6 +435,20 @@ class LibNftables:
                 elif words[0] in ("set", "map"):
                     sets.append(words[1])
         return chains, sets
+
+
+def rule_packets(family: str, chain: str,
+                 factory: Callable[[], Any] = _new_context) -> int | None:
+    """The packets the counters in the rules of one of our chains have counted (None: no
+    such chain). A read-only libnftables context of its own."""
+    ctx = factory()
+    ctx.set_json_output(True)
+    rc, out, _ = ctx.cmd(f"list chain {family} {TABLE} {chain}")
+    if rc != 0:
+        return None
+    return sum(int(expr["counter"]["packets"])
+               for obj in json.loads(str(out))["nftables"] if "rule" in obj
+               for expr in obj["rule"]["expr"] if isinstance(expr, dict) and "counter" in expr)
 
 
 def table_block(ruleset: str, family: str) -> str | None:

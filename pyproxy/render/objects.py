@@ -32,6 +32,9 @@ SERVICE_NODEPORTS_MAP = "service-nodeports"
 NO_ENDPOINT_SERVICES_MAP = "no-endpoint-services"
 NO_ENDPOINT_NODEPORTS_MAP = "no-endpoint-nodeports"
 COUNT_CONNECTIONS_CHAIN = "count-new-connections"
+# Localhost NodePorts pyproxy does not serve (KEP-6032): (protocol . node port) → the
+# protocol's reject chain, whose rule counts what it rejects. kube-proxy's names.
+LOCALHOST_NODEPORT_REJECT_MAP = "localhost-nodeport-reject-ports"
 # The connection counters are spread over this many sets by the endpoint address's low bits:
 # a netlink dump of a set restarts its walk for every 32 KB message and skips the elements
 # already sent, so reading one set costs the square of its size (110k elements: 0.6 s in one
@@ -59,6 +62,10 @@ def element_comment(text: str) -> str:
 
 def endpoints_map(proto: str) -> str:
     return f"endpoints-{proto}"
+
+
+def localhost_nodeport_reject_chain(proto: str) -> str:
+    return f"localhost-nodeport-reject-{proto}"
 
 
 def nodeport_endpoints_map(proto: str) -> str:

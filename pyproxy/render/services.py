@@ -44,6 +44,7 @@ from pyproxy.core.model import (
     Algorithm,
     Endpoint,
     IPFamily,
+    LocalhostNodePorts,
     LocalMode,
     NodeConfig,
     ServicePort,
@@ -61,6 +62,7 @@ from pyproxy.render.objects import (
     FIREWALL_CHECK,
     FIREWALL_IPS_SET,
     HAIRPIN_SET,
+    LOCALHOST_NODEPORT_REJECT_MAP,
     MASQUERADING_CHAIN,
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
@@ -79,6 +81,7 @@ from pyproxy.render.objects import (
     connections_set,
     element_comment,
     endpoints_map,
+    localhost_nodeport_reject_chain,
     nodeport_endpoints_map,
 )
 
@@ -102,6 +105,19 @@ class RenderConfig:
     # This node's name: only its own endpoints can reach themselves through it (hairpin).
     # None (offline tools without a node): every endpoint is treated as local there.
     node_name: str | None = None
+    # NodePorts on loopback (KEP-6032): which protocols are rejected there, and counted.
+    localhost_nodeports: LocalhostNodePorts = LocalhostNodePorts.OFF
+
+    @property
+    def localhost_rejected(self) -> tuple[str, ...]:
+        """The protocols whose localhost NodePorts are rejected (and counted): all of them
+        with the gate on and no userspace proxy, those it cannot carry with it (TCP only,
+        KEP-6032's non-goal), none with the gate off."""
+        if self.localhost_nodeports is LocalhostNodePorts.OFF:
+            return ()
+        if self.localhost_nodeports is LocalhostNodePorts.PROXY:
+            return tuple(p for p in PROTOCOLS if p != "tcp")
+        return PROTOCOLS
 
     @property
     def mark(self) -> str:
@@ -145,6 +161,7 @@ def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
         masquerade_all=node.masquerade_all,
         count_connections=node.count_connections,
         node_name=node.node_name,
+        localhost_nodeports=node.localhost_nodeports(family),
     )
 
 
@@ -231,7 +248,8 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
         _chain(SERVICE_ENDPOINTS_CHECK, (
             f"{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES_MAP}",)),
         _chain(NODEPORT_ENDPOINTS_CHECK, (
-            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",)),
+            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",
+            *_localhost_nodeport_check(cfg))),
         _chain(FIREWALL_CHECK, (
             f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
             f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
@@ -254,8 +272,33 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
             "masquerade fully-random",
         )),
         *_connection_counting(cfg),
+        *_localhost_nodeport_rejects(cfg),
     ]
     return Fragment(tuple(items))
+
+
+def _localhost_nodeport_check(cfg: RenderConfig) -> tuple[str, ...]:
+    """In nodeport-endpoints-check (filter input: a connection from this node to itself
+    passes there, DNATed by nobody since loopback is never a NodePort address): a localhost
+    NodePort of a rejected protocol goes to that protocol's reject chain."""
+    if not cfg.localhost_rejected:
+        return ()
+    return (f"{cfg.ip} daddr {cfg.loopback} meta l4proto . th dport "
+            f"vmap @{LOCALHOST_NODEPORT_REJECT_MAP}",)
+
+
+def _localhost_nodeport_rejects(cfg: RenderConfig) -> tuple[Item, ...]:
+    """The map, and a chain per rejected protocol whose rule counts and rejects. kube-proxy
+    counts in named counters; an anonymous counter in the chain's rule does the same here
+    (a full sync rewrites the chain and starts it from zero: metrics.py banks it)."""
+    if not cfg.localhost_rejected:
+        return ()
+    return (
+        _set(LOCALHOST_NODEPORT_REJECT_MAP, "type inet_proto . inet_service : verdict; "
+             "comment \"localhost NodePorts rejected by pyproxy\";", is_map=True),
+        *(_chain(localhost_nodeport_reject_chain(proto), ("counter reject",))
+          for proto in cfg.localhost_rejected),
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -322,7 +365,7 @@ class _ServiceRender:
     def items(self) -> list[Item]:
         # One list, extended: nested generators cost a resumption per item and level, and
         # this runs for every element of a full render.
-        out = [_elem(CLUSTER_IPS_SET, self.cip)]
+        out = [_elem(CLUSTER_IPS_SET, self.cip), *self.localhost_node_port()]
         if self.port.source_ranges:
             out += self.firewall()
         if not self.sel.has_any_endpoints:
@@ -343,6 +386,13 @@ class _ServiceRender:
         if self.port.node_port:
             out += self.node_port()
         return out
+
+    def localhost_node_port(self) -> list[Item]:
+        """A NodePort of a protocol rejected on loopback, with or without endpoints."""
+        if not self.port.node_port or self.proto not in self.cfg.localhost_rejected:
+            return []
+        return [_elem(LOCALHOST_NODEPORT_REJECT_MAP, f"{self.proto} . {self.port.node_port}",
+                      f" : goto {localhost_nodeport_reject_chain(self.proto)}")]
 
     def all_entries(self) -> Iterator[tuple[str, str]]:
         yield NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip)

@@ -4,6 +4,7 @@ working, plus pyproxy's own (prefixed `pyproxy_`)."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -136,6 +137,21 @@ SPECS: tuple[MetricSpec, ...] = (
                "new connections per endpoint, counted by the kernel, read at scrape time "
                "(README, \"New connections per endpoint\")",
                labels=Series._fields),
+    MetricSpec("kubeproxy_nftables_localhost_nodeport_listeners", "gauge",
+               "Number of active localhost NodePort userspace proxy listeners.",
+               "TCP NodePorts the userspace proxy listens for on 127.0.0.1 / ::1 (KEP-6032; "
+               "only with featureGates KubeProxyNFTablesLocalhostNodePorts on, as all three)",
+               labels=("ip_family",)),
+    MetricSpec("kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total",
+               "counter",
+               "Number of localhost NodePort userspace proxy listener creation failures.",
+               "a loopback NodePort the proxy could not bind (a host process holds it); "
+               "tried again at every sync", labels=("ip_family",)),
+    MetricSpec("kubeproxy_nftables_localhost_nodeport_rejected_packets_total", "counter",
+               "Number of packets rejected on localhost NodePorts. UDP and SCTP are always "
+               "rejected; TCP is rejected when the localhost NodePort proxy is not running",
+               "packets to a NodePort on loopback that nothing serves, rejected by the "
+               "ruleset; read from the kernel at scrape time", labels=("ip_family", "protocol")),
     MetricSpec("process_cpu_seconds_total", "counter", "Total user and system CPU time spent "
                "in seconds.", "CPU time of the daemon", source=_PROCESS),
     MetricSpec("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.",
@@ -216,6 +232,25 @@ class Metrics:
         # 1 while the API server is reached through a Service address (the bootstrap trap:
         # that address works only while some proxy's rules for it are in the kernel).
         self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")
+
+    def watch_localhost_nodeports(self, rejected: Callable[[], Mapping[tuple[str, str], int]]
+                                  ) -> None:
+        """KEP-6032's metrics, registered only with its gate on, as kube-proxy does:
+        listeners and failed binds per family (set by serve/localhost.py through the
+        callbacks below) and the packets the ruleset rejected per family and protocol,
+        `rejected()` read from the kernel at scrape time."""
+        r = self.registry
+        self.localhost_listeners = _gauge(r, "kubeproxy_nftables_localhost_nodeport_listeners")
+        self.localhost_listener_failures = _counter(
+            r, "kubeproxy_nftables_localhost_nodeport_listener_creation_failures_total")
+        r.register(_RejectedCollector(rejected))
+
+    def localhost_listener_callbacks(self, family: str
+                                     ) -> tuple[Callable[[int], None], Callable[[], None]]:
+        """(on_listeners, on_failure) for one family's LocalhostListeners."""
+        gauge = self.localhost_listeners.labels(ip_family=family)
+        failures = self.localhost_listener_failures.labels(ip_family=family)
+        return gauge.set, failures.inc
 
     def watch_selections(self, selections: Callable[[], Iterable[PortSelection]]) -> None:
         """Metrics computed at scrape time from the selections in force (off the sync path)."""
@@ -298,6 +333,51 @@ class _ConnectionCollector(Collector):
             totals = {}
         for series, count in totals.items():
             family.add_metric(list(series), count)
+        yield family
+
+
+class RejectedPackets:
+    """The packets the localhost NodePort reject chains counted, per (family, protocol),
+    never going backwards: a full sync rewrites a chain and its counter starts from zero
+    (kube-proxy's named counters survive that; an anonymous rule counter does not), so a
+    reading lower than the last one banks the last one. Packets counted between the last
+    read and the rewrite are lost."""
+
+    def __init__(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self.read = read
+        self.last: dict[tuple[str, str], int] = {}
+        self.banked: dict[tuple[str, str], int] = {}
+        self.lock = threading.Lock()
+
+    def __call__(self) -> dict[tuple[str, str], int]:
+        with self.lock:
+            for key, now in self.read().items():
+                if now < self.last.get(key, 0):
+                    self.banked[key] = self.banked.get(key, 0) + self.last[key]
+                self.last[key] = now
+            return {key: self.banked.get(key, 0) + value for key, value in self.last.items()}
+
+
+class _RejectedCollector(Collector):
+    def __init__(self, rejected: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self.rejected = rejected
+
+    def _family(self) -> CounterMetricFamily:
+        spec = _spec("kubeproxy_nftables_localhost_nodeport_rejected_packets_total")
+        return CounterMetricFamily(spec.family, spec.help, labels=list(spec.labels))
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()  # registering must not read the kernel
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        try:
+            rejected = self.rejected()
+        except Exception as err:  # the rest of /metrics must still answer
+            log.warning("localhost_nodeport_counters_not_read", error=str(err))
+            rejected = {}
+        for (ip_family, protocol), packets in sorted(rejected.items()):
+            family.add_metric([ip_family, protocol], packets)
         yield family
 
 
