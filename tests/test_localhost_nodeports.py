@@ -27,9 +27,10 @@ from pyproxy.core.model import IPFamily, LocalhostNodePorts, NodeConfig, Protoco
 from pyproxy.core.topology import select_all
 from pyproxy.kernel.nft import rule_packets
 from pyproxy.render.services import render_config, skeleton
+from pyproxy.render.trace import trace
 from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import RejectedPackets
-from pyproxy.sync.proxier import FamilyProxier, render_script
+from pyproxy.sync.proxier import FamilyProxier, desired_state, render_script
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
@@ -460,3 +461,22 @@ def test_a_restart_with_localhost_added_stops_rejecting_tcp(cluster: Cluster) ->
         assert proxier.applier.structure_intact()
     finally:
         lab.del_ns(ns)
+
+
+@pytest.mark.parametrize(("config", "proto", "port", "verdict", "says"), [
+    pytest.param(node("primary"), "tcp", 30080, "REJECT", "localhost NodePort tcp . 30080",
+                 id="no proxy: TCP rejected"),
+    pytest.param(node("primary", *LOOPBACK), "tcp", 30080, "NONE", "userspace proxy",
+                 id="proxy: TCP to the listener"),
+    pytest.param(node("primary", *LOOPBACK), "udp", 30053, "REJECT", "localhost NodePort udp",
+                 id="proxy: UDP rejected"),
+    pytest.param(node("primary", gate=False), "tcp", 30080, "NONE", "leaves this connection",
+                 id="gate off: untouched"),
+])
+def test_trace_tells_what_a_localhost_nodeport_gets(config: NodeConfig, proto: str, port: int,
+                                                   verdict: str, says: str) -> None:
+    state = desired_state(build_state(nodeport_objects()), config, V4)
+    answer = trace(state, render_config(config, V4), "127.0.0.1", "127.0.0.1", port, proto,
+                   from_node=True)
+    assert answer.verdict == verdict
+    assert says in answer.steps[-1]

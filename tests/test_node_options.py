@@ -111,7 +111,7 @@ REFUSED = [
                  "InterfaceNamePrefix but detectLocal.interfaceNamePrefix "
                  "(--pod-interface-name-prefix) is empty", id="InterfaceNamePrefix without one"),
     pytest.param(["--nodeport-addresses=192.168.1.2"], "--nodeport-addresses: '192.168.1.2' is "
-                 "neither a CIDR nor one of primary, all", id="a bare IP"),
+                 "neither a CIDR nor one of primary, localhost, all", id="a bare IP"),
     pytest.param(["--node-ip=192.168.1.9", "--node-ip=192.168.1.8"], "--node-ip: two IPv4 "
                  "addresses (192.168.1.9, 192.168.1.8): give at most one per family",
                  id="a second --node-ip of one family"),

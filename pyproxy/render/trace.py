@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
 from pyproxy.core.balancing import flow_key, hash_index
+from pyproxy.core.model import LocalhostNodePorts
 from pyproxy.render.objects import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,
     FIREWALL_IPS_SET,
     HAIRPIN_SET,
+    LOCALHOST_NODEPORT_REJECT_MAP,
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
     NODEPORT_IPS_SET,
@@ -311,6 +313,8 @@ class _Walker:
                    else "Local traffic policy and no local endpoint")
             self.note(f"service-endpoints-check: {why}: {self.out.verdict}")
             return
+        if ip_address(self.out.dst).is_loopback and self.localhost_node_port():
+            return
         if self.element(CLUSTER_IPS_SET, self.out.dst) is not None:
             self.out.verdict = "REJECT"
             self.note("cluster-ips-check: a ClusterIP on a port no service uses: REJECT")
@@ -323,6 +327,23 @@ class _Walker:
         self.out.verdict = "NONE"
         self.note("not a service address: pyproxy leaves this connection alone")
 
+
+    def localhost_node_port(self) -> bool:
+        """A NodePort on loopback (KEP-6032): rejected where the map says so; TCP otherwise
+        goes to the userspace proxy's listener, if there is one (not in the ruleset)."""
+        key = f"{self.out.protocol} . {self.out.port}"
+        value = self.element(LOCALHOST_NODEPORT_REJECT_MAP, key)
+        if value is not None:
+            self.out.verdict = "REJECT"
+            self.note(f"nodeport-endpoints-check: localhost NodePort {key} in "
+                      f"@{LOCALHOST_NODEPORT_REJECT_MAP}{value}: REJECT")
+            return True
+        if self.out.protocol == "tcp" and self.cfg.localhost_nodeports is (
+                LocalhostNodePorts.PROXY) and self.element(SERVICE_NODEPORTS_MAP, key):
+            self.note(f"localhost NodePort {key}: to pyproxy's userspace proxy listening on "
+                      f"{self.out.dst}:{self.out.port}, which connects to an endpoint itself")
+            return True
+        return False
 
     def service_cidr(self) -> str | None:
         """The element of @service-cidrs holding the destination (an interval set: no
