@@ -55,6 +55,7 @@ def scrape() -> dict[str, set[str]]:
     metrics = Metrics()
     metrics.watch_selections(selections)
     metrics.watch_connections(lambda: {Series("demo/web", "http", "10.244.1.5:8080", "node"): 1})
+    metrics.watch_localhost_nodeports(lambda: {("IPv4", "UDP"): 1})  # the gate's default: on
     for attribute in vars(metrics).values():  # one series per labelled metric
         if isinstance(attribute, (Counter, Gauge, Histogram)):
             spec = next(s for s in SPECS if s.family == attribute.describe()[0].name)
@@ -93,6 +94,7 @@ def test_the_reference_lists_exactly_what_the_daemon_exports() -> None:
     metrics = Metrics()
     metrics.watch_selections(list)
     metrics.watch_connections(dict)
+    metrics.watch_localhost_nodeports(dict)  # as the daemon with the gate on, the default
     exported = {family.name: family.type for family in metrics.registry.collect()}
     assert exported == {spec.family: spec.type for spec in SPECS}
 
