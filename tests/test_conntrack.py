@@ -96,8 +96,13 @@ def cluster() -> ClusterState:
 
 
 def entry(dst: str, reply_src: str, *, dport: int = 53, proto: int = IPPROTO_UDP,
-          src: str = CLIENT, sport: int = 40000) -> ConntrackEntry:
-    return ConntrackEntry(proto, src, dst, sport, dport, reply_src, 5353)
+          src: str = CLIENT, sport: int = 40000, reply_sport: int = 5353) -> ConntrackEntry:
+    return ConntrackEntry(proto, src, dst, sport, dport, reply_src, reply_sport)
+
+
+def at(*ips: str) -> frozenset[tuple[str, int]]:
+    """Endpoints that answer from port 5353, the target port of the tests' services."""
+    return frozenset((ip, 5353) for ip in ips)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Case:
 CASES = [
     Case("ClusterIP, answered by a removed endpoint", entry(DNS_VIP, GONE), True),
     Case("ClusterIP, answered by a current endpoint", entry(DNS_VIP, POD_A), False),
+    Case("ClusterIP, answered from a current endpoint's old port (targetPort changed)",
+         entry(DNS_VIP, POD_A, reply_sport=5300), True),
     Case("ClusterIP, endpoint on another node (policy/topology ignored)", entry(DNS_VIP, POD_B),
          False),
     Case("ClusterIP, never NATed (rejected while there were no endpoints)",
@@ -162,18 +169,18 @@ def test_stale_keeps_order_and_picks_exactly_the_stale_ones(allowed: Allowed) ->
 
 
 def test_allowed_map_contents(allowed: Allowed) -> None:
-    both = frozenset({POD_A, POD_B})
+    both = at(POD_A, POD_B)
     assert allowed.service_ips == {
         (DNS_VIP, 53): both,
         (EXTERNAL_IP, 53): both,
         (LB_IP, 53): both,
-        (DNS_VIP6, 53): frozenset({POD_A6}),
+        (DNS_VIP6, 53): at(POD_A6),
         ("10.96.0.30", 53): frozenset(),
-        ("10.96.0.40", 53): frozenset({"10.244.3.2"}),
-        ("10.96.0.50", 53): frozenset({"10.244.2.5"}),
+        ("10.96.0.40", 53): at("10.244.3.2"),
+        ("10.96.0.50", 53): at("10.244.2.5"),
     }
     # One NodePort for both families: the IPv4 and IPv6 endpoints together.
-    assert allowed.node_ports == {NODEPORT: both | {POD_A6}}
+    assert allowed.node_ports == {NODEPORT: both | at(POD_A6)}
     assert allowed.node_ips == frozenset({NODE_IP, NODE_IP6})
 
 
@@ -190,10 +197,10 @@ def test_empty_allowed_is_falsy() -> None:
 
 
 def test_shared_destination_allows_the_union() -> None:
-    a = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, frozenset({POD_A}))
-    b = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, frozenset({POD_B}))
+    a = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, at(POD_A))
+    b = UdpTarget(frozenset({(EXTERNAL_IP, 53)}), 0, at(POD_B))
     merged = allowed_map([a, b])
-    assert merged.service_ips[(EXTERNAL_IP, 53)] == {POD_A, POD_B}
+    assert merged.service_ips[(EXTERNAL_IP, 53)] == at(POD_A, POD_B)
     assert stale([entry(EXTERNAL_IP, POD_B), entry(EXTERNAL_IP, GONE)], merged) == [
         entry(EXTERNAL_IP, GONE)]
 
@@ -206,7 +213,7 @@ def test_targets_per_family_and_only_udp() -> None:
     empty = targets[(ServicePortName("default", "empty", "p", Protocol.UDP), IPFamily.IPv4)]
     assert empty == UdpTarget(frozenset({("10.96.0.30", 53)}), 0, frozenset())
     dns6 = targets[(ServicePortName("default", "dns", "p", Protocol.UDP), IPFamily.IPv6)]
-    assert dns6 == UdpTarget(frozenset({(DNS_VIP6, 53)}), NODEPORT, frozenset({POD_A6}))
+    assert dns6 == UdpTarget(frozenset({(DNS_VIP6, 53)}), NODEPORT, at(POD_A6))
     only4 = udp_targets(cluster(), families=(IPFamily.IPv4,))
     assert {fam for _key, fam in only4} == {IPFamily.IPv4}
 
@@ -338,8 +345,8 @@ def test_a_shared_frontend_keeps_the_other_services_endpoints() -> None:
     work = [*claimants(after, gone).values(), *gone.values()]
     allowed = allowed_map(work, node_ips=[NODE_IP])
     assert allowed.service_ips == {(DNS_VIP, 53): frozenset(),
-                                   (EXTERNAL_IP, 53): frozenset({POD_B}),
-                                   ("10.96.0.11", 53): frozenset({POD_B})}
+                                   (EXTERNAL_IP, 53): at(POD_B),
+                                   ("10.96.0.11", 53): at(POD_B)}
     assert stale([entry(EXTERNAL_IP, POD_B), entry(EXTERNAL_IP, POD_A), entry(DNS_VIP, POD_A),
                   entry(NODE_IP, POD_A, dport=NODEPORT)], allowed) == [
         entry(EXTERNAL_IP, POD_A), entry(DNS_VIP, POD_A), entry(NODE_IP, POD_A, dport=NODEPORT)]
@@ -471,8 +478,8 @@ def test_a_deleted_udp_service_has_every_entry_to_its_frontends_deleted() -> Non
     family, deleted = sink.work[-1]
     assert family is IPFamily.IPv4 and isinstance(deleted, Allowed)
     assert deleted.service_ips == {(DNS_VIP, 53): frozenset(),
-                                   (EXTERNAL_IP, 53): frozenset({POD_B}),  # dns2's too
-                                   ("10.96.0.11", 53): frozenset({POD_B})}
+                                   (EXTERNAL_IP, 53): at(POD_B),  # dns2's too
+                                   ("10.96.0.11", 53): at(POD_B)}
     assert deleted.node_ports == {NODEPORT: frozenset()}
     assert deleted.node_ips == frozenset({NODE_IP})
     submitted = len(sink.work)

@@ -10,7 +10,9 @@ a UDP service's endpoints, every UDP entry whose *original destination* is a ser
 (who actually answers: the DNAT target) is not one of the service's serving endpoints, is
 deleted; the next packet of the flow is then NATed afresh.
 
-As upstream, the allowed endpoints are every *serving* endpoint of the service port, whatever
+As upstream, the allowed endpoints are every *serving* endpoint (address and port: a flow
+answered from the endpoint's old port, its targetPort changed, is stale too) of the service
+port, whatever
 the traffic policies, topology or terminating state say, so existing flows to an endpoint that
 still serves keep working (like TCP connections do). A service port with no serving endpoint
 allows none: every entry to it goes (kubernetes#139628/#139629, kube-proxy 1.37.0: a one-way
@@ -85,21 +87,22 @@ class ConntrackEntry:
 @dataclass(frozen=True, slots=True)
 class UdpTarget:
     """What one UDP service port allows, for one IP family: the (IP, port) pairs clients send to
-    (ClusterIP, external IPs, LoadBalancer VIPs), its NodePort (0: none) and the IPs of its
-    serving endpoints, who may answer (empty: nobody, every entry to it is stale)."""
+    (ClusterIP, external IPs, LoadBalancer VIPs), its NodePort (0: none) and the (IP, port)
+    of its serving endpoints, who may answer (empty: nobody, every entry to it is stale)."""
 
     destinations: frozenset[tuple[str, int]]
     node_port: int
-    endpoints: frozenset[str]
+    endpoints: frozenset[Answerer]
 
 
 TargetKey = tuple[ServicePortName, IPFamily]
+Answerer = tuple[str, int]  # an endpoint's canonical IP and port
 
 
 @dataclass(frozen=True)
 class Allowed:
     """Who may answer what: `service_ips[(IP, port)]` and `node_ports[port]` are the serving
-    endpoint IPs of the UDP service behind that destination.
+    endpoints (IP, port) of the UDP service behind that destination.
 
     `node_ips` restricts the NodePort rule to entries addressed to this node (its local
     addresses); None matches a NodePort on any destination, as upstream does. Without it, a
@@ -107,8 +110,8 @@ class Allowed:
     be deleted on every cleanup.
     """
 
-    service_ips: Mapping[tuple[str, int], frozenset[str]] = field(default_factory=dict)
-    node_ports: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    service_ips: Mapping[tuple[str, int], frozenset[Answerer]] = field(default_factory=dict)
+    node_ports: Mapping[int, frozenset[Answerer]] = field(default_factory=dict)
     node_ips: frozenset[str] | None = None
 
     def __bool__(self) -> bool:
@@ -142,7 +145,8 @@ def udp_target(
     if port.protocol is not Protocol.UDP:
         return None
     serving = frozenset(
-        canonical_ip(ep.ip) for ep in endpoints if ep.family is family and _is_serving(ep)
+        (canonical_ip(ep.ip), ep.port) for ep in endpoints
+        if ep.family is family and _is_serving(ep)
     )
     cluster_ip = port.cluster_ip(family)
     addresses = [
@@ -187,8 +191,8 @@ def allowed_map(targets: Iterable[UdpTarget], node_ips: Iterable[str] | None = N
     legitimately served is worse than keeping a stale one. Without `node_ips` the NodePort of
     a target without endpoints is left out: matched on the port alone, it would take every
     UDP flow to that port number, to any host (kube-proxy skips it for that reason)."""
-    service_ips: dict[tuple[str, int], frozenset[str]] = {}
-    node_ports: dict[int, frozenset[str]] = {}
+    service_ips: dict[tuple[str, int], frozenset[Answerer]] = {}
+    node_ports: dict[int, frozenset[Answerer]] = {}
     for target in targets:
         for dest in target.destinations:
             service_ips[dest] = service_ips.get(dest, frozenset()) | target.endpoints
@@ -199,7 +203,7 @@ def allowed_map(targets: Iterable[UdpTarget], node_ips: Iterable[str] | None = N
     return Allowed(service_ips, node_ports, nodes)
 
 
-def allowed_endpoints(entry: ConntrackEntry, allowed: Allowed) -> frozenset[str] | None:
+def allowed_endpoints(entry: ConntrackEntry, allowed: Allowed) -> frozenset[Answerer] | None:
     """The endpoint IPs that may answer this entry, or None when it is none of our business
     (not UDP, not to a service address or NodePort)."""
     if entry.proto != IPPROTO_UDP:
@@ -216,12 +220,14 @@ def allowed_endpoints(entry: ConntrackEntry, allowed: Allowed) -> frozenset[str]
 
 def stale(entries: Iterable[ConntrackEntry], allowed: Allowed) -> list[ConntrackEntry]:
     """The UDP entries to delete: addressed to a service IP:port (or to a NodePort on this
-    node) but answered by an address that is not one of that service's serving endpoints,
-    i.e. pinned to a removed endpoint or to the un-NATed "no endpoints" state."""
+    node) but answered from an address and port that are not one of that service's serving
+    endpoints, i.e. pinned to a removed endpoint (or to its old port) or to the un-NATed "no
+    endpoints" state."""
     out: list[ConntrackEntry] = []
     for entry in entries:
         permitted = allowed_endpoints(entry, allowed)
-        if permitted is not None and canonical_ip(entry.reply_src) not in permitted:
+        if (permitted is not None
+                and (canonical_ip(entry.reply_src), entry.reply_sport) not in permitted):
             out.append(entry)
     return out
 
