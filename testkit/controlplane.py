@@ -630,9 +630,12 @@ def start_pyproxy(lab: Lab, ns: Netns, kubeconfig: Path, node: str, *extra: str,
 
 def kube_proxy_config(path: Path, kubeconfig: Path, node: str = "node-a",
                       cluster_cidr: str = "10.244.0.0/16,fd00:244::/48",
-                      min_sync_period: str = "200ms", sync_period: str = "5s") -> Path:
-    """upstream kube-proxy's configuration file for a node namespace, nftables mode."""
+                      min_sync_period: str = "200ms", sync_period: str = "5s",
+                      extra: dict[str, Any] | None = None) -> Path:
+    """upstream kube-proxy's configuration file for a node namespace, nftables mode (`extra`:
+    more top-level fields)."""
     path.write_text(yaml.safe_dump({
+        **(extra or {}),
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
         "mode": "nftables", "hostnameOverride": node, "clusterCIDR": cluster_cidr,
         "clientConnection": {"kubeconfig": str(kubeconfig)},

@@ -79,6 +79,9 @@ SERVICES = (
     Svc("local-only-remote", "10.96.2.12", {"type": "LoadBalancer",
                                             "externalTrafficPolicy": "Local"},
         (("pod-b", "node-b"),)),
+    Svc("nodeport-dual", "10.96.2.13", {"type": "NodePort", "ipFamilyPolicy": "RequireDualStack",
+                                        "clusterIPs": ["10.96.2.13", "fd00:96::2:13"]},
+        (("pod-a", "node-b"), ("pod-b", "node-b"))),
 )
 LB_IPS = {"lb-local": LB_LOCAL, "lb-allowed": LB_ALLOWED, "lb-denied": LB_DENIED,
           "local-only-remote": "192.168.77.23"}
@@ -89,11 +92,14 @@ class Flow:
     name: str
     source: str  # "client", "pod-client", "node" or a backend pod's name (hairpin)
     service: str | None  # its ClusterIP, or with `to` another address of it
-    to: str = "cluster-ip"  # cluster-ip | cluster-ip6 | node-port | lb | external | raw
+    # cluster-ip | cluster-ip6 | node-port | node-port6 | localhost | localhost6 | lb |
+    # external | raw
+    to: str = "cluster-ip"
     port: int = 80
     proto: str = "tcp"
     count: int = 30
     address: str = ""  # for to == "raw"
+    expect: tuple[str, ...] | None = None  # the outcome both must give, where the flow says
 
 
 FLOWS = (
@@ -127,7 +133,24 @@ FLOWS = (
     Flow("ClientIP affinity", "client", "affinity", count=20),
     Flow("PreferSameZone hints", "client", "zonal"),
     Flow("terminating, serving fallback", "client", "terminating"),
+    # KEP-6032, both proxies with KubeProxyNFTablesLocalhostNodePorts on and
+    # nodePortAddresses [primary, localhost]: kube-proxy v1.37.2's userspace proxy (alpha).
+    # The backend sees the node's address: the proxy opens a connection of its own.
+    Flow("NodePort on 127.0.0.1 from the node", "node", "nodeport", to="localhost",
+         expect=("pod-a/masq", "pod-b/masq")),
+    Flow("NodePort on ::1 from the node", "node", "nodeport-dual", to="localhost6",
+         expect=("pod-a/masq", "pod-b/masq")),
+    Flow("eTP=Local NodePort on 127.0.0.1 from the node", "node", "lb-local", to="localhost",
+         expect=("pod-c/masq",)),
+    Flow("eTP=Local NodePort on 127.0.0.1, no local endpoint", "node", "local-only-remote",
+         to="localhost", count=5, expect=("refused",)),
+    Flow("UDP NodePort on 127.0.0.1 from the node", "node", "nodeport", to="localhost",
+         port=53, proto="udp", count=5, expect=("refused",)),
 )
+# Both proxies serve NodePorts on loopback too (KEP-6032; alpha and off by default in v1.37.2,
+# on by default in pyproxy as the KEP's 1.38 beta).
+LOCALHOST_NODEPORTS = {"featureGates": {"KubeProxyNFTablesLocalhostNodePorts": True},
+                       "nodePortAddresses": ["primary", "localhost"]}
 # Flows whose outcomes differ on purpose: name → why (docs/kube-proxy-differences.md).
 DELIBERATE: dict[str, str] = {}
 
@@ -183,6 +206,7 @@ class SideBySide:
     kube_proxy: Island
     pyproxy: Island
     node_ports: dict[str, int]
+    udp_node_ports: dict[str, int] = field(default_factory=dict)  # allocated by the API
 
     def address(self, flow: Flow, island: Island) -> tuple[str, int]:
         svc = next((s for s in SERVICES if s.name == flow.service), None)
@@ -197,6 +221,9 @@ class SideBySide:
             return island.cluster.node_ip4, self.node_ports[svc.name]
         if flow.to == "node-port6":
             return island.cluster.node_ip6, self.node_ports[svc.name]
+        if flow.to in ("localhost", "localhost6"):
+            ports = self.udp_node_ports if flow.proto == "udp" else self.node_ports
+            return ("127.0.0.1" if flow.to == "localhost" else "::1"), ports[svc.name]
         if flow.to == "lb":
             return LB_IPS[svc.name], flow.port
         return EXTERNAL, flow.port
@@ -252,14 +279,18 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
                     kube.delete_pod(NS, name, grace=300)
         kp_kubeconfig = control_plane.node_kubeconfig(kp_lab.workdir / "kube-proxy.kubeconfig",
                                                       kube_proxy_token(kube))
+        udp_node_ports = {name: kube.core.read_namespaced_service(name, NS).spec.ports[1].node_port
+                          for name in node_ports}
+        kp_config = kube_proxy_config(kp_lab.workdir / "kube-proxy.yaml", kp_kubeconfig,
+                                      extra=LOCALHOST_NODEPORTS)
         kp_proc = kp_lab.popen(kp.cluster.node, [
-            control_plane.bin / "kube-proxy",
-            f"--config={kube_proxy_config(kp_lab.workdir / 'kube-proxy.yaml', kp_kubeconfig)}",
-            "-v=1"], log_name="kube-proxy.log")
+            control_plane.bin / "kube-proxy", f"--config={kp_config}", "-v=1"],
+            log_name="kube-proxy.log")
         py_kubeconfig = control_plane.node_kubeconfig(py_lab.workdir / "pyproxy.kubeconfig",
                                                       service_account_token(kube))
-        daemon = start_pyproxy(py_lab, py.cluster.node, py_kubeconfig, NODE)
-        both = SideBySide(kube, kp, py, node_ports)
+        daemon = start_pyproxy(py_lab, py.cluster.node, py_kubeconfig, NODE,
+                               "--nodeport-addresses", "primary,localhost")
+        both = SideBySide(kube, kp, py, node_ports, udp_node_ports)
         try:
             wait_for(lambda: kube.endpoint_conditions(NS, "terminating").get(
                 cluster.pods["pod-a"].ip4) == (False, True, True), 30, "pod-a terminating")
@@ -287,3 +318,5 @@ def test_same_outcome_as_kube_proxy(side_by_side: SideBySide, flow: Flow) -> Non
         assert ours != theirs, f"{flow.name} is listed as a deliberate difference but is not"
         return
     assert ours == theirs, f"kube-proxy: {theirs}\npyproxy:    {ours}"
+    if flow.expect is not None:
+        assert ours == flow.expect
