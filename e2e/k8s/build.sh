@@ -3,7 +3,8 @@
 # the checkout: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, kubelet and
 # kubectl (k8s.io/kubernetes at the release go.mod pins), an embedded etcd (cmd/etcd), and
 # containerd with its runc shim and ctr (github.com/containerd/containerd/v2 at CONTAINERD, the
-# container runtime of the real nodes, testkit/cluster.py). A no-op when all of them exist.
+# container runtime of the real nodes, testkit/cluster.py), and upstream's e2e suite (e2e.test,
+# test/e2e of the same release) with its ginkgo runner. A no-op when all of them exist.
 #   build.sh            build (progress on stderr), then print nothing
 #   build.sh --path     print the folder holding the binaries (building nothing)
 set -euo pipefail
@@ -15,7 +16,7 @@ release="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v[0-9]/ {print $2; exit}' "$
 cache="${PYPROXY_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyproxy}"
 bin="$cache/k8s-$release/bin"
 binaries=(kube-apiserver kube-controller-manager kube-proxy etcd kube-scheduler kubelet kubectl
-          containerd containerd-shim-runc-v2 ctr)
+          containerd containerd-shim-runc-v2 ctr ginkgo e2e.test)
 # containerd 2.x: the kubelet learns its cgroup driver from the runtime's RuntimeConfig call
 # (containerd >= 2.0; required from kubelet 1.38), which Debian 12's containerd 1.6 lacks.
 # cgroup v1, which these machines have, stays supported in the 2.x line (deprecated in 2.2).
@@ -59,6 +60,10 @@ for name in "${missing[@]}"; do
     etcd) package=./cmd/etcd ;;
     containerd|containerd-shim-runc-v2|ctr)
       package="github.com/containerd/containerd/v2/cmd/$name@$containerd_version" ;;
+    # Upstream's e2e suite and the ginkgo runner at the version k8s.io/kubernetes requires
+    # (testkit/conformance.py runs them against the real cluster).
+    ginkgo) package=github.com/onsi/ginkgo/v2/ginkgo ;;
+    e2e.test) package=k8s.io/kubernetes/test/e2e ;;
     *) package="k8s.io/kubernetes/cmd/$name" ;;
   esac
   echo "make k8s: building $name ($package)..." >&2
@@ -70,6 +75,8 @@ for name in "${missing[@]}"; do
       -tags "no_btrfs no_devmapper no_zfs" "$package")
     mv "$tmp/$name" "$bin/$name.partial"
     rm -rf "$tmp"
+  elif [[ "$name" == e2e.test ]]; then
+    go test -c "${flags[@]}" -o "$bin/$name.partial" "$package"
   else
     go build "${flags[@]}" -o "$bin/$name.partial" "$package"
   fi
