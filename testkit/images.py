@@ -9,14 +9,16 @@ names below are exactly the ones Kubernetes asks for (the e2e manifest's, kubead
 
 How each is made, and why:
 
-- **pause, busybox, agnhost, CoreDNS** have no distribution in them: a static binary or two,
+- **pause, busybox, CoreDNS** have no distribution in them: a static binary or two,
   /etc/passwd, a shell. This module writes them directly (one layer tar, a config, a manifest
   and an index): deterministic (mtime 0, root-owned, sorted), no daemon or storage driver, a
   second or two. A builder would need a base image that cannot be pulled here.
   pause is ``build/pause/linux/pause.c`` of the k8s.io/kubernetes module (``gcc -static``);
-  agnhost is ``test/images/agnhost`` built in a copy of e2e/k8s's module (same pins);
-  CoreDNS is its own Go module at the version kubeadm deploys; the shell and tools are
-  Debian's busybox-static (agnhost's tests run ``sh -c``, nc, wget, nslookup).
+  CoreDNS is its own Go module at the version kubeadm deploys; busybox's shell and tools are
+  Debian's busybox-static.
+- **agnhost** is ``test/images/agnhost`` built in a copy of e2e/k8s's module (same pins) on an
+  mmdebstrap rootfs with the tools upstream's image has (netcat-openbsd, curl, dig, ip, iperf,
+  bash): the e2e tests exec them in agnhost pods with flags busybox's applets do not take.
 - **kube-proxy** needs nft, iptables and conntrack: an mmdebstrap rootfs with them is the
   first layer, the binary ``make k8s`` built the second.
 - **pyproxy** is built from the Containerfile, the recipe that ships, by buildah (``make
@@ -33,6 +35,7 @@ binaries, Debian rootfs, wheels) are cached the same way under ``build/``. Every
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import gzip
 import hashlib
@@ -538,17 +541,38 @@ def _agnhost_binary() -> Path:
     return _publish(compile_it, target)
 
 
+# What upstream's agnhost image adds to its base (Alpine's bind-tools, curl, netcat-openbsd,
+# iproute2, iperf, bash), from Debian: the e2e tests exec these in agnhost pods, with flags
+# busybox's applets lack (`nc -v -t -w 2`, `curl -g -q -s`, `dig +short`).
+AGNHOST_PACKAGES = ("bash", "ca-certificates", "curl", "dnsutils", "iperf", "iproute2",
+                    "netcat-openbsd", "procps", "wget")
+
+
+def _member(tar: Path, name: str) -> bytes:
+    """One regular file of a rootfs tar."""
+    with tarfile.open(tar) as archive:
+        for candidate in (name, f"./{name}"):
+            with contextlib.suppress(KeyError):
+                member = archive.extractfile(candidate)
+                if member is not None:
+                    return member.read()
+    raise ImageBuildError(f"{tar} has no {name}")
+
+
 def _build_agnhost(out: Path) -> None:
     source = k8s_module() / "test" / "images" / "agnhost"
     version = (source / "VERSION").read_text().strip()
     if version != AGNHOST.rpartition(":")[2]:
         raise ImageBuildError(f"agnhost is {version} in {source}, the name says {AGNHOST}")
-    # Upstream's Dockerfile: a user and a group the SupplementalGroups tests look for.
-    tree = busybox_tree(
-        users=(*ROOT_USERS, ("user-defined-in-image", 1000, 1000,
-                             "/home/user-defined-in-image", "/bin/sh")),
-        groups=ROOT_GROUPS + "user-defined-in-image:x:1000:\n"
-        "group-defined-in-image:x:50000:user-defined-in-image\n")
+    rootfs = debian_rootfs(AGNHOST_PACKAGES)
+    tree = Tree()
+    # Upstream's Dockerfile: a user and a group the SupplementalGroups tests look for, beside
+    # the distribution's own.
+    tree.file("/etc/passwd", _member(rootfs, "etc/passwd") + _passwd(
+        ("user-defined-in-image", 1000, 1000, "/home/user-defined-in-image", "/bin/sh")))
+    tree.file("/etc/group", _member(rootfs, "etc/group")
+              + b"user-defined-in-image:x:1000:\n"
+              b"group-defined-in-image:x:50000:user-defined-in-image\n")
     tree.dir("/home/user-defined-in-image", uid=1000, gid=1000)
     tree.file("/agnhost", _agnhost_binary(), 0o755)
     # entrypoint-tester tests override the entrypoint with agnhost-2.
@@ -556,7 +580,7 @@ def _build_agnhost(out: Path) -> None:
     tree.dir("/uploads")  # netexec's
     for name in ("localhost.crt", "localhost.key"):  # porter's
         tree.file(f"/{name}", source / "porter" / name)
-    _archive(out, AGNHOST, [tree], image_config(
+    _archive(out, AGNHOST, [rootfs, tree], image_config(
         entrypoint=["/agnhost"], cmd=["pause"],
         ports=["80/tcp", "8080/tcp", "8081/tcp", "9376/tcp", "5000/tcp"]))
 
@@ -767,7 +791,7 @@ RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
     Recipe(BUSYBOX, "busybox", lambda: [deb_version("busybox-static")], _build_busybox),
     Recipe(AGNHOST, "agnhost",
            lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version(),
-                    deb_version("busybox-static")], _build_agnhost),
+                    *AGNHOST_PACKAGES], _build_agnhost),
     Recipe(COREDNS, "coredns", lambda: [go_version()], _build_coredns),
     Recipe(KUBE_PROXY, "kube-proxy",
            lambda: [_kube_proxy_binary(), *KUBE_PROXY_PACKAGES], _build_kube_proxy),
