@@ -210,14 +210,23 @@ chaos: venv k8s
 # kubectl and the other binaries are in `make -s k8s-path`.
 NODES ?= 2
 .PHONY: cluster cluster-up cluster-down cluster-drills
-cluster: venv k8s
+cluster: venv k8s images
 	$(BIN)/python -m testkit.cluster run --nodes $(NODES) $(if $(KEEP),--keep)
 
-cluster-up: venv k8s
+cluster-up: venv k8s images
 	@$(BIN)/python -m testkit.cluster up --nodes $(NODES)
 
 cluster-down: venv
 	@$(BIN)/python -m testkit.cluster down
 
-cluster-drills: venv k8s
+cluster-drills: venv k8s images
 	$(BIN)/python -m drills.cluster_ops $(CLUSTER_FLAGS)
+
+# Upstream's e2e suite (e2e.test and ginkgo of the pinned release, built by `make k8s`) on a
+# fresh real cluster, once with kube-proxy's DaemonSet (nftables mode, the control) and once
+# with pyproxy's; writes docs/conformance.md (testkit/conformance.py). CONFORMANCE_FLAGS e.g.
+# --services (the 15 Services [Conformance] tests only), --focus/--skip, --procs N, --nodes N.
+.PHONY: conformance
+CONFORMANCE_FLAGS ?=
+conformance: venv k8s images
+	$(BIN)/python -m testkit.conformance --markdown docs/conformance.md $(CONFORMANCE_FLAGS)

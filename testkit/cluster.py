@@ -472,6 +472,8 @@ class RealCluster:
         self.plane = ControlPlane(self.lab, self.bin, controllers=("*",),
                                   controller_args=("--allocate-node-cidrs=false",))
         self._join(self.plane.ns, CP_IP)
+        # Outside the nodes (a test runner, a client) the API server is reachable too.
+        self.lab.add_route(self.net, f"{API_IP}/32", via=CP_IP)
         self.plane.start()
         self.plane.start_scheduler()
         specs = [NodeSpec(f"node-{chr(ord('a') + i)}", i + 1, f"zone-{'ab'[i % 2]}")

@@ -10,7 +10,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from testkit.controlplane import ControlPlane, binaries_dir, missing_binaries, running_control_plane
+from testkit.cluster import NODE_BINARIES, RealCluster, bring_up
+from testkit.controlplane import (
+    BINARIES,
+    ControlPlane,
+    binaries_dir,
+    missing_binaries,
+    running_control_plane,
+)
 from testkit.netlab import NETNS_USABLE, Cluster, Lab
 
 requires_netns = pytest.mark.skipif(
@@ -49,3 +56,29 @@ def control_plane_fixture() -> Iterator[ControlPlane]:
         pytest.skip(message)
     with running_control_plane(bin_dir) as plane:
         yield plane
+
+
+@pytest.fixture(scope="session", name="real_cluster")
+def real_cluster_fixture() -> Iterator[RealCluster]:
+    """The real two-node cluster with pyproxy deployed (testkit/cluster.py), once per test
+    session: the smoke tests and upstream's Services conformance tests share it (about 90 s to
+    bring up)."""
+    if not NETNS_USABLE:
+        pytest.skip("needs root and `ip netns` (network namespaces)")
+    bin_dir = binaries_dir()
+    missing = [name for name in (*BINARIES, *NODE_BINARIES)
+               if not os.access(bin_dir / name, os.X_OK)]
+    if missing:
+        message = f"make k8s has not built {', '.join(missing)} in {bin_dir}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    with Lab() as lab:
+        up: RealCluster | None = None
+        try:
+            up = bring_up(lab, bin_dir, nodes=2)
+            yield up
+        finally:
+            if up is not None:
+                up.close()
+                up.plane.stop()

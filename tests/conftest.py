@@ -4,7 +4,12 @@ import pytest
 
 # The kit (testkit/, at the repository root: pyproject.toml's `pythonpath`) holds the lab,
 # builders, fakes, the API emulator and the control plane; its fixtures register here.
-from testkit.fixtures import cluster_fixture, control_plane_fixture, lab_fixture  # noqa: F401
+from testkit.fixtures import (  # noqa: F401
+    cluster_fixture,
+    control_plane_fixture,
+    lab_fixture,
+    real_cluster_fixture,
+)
 from testkit.netlab import NETNS_USABLE
 
 

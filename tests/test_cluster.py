@@ -12,46 +12,20 @@ from __future__ import annotations
 
 import json
 import urllib.parse
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 
-from testkit.cluster import (
-    OUTSIDE_NET,
-    Prober,
-    RealCluster,
-    Target,
-    bring_up,
-    netexec,
-    service,
-)
-from testkit.controlplane import binaries_dir, missing_binaries, wait_for
+from testkit.cluster import OUTSIDE_NET, Prober, RealCluster, Target, netexec, service
+from testkit.controlplane import wait_for
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
-from testkit.netlab import Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, pytest.mark.cluster, requires_netns]
 
 NS = "smoke"
 NODE_PORT = 30180
-
-
-@pytest.fixture(scope="module")
-def real_cluster() -> Iterator[RealCluster]:
-    bin_dir = binaries_dir()
-    if missing := missing_binaries(bin_dir):
-        pytest.skip(f"make k8s has not built {missing}")
-    with Lab() as lab:
-        up: RealCluster | None = None
-        try:
-            up = bring_up(lab, bin_dir, nodes=2)
-            yield up
-        finally:
-            if up is not None:
-                up.close()
-                up.plane.stop()
 
 
 def apply(cluster: RealCluster, *docs: dict[str, Any]) -> None:

@@ -1,0 +1,212 @@
+"""conformance: upstream's own e2e tests (k8s.io/kubernetes/test/e2e of the pinned release) on
+the real cluster of testkit/cluster.py, with kube-proxy's DaemonSet (nftables mode, the
+control) or pyproxy's.
+
+    python -m testkit.conformance --proxy pyproxy --services   # Services [Conformance] only
+    python -m testkit.conformance --markdown docs/conformance.md     # make conformance
+
+`make k8s` builds e2e.test and ginkgo (the version k8s.io/kubernetes requires) beside the
+control plane. The suite runs inside the cluster's ``outside`` namespace: it reaches the API
+server's real address and every node's address (NodePort tests connect from the test
+process), as a test runner beside a real cluster does. Every image the selected tests use is
+already in every node's containerd under the name test/utils/image expects
+(testkit/images.py), so nothing is pulled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from testkit.cluster import RealCluster, bring_up
+from testkit.controlplane import API_IP, binaries_dir, kubeconfig, write_kubeconfig
+from testkit.netlab import Lab
+
+# Upstream's nftables jobs (kind, kube-proxy in nftables mode): this focus and skip.
+FOCUS = r"\[sig-network\]|\[Conformance\]"
+SKIP = (r"Alpha|Beta|LoadBalancer|Disruptive|Flaky|Networking-IPv6|IPv6DualStack"
+        r"|LocalhostNodePorts")
+SERVICES_CONFORMANCE = r"\[sig-network\] Services.*\[Conformance\]"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    status: str  # passed, failed, skipped
+    seconds: float
+    message: str = ""
+
+
+@dataclass
+class Run:
+    proxy: str
+    cases: list[Case] = field(default_factory=list)
+    seconds: float = 0.0
+    junit: Path | None = None
+
+    def count(self, status: str) -> int:
+        return sum(1 for c in self.cases if c.status == status)
+
+
+def e2e_kubeconfig(cluster: RealCluster) -> Path:
+    """Admin, at the API server's real address (the suite runs in ``outside``)."""
+    return write_kubeconfig(cluster.lab.workdir / "e2e.kubeconfig",
+                            kubeconfig(f"https://{API_IP}:6443", cluster.plane.pki.ca,
+                                       cert=cluster.plane.pki.admin,
+                                       key=cluster.plane.pki.admin_key))
+
+
+def run_suite(cluster: RealCluster, proxy: str, focus: str, skip: str, report_dir: Path,
+              parallel: int = 2, timeout: float = 3600.0) -> Run:
+    bin_dir = binaries_dir()
+    report_dir.mkdir(parents=True, exist_ok=True)
+    config = e2e_kubeconfig(cluster)
+    argv = [str(bin_dir / "ginkgo"), f"--procs={parallel}", f"--focus={focus}",
+            f"--skip={skip}", "--timeout=2h", "--no-color", "--junit-report",
+            f"junit-{proxy}.xml", "--output-dir", str(report_dir),
+            str(bin_dir / "e2e.test"), "--",
+            f"--kubeconfig={config}", "--provider=local",
+            f"--num-nodes={len(cluster.nodes)}", "--node-os-distro=debian",
+            f"--report-dir={report_dir}", "--dump-logs-on-failure=false",
+            "--allowed-not-ready-nodes=0"]
+    log = report_dir / f"e2e-{proxy}.log"
+    started = time.monotonic()
+    with open(log, "w") as out:
+        subprocess.run(["ip", "netns", "exec", cluster.outside.full, *argv], stdout=out,
+                       stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                       env={**os.environ, "HOME": str(cluster.lab.workdir)})
+    run = Run(proxy, seconds=time.monotonic() - started, junit=report_dir / f"junit-{proxy}.xml")
+    if run.junit is not None and run.junit.exists():
+        run.cases = read_junit(run.junit)
+    return run
+
+
+def read_junit(path: Path) -> list[Case]:
+    cases = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "")
+        if name.startswith(("[SynchronizedBeforeSuite]", "[SynchronizedAfterSuite]",
+                            "[ReportAfterSuite]", "[BeforeSuite]", "[AfterSuite]")):
+            continue
+        status = case.get("status", "")
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        if status not in ("passed", "failed", "skipped"):
+            status = "failed" if failure is not None else (
+                "skipped" if case.find("skipped") is not None else "passed")
+        message = ((failure.get("message") or failure.text or "") if failure is not None
+                   else "")
+        cases.append(Case(name, status, float(case.get("time", "0") or 0),
+                          " ".join(message.split())[:300]))
+    return cases
+
+
+@contextlib.contextmanager
+def cluster_with(proxy: str, nodes: int) -> Iterator[RealCluster]:
+    """A fresh cluster with one proxy: pyproxy's DaemonSet, or kube-proxy's alone."""
+    from drills import cluster_ops as ops
+
+    with Lab() as lab:
+        cluster: RealCluster | None = None
+        try:
+            cluster = bring_up(lab, binaries_dir(), nodes, with_pyproxy=proxy == "pyproxy")
+            if proxy == "kube-proxy":
+                ops.deploy_kube_proxy(cluster)
+            cluster.rollout("deployment", "coredns")
+            yield cluster
+        finally:
+            if cluster is not None:
+                cluster.close()
+                cluster.plane.stop()
+
+
+def table(runs: Sequence[Run]) -> str:
+    """test | result with kube-proxy | result with pyproxy | seconds (pyproxy's)."""
+    by_proxy = {run.proxy: {c.name: c for c in run.cases} for run in runs}
+    names = sorted({name for run in runs for name in (c.name for c in run.cases)})
+    rows = ["| test | kube-proxy | pyproxy | seconds |", "|---|---|---|---:|"]
+    for name in names:
+        cells = []
+        for proxy in ("kube-proxy", "pyproxy"):
+            case = by_proxy.get(proxy, {}).get(name)
+            cells.append("-" if case is None else case.status)
+        seconds = next((c.seconds for p in ("pyproxy", "kube-proxy")
+                        if (c := by_proxy.get(p, {}).get(name)) is not None), 0.0)
+        rows.append(f"| {_cell(name)} | {cells[0]} | {cells[1]} | {seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def report(runs: Sequence[Run], args: argparse.Namespace, seconds: float) -> str:
+    from testkit.images import RELEASE
+
+    lines = [
+        "# Upstream's e2e tests: kube-proxy and pyproxy side by side",
+        "",
+        "Written by `make conformance` (testkit/conformance.py); do not edit by hand.",
+        "",
+        f"- release: k8s.io/kubernetes {RELEASE} (e2e.test and ginkgo built from it)",
+        f"- cluster: {args.nodes} worker nodes (kubelet, containerd, runc) on one machine, "
+        "testkit/cluster.py",
+        f"- focus: `{args.focus}`",
+        f"- skip: `{args.skip}`",
+        f"- ginkgo processes: {args.procs}; wall-clock time: {seconds / 60:.0f} min",
+        "",
+    ]
+    for run in runs:
+        lines.append(f"- {run.proxy}: {run.count('passed')} passed, {run.count('failed')} "
+                     f"failed, {run.count('skipped')} skipped ({run.seconds / 60:.0f} min); "
+                     f"JUnit report {run.junit.name if run.junit else '-'}")
+    lines += ["", table(runs), ""]
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return re.sub(r"\s+", " ", text).replace("|", "\\|")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m testkit.conformance",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--proxy", choices=("pyproxy", "kube-proxy", "both"), default="both")
+    parser.add_argument("--focus", default=FOCUS)
+    parser.add_argument("--services", action="store_const", dest="focus",
+                        const=SERVICES_CONFORMANCE, help="only Services [Conformance]")
+    parser.add_argument("--skip", default=SKIP)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--report-dir", default="/tmp/pyproxy-conformance")
+    parser.add_argument("--markdown", help="write the report (docs/conformance.md) here")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    proxies = ["kube-proxy", "pyproxy"] if args.proxy == "both" else [args.proxy]
+    runs = []
+    for proxy in proxies:
+        with cluster_with(proxy, args.nodes) as cluster:
+            print(f"{proxy}: cluster up in {cluster.up_seconds:.0f} s; running e2e.test",
+                  flush=True)
+            run = run_suite(cluster, proxy, args.focus, args.skip, Path(args.report_dir),
+                            args.procs)
+        print(f"{proxy}: {run.count('passed')} passed, {run.count('failed')} failed, "
+              f"{run.count('skipped')} skipped in {run.seconds:.0f} s", flush=True)
+        for case in run.cases:
+            if case.status == "failed":
+                print(f"  FAILED {case.name}: {case.message}", flush=True)
+        runs.append(run)
+    print(table(runs))
+    if args.markdown:
+        Path(args.markdown).write_text(report(runs, args, time.monotonic() - started))
+    return 0 if all(r.count("failed") == 0 and r.cases for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
