@@ -85,9 +85,14 @@ bench: venv
 	$(BIN)/python -m bench.bench_maglev
 	$(BIN)/python -m bench.bench_first_packet
 
+# pyproxy as performance round 2 (issue 14) found it: 5.95 s from start to its first
+# programmed ruleset at 10k x 10, the time the 3 s target was set against. This VM's speed
+# varies 1.5-2x over minutes, so the target is held as a ratio to this code's time in the
+# same run (3 / 5.95).
+ROUND2_START := 9f93ef9
 # The daemon's cold start is also timed against AGAINST's (a commit, checked out in a
-# temporary git worktree; default the code issue 14 measured; AGAINST= skips it), alternated.
-AGAINST ?= 9f93ef9
+# temporary git worktree; AGAINST= skips it), the two started alternately.
+AGAINST ?= $(ROUND2_START)
 bench-daemon: venv
 	$(BIN)/python -m bench.bench_daemon $(if $(AGAINST),--against $(AGAINST)) $(BENCH_FLAGS)
 
