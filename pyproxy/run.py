@@ -39,6 +39,7 @@ from pyproxy.core.model import (
     override_ips,
 )
 from pyproxy.core.topology import PortSelection
+from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.kernel.conntrack import (
     Allowed,
     ServiceFrontends,
@@ -458,7 +459,13 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     proxier.on_node_change.append(health.set_node)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
     health.damage = proxier.damage
-    NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost).start(stop)
+    # Other tables' base chains that drop what we accept: checked at start and after every
+    # change to another table's chains or rules.
+    coexistence = CoexistenceCheck(
+        tuple(families), lambda found: metrics.other_table_drops.set(len(found)))
+    NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost,
+               on_other_tables=coexistence.request).start(stop)
+    coexistence.start(stop)
 
     try:
         servers = _start_servers(config, health, metrics, stop)
@@ -486,7 +493,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         observer.after_sync.append(
             lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
 
-    debug = _start_debug(config, proxier, health, runner, source, connections, address_check)
+    debug = _start_debug(config, proxier, health, runner, source, connections, address_check,
+                         coexistence)
     _install_signal_handlers(stop)
     runner.loop(stop)
     log.info("stopping")
@@ -504,7 +512,8 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
 def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
                  runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
                  connections: ConnectionCounters | None = None,
-                 address_check: ApiAddressCheck | None = None) -> DebugServer | None:
+                 address_check: ApiAddressCheck | None = None,
+                 coexistence: CoexistenceCheck | None = None) -> DebugServer | None:
     if not config.debug_socket:
         return None
 
@@ -520,7 +529,9 @@ def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
 
     try:
         server = DebugServer(config.debug_socket,
-                             handlers(proxier, health, runner, source_status, connections))
+                             handlers(proxier, health, runner, source_status, connections,
+                                      (lambda: coexistence.findings) if coexistence
+                                      else lambda: ()))
     except OSError as err:
         log.error("debug_socket_not_served", path=config.debug_socket, error=str(err))
         return None

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyproxy"
 
 # watch → cache → sync → topology → render → ruleset: the stages that only compute.
 PURE = ("core.model", "core.convert", "cluster.cache", "core.topology", "core.balancing",
+        "core.coexistence",
         "core.explain", "render", "render.ruleset", "render.staging", "render.trace")
 FORBIDDEN = ("kubernetes", "nftables", "pyroute2", "yaml", "threading", "socketserver",
              "subprocess", "http", "urllib", "asyncio", "selectors", "concurrent")

@@ -53,6 +53,12 @@ def format_status(s: dict[str, Any]) -> str:
     if s["invalidObjects"]:
         lines.append("invalid objects:   " + ", ".join(
             f"{kind} {count}" for kind, count in sorted(s["invalidObjects"].items())))
+    other = s.get("otherTables")
+    if other is not None:
+        lines.append("other tables:      " + ("no chain drops pyproxy's traffic" if not other
+                                              else f"WARNING: {len(other)} chain(s) may drop "
+                                              "pyproxy's traffic"))
+        lines.extend(f"  {finding['text']}" for finding in other)
     source = s.get("source") or {}
     if "snapshot" in source:
         last = f": {source['lastError']}" if source["lastError"] else ""

@@ -132,6 +132,8 @@ class Transaction:
     of our tables (`changes`). NFT_MSG_NEWGEN ends a transaction."""
 
     changes: tuple[Message, ...] = ()
+    other_tables: bool = False
+    """It changed another table's chains or rules (`other_table_change`)."""
 
     def feed(self, message: Message, ours: Container[int]) -> tuple[Transaction, str | None]:
         """The transaction after `message`, and, when it ends with foreign changes to our
@@ -140,6 +142,8 @@ class Transaction:
             return Transaction(), self.summary() if self.changes else None
         if foreign(message, ours):
             return replace(self, changes=(*self.changes, message)), None
+        if not self.other_tables and other_table_change(message):
+            return replace(self, other_tables=True), None
         return self, None
 
     def summary(self, limit: int = 3) -> str:
@@ -156,6 +160,21 @@ def foreign(message: Message, ours: Container[int]) -> bool:
     return (message.table == TABLE and message.family in FAMILIES and message.portid != 0
             and message.portid not in ours
             and not (elements and filled_by_packets(message.name)))
+
+
+# What can change how another table's base chain treats our traffic: a table or chain (a base
+# chain's hook, priority or policy) or a rule. Not elements: a set lookup in a firewall's
+# chain is beyond what the check decides anyway (core/coexistence.py), and kube-proxy's
+# element changes would ask for a check at every sync.
+_STRUCTURE = frozenset({NFT_MSG_NEWTABLE, NFT_MSG_DELTABLE, NFT_MSG_NEWCHAIN, NFT_MSG_DELCHAIN,
+                        NFT_MSG_NEWRULE, NFT_MSG_DELRULE})
+
+
+def other_table_change(message: Message) -> bool:
+    """A change to the tables, chains or rules of a table not ours (any family: an `inet`
+    firewall sees IPv4 too), by anybody but the kernel."""
+    ours = message.table == TABLE and message.family in FAMILIES
+    return message.msg in _STRUCTURE and not ours and message.portid != 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,14 +246,17 @@ def open_socket() -> socket.socket:
 @dataclass
 class NftMonitor:
     """Reads the change events on a thread of its own and reports, per transaction, someone
-    else's changes to our tables (`on_foreign`), and events lost to a full receive buffer
-    (`on_lost`: what happened meanwhile is unknown, the structure must be compared)."""
+    else's changes to our tables (`on_foreign`), changes to other tables' chains or rules
+    (`on_other_tables`: their base chains may drop our traffic now, core/coexistence.py),
+    and events lost to a full receive buffer (`on_lost`: what happened meanwhile is unknown,
+    the structure must be compared)."""
 
     ours: OwnSockets
     on_foreign: Callable[[str], None]
     on_lost: Callable[[], None]
     open: Callable[[], socket.socket] = open_socket
     poll_seconds: float = 0.5  # how soon the thread notices `stop`
+    on_other_tables: Callable[[], None] = lambda: None
     _sock: socket.socket | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -273,6 +295,7 @@ class NftMonitor:
                 self._sock.setsockopt(SOL_NETLINK, option, NFNLGRP_NFTABLES)
         if not starting:
             self.on_lost()
+            self.on_other_tables()
 
     def _run(self, sock: socket.socket, stop: threading.Event) -> None:
         pending = Transaction()
@@ -289,11 +312,15 @@ class NftMonitor:
                     log.warning("nft_events_lost")
                     pending = Transaction()
                     self.on_lost()
+                    self.on_other_tables()
                     continue
                 for message in parse(data):
+                    others = message.msg == NFT_MSG_NEWGEN and pending.other_tables
                     pending, change = pending.feed(message, self.ours)
                     if change is not None:
                         self.on_foreign(change)
+                    if others:
+                        self.on_other_tables()
         finally:
             with self._lock:
                 self._sock = None

@@ -12,6 +12,7 @@ from typing import Any
 
 import structlog
 
+from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
@@ -132,6 +133,16 @@ def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str
     return problems
 
 
+def with_other_tables(report: dict[str, Any], found: tuple[Finding, ...]) -> dict[str, Any]:
+    """A live explain report with the other tables' chains that may drop what it explains:
+    `otherTables` and a warning each (only when there are any, so a live report without
+    them equals the offline one)."""
+    if not found:
+        return report
+    return {**report, "warnings": [*report.get("warnings", ()), *(f.text() for f in found)],
+            "otherTables": [f.as_dict() for f in found]}
+
+
 def counting_context(proxier: NodeProxier) -> CountingContext:
     """What the connection counters' labels need, copied under the sync lock."""
     with proxier.lock:
@@ -155,7 +166,9 @@ def with_connections(entries: list[dict[str, Any]],
 
 def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
              source_status: Callable[[], Any],
-             connections: ConnectionCounters | None = None) -> dict[str, Handler]:
+             connections: ConnectionCounters | None = None,
+             other_tables: Callable[[], tuple[Finding, ...]] = lambda: ()
+             ) -> dict[str, Handler]:
     def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:
         def handle(query: Mapping[str, str]) -> tuple[int, Any]:
             with proxier.lock:
@@ -184,6 +197,7 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
             "lastPartialSync": record_dict(next((r for r in reversed(ok) if not r.full),
                                                 None)),
             "source": source_status(),
+            "otherTables": [f.as_dict() for f in other_tables()],
         }
 
     def services(query: Mapping[str, str]) -> Any:
@@ -204,7 +218,7 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
         report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
         report["conflicts"] = disputes_report(((p.family, p.state) for p in proxier.proxiers),
                                               wanted)
-        return report
+        return with_other_tables(report, other_tables())
 
     def trace_handler(query: Mapping[str, str]) -> Any:
         return trace_in(proxier.proxiers, query)

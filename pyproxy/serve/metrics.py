@@ -125,6 +125,13 @@ SPECS: tuple[MetricSpec, ...] = (
                "service CIDR, which a node without proxy rules cannot reach",
                "1: the API server is reached through a Service address, which a rebooted node "
                "cannot reach before pyproxy programs it (docs/deploying.md, step 2)"),
+    MetricSpec("pyproxy_other_table_drop_chains", "gauge",
+               "Base chains of other nftables tables, at hooks pyproxy's connections cross, "
+               "that drop what their own rules do not accept",
+               "base chains of other tables (a firewall, Docker, iptables-nft) that drop "
+               "what pyproxy accepts: above 0, NodePorts or ClusterIPs may be broken whatever "
+               "pyproxy does; the log (`other_table_drops`), `pyproxy status` and `explain` "
+               "name them (docs/deploying.md, \"Other firewalls on the node\")"),
     MetricSpec("pyproxy_service_topology_mode", "gauge",
                "Topology mode in force per service port on this node (1 = in force)",
                "the topology mode (PreferSameZone, PreferSameNode, topology keys…) in force per "
@@ -232,6 +239,8 @@ class Metrics:
         # 1 while the API server is reached through a Service address (the bootstrap trap:
         # that address works only while some proxy's rules for it are in the kernel).
         self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")
+        # Other tables' base chains that can drop our connections (kernel/basechains.py).
+        self.other_table_drops = _gauge(r, "pyproxy_other_table_drop_chains")
 
     def watch_localhost_nodeports(self, rejected: Callable[[], Mapping[tuple[str, str], int]]
                                   ) -> None:
