@@ -67,7 +67,7 @@ from pyproxy.sync.node import REPAIR_REASON, NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
-log = structlog.get_logger("pyproxy")
+log = structlog.get_logger(__name__)
 
 
 def sd_notify(message: str) -> None:

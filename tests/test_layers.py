@@ -115,3 +115,18 @@ def test_log_events_are_constant_snake_case_names() -> None:
                         and re.fullmatch(r"[a-z][a-z0-9]*(_[a-z0-9]+)*", event.value)):
                     bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not bad, bad
+
+
+def test_loggers_are_named_after_their_module() -> None:
+    """`structlog.get_logger(__name__)` everywhere: one naming rule, which a processor or a
+    filter can rely on (`pyproxy.cluster.watch`, not a name chosen per file)."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "get_logger"):
+                named = (len(node.args) == 1 and isinstance(node.args[0], ast.Name)
+                         and node.args[0].id == "__name__")
+                if not named:
+                    bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bad, bad

@@ -32,7 +32,7 @@ import yaml
 from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.model import ClusterState, ServiceKey
 
-log = structlog.get_logger("pyproxy.api")
+log = structlog.get_logger(__name__)
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 # client-go's cachingTokenSource over a fileTokenSource: a token file is read again once the

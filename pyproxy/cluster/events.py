@@ -20,7 +20,7 @@ import structlog
 
 from pyproxy.cluster.apirequest import request
 
-log = structlog.get_logger("pyproxy.events")
+log = structlog.get_logger(__name__)
 
 EVENTS_NAMESPACE = "default"  # where Events about cluster-scoped objects (Nodes) go
 EVENTS_PATH = f"/apis/events.k8s.io/v1/namespaces/{EVENTS_NAMESPACE}/events"

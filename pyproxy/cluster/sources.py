@@ -28,7 +28,7 @@ from pyproxy.cluster.watch import (
 from pyproxy.core.model import ObjectKey
 from pyproxy.sync.node import NodeProxier
 
-log = structlog.get_logger("pyproxy.sources")
+log = structlog.get_logger(__name__)
 
 
 

@@ -40,7 +40,7 @@ from pyproxy.core.model import ObjectKey
 from pyproxy.core.wire import SliceDoc, metadata
 from pyproxy.sync.gcutil import gc_paused
 
-log = structlog.get_logger("pyproxy.watch")
+log = structlog.get_logger(__name__)
 
 # Objects per list page (client-go's default chunk size).
 LIST_PAGE_SIZE = 500

@@ -76,7 +76,7 @@ _SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer", "ExternalName")
 
 T = TypeVar("T")
 
-log = structlog.get_logger("pyproxy.convert")
+log = structlog.get_logger(__name__)
 
 
 class Invalid(ValueError):

@@ -32,7 +32,7 @@ from pyproxy.core.coexistence import (
 from pyproxy.core.model import IPFamily
 from pyproxy.kernel.nft import _new_context
 
-log = structlog.get_logger("pyproxy.coexistence")
+log = structlog.get_logger(__name__)
 
 
 def read_base_chains(factory: Callable[[], Any] = _new_context) -> tuple[BaseChain, ...]:

@@ -36,7 +36,7 @@ from pyproxy.kernel.conntrack import (
     stale,
 )
 
-log = structlog.get_logger("pyproxy.netlink")
+log = structlog.get_logger(__name__)
 
 # include/uapi/linux/if_addr.h
 IFA_F_SECONDARY = 0x01  # IPv4 secondary; for IPv6 the same bit is IFA_F_TEMPORARY (privacy)

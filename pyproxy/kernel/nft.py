@@ -31,7 +31,7 @@ from pyproxy.render.ruleset import (
     table_shape,
 )
 
-log = structlog.get_logger("pyproxy.nft")
+log = structlog.get_logger(__name__)
 
 # Chains left without references are deleted this long after they were flushed: on kernels
 # before 6.2 the kernel notices a chain is unreferenced only a short time after the vmap

@@ -41,7 +41,7 @@ import structlog
 from pyproxy.kernel.nft import OwnSockets
 from pyproxy.render.objects import TABLE, filled_by_packets
 
-log = structlog.get_logger("pyproxy.nftevents")
+log = structlog.get_logger(__name__)
 
 NETLINK_NETFILTER = 12
 NFNLGRP_NFTABLES = 7

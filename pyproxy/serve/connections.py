@@ -41,7 +41,7 @@ import structlog
 from pyproxy.core.model import IPFamily, Node, Protocol, ip_family
 from pyproxy.core.topology import NodeLabels, PortSelection, endpoint_scope
 
-log = structlog.get_logger("pyproxy.connections")
+log = structlog.get_logger(__name__)
 
 PROTOCOL_NUMBERS = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.SCTP: 132}
 _PROTOCOL_NAMES = {number: str(proto).lower() for proto, number in PROTOCOL_NUMBERS.items()}

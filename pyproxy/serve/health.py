@@ -24,7 +24,7 @@ import structlog
 from pyproxy.core.convert import node_is_eligible
 from pyproxy.core.model import IPFamily, Node, ServiceKey
 
-log = structlog.get_logger("pyproxy.health")
+log = structlog.get_logger(__name__)
 
 
 def _rfc3339(ts: float) -> str:

@@ -26,7 +26,7 @@ from pyproxy.sync.runner import BoundedFrequencyRunner
 
 from pyproxy.sync.node import NodeProxier, SyncRecord  # isort: skip
 
-log = structlog.get_logger("pyproxy.live")
+log = structlog.get_logger(__name__)
 
 
 def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ import structlog
 from pyproxy.core.localhost import NodePortSpec
 from pyproxy.core.model import IPFamily
 
-log = structlog.get_logger("pyproxy.localhost")
+log = structlog.get_logger(__name__)
 
 DIAL_TIMEOUT = 5.0  # kube-proxy's dialTimeout
 _CHUNK = 65536

@@ -27,7 +27,7 @@ _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 # Network programming latency, upstream's buckets: 0.25 s, 0.5 s, 1..59 s by 1 s, 60..115 s by
 # 5 s, 120..300 s by 30 s.
 _NPL_BUCKETS = (0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30))
-log = structlog.get_logger("pyproxy.metrics")
+log = structlog.get_logger(__name__)
 
 # What Go's time.Parse(time.RFC3339Nano, …) accepts; anything else is no trigger time.
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})")

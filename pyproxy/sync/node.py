@@ -30,7 +30,7 @@ from pyproxy.core.wire import SliceDoc
 from pyproxy.kernel.nft import NftError, SyncResult
 from pyproxy.sync.proxier import FamilyProxier
 
-log = structlog.get_logger("pyproxy.sync")
+log = structlog.get_logger(__name__)
 
 REPAIR_REASON = "table changed by someone else"
 

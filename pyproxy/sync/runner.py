@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import structlog
 
-log = structlog.get_logger("pyproxy.runner")
+log = structlog.get_logger(__name__)
 
 Clock = Callable[[], float]
 """Seconds on a monotonic scale (`time.monotonic` unless a test injects a fake)."""
