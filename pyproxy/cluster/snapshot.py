@@ -31,7 +31,7 @@ from pyproxy.core.model import (
     all_cidrs,
 )
 from pyproxy.core.wire import SliceDoc
-from pyproxy.sync.gcutil import gc_paused
+from pyproxy.memory import gc_paused
 
 
 class SnapshotError(ValueError):

@@ -38,7 +38,7 @@ from pyproxy.cluster.apirequest import request
 from pyproxy.cluster.codec import JSON, Codec, TypedCodec
 from pyproxy.core.model import ObjectKey
 from pyproxy.core.wire import SliceDoc, metadata
-from pyproxy.sync.gcutil import gc_paused
+from pyproxy.memory import gc_paused
 
 log = structlog.get_logger(__name__)
 

@@ -20,10 +20,10 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import PortSelection, Selection, select_all
+from pyproxy.memory import gc_paused, trim_heap
 from pyproxy.render.objects import Fragment
 from pyproxy.render.ruleset import Change, DesiredState, full_commands
 from pyproxy.render.services import render_config, render_service, skeleton
-from pyproxy.sync.gcutil import gc_paused, trim_heap
 
 if TYPE_CHECKING:
     from pyproxy.kernel.nft import Kernel, SyncResult

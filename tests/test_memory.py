@@ -1,4 +1,4 @@
-"""The cyclic collector's pause around big batches (pyproxy/sync/gcutil.py)."""
+"""The cyclic collector's pause around big batches (pyproxy/memory.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.sync.gcutil import gc_paused
+from pyproxy.memory import gc_paused
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice
 from testkit.fakes import FakeNft
