@@ -16,7 +16,14 @@ from pyproxy.cli.formats import format_services
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import Endpoint, IPFamily, Node
 from pyproxy.core.topology import endpoint_scope, select_all
-from pyproxy.kernel.nlsets import DumpParser, dump_request, shard_of
+from pyproxy.kernel.nlsets import DumpParser, dump_request
+from pyproxy.render.connection_keys import (
+    element_text,
+    endpoint_part,
+    node_port_part,
+    service_part,
+    shard_of,
+)
 from pyproxy.render.objects import CONNECTION_SHARDS, connection_shard
 from pyproxy.serve.connections import (
     ConnectionCounters,
@@ -25,10 +32,6 @@ from pyproxy.serve.connections import (
     Labels,
     Ledger,
     Series,
-    element_text,
-    endpoint_part,
-    node_port_part,
-    service_part,
 )
 from pyproxy.serve.live import with_connections
 from pyproxy.serve.metrics import Metrics

@@ -16,13 +16,13 @@ from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import NodeConfig
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import KernelCounters
+from pyproxy.render.connection_keys import endpoint_part
 from pyproxy.serve.connections import (
     ConnectionCounters,
     CountingContext,
     Kernel,
     Ledger,
     Series,
-    endpoint_part,
 )
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns

@@ -17,12 +17,6 @@ from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
     BPF_LD_W_ABS,
     BPF_RET_K,
-    NFT_MSG_DELCHAIN,
-    NFT_MSG_DELRULE,
-    NFT_MSG_DELSETELEM,
-    NFT_MSG_DELTABLE,
-    NFT_MSG_NEWGEN,
-    NFT_MSG_NEWSETELEM,
     Message,
     NftMonitor,
     Transaction,
@@ -30,6 +24,14 @@ from pyproxy.kernel.nftevents import (
     filter_program,
     open_socket,
     parse,
+)
+from pyproxy.kernel.nlelements import (
+    NFT_MSG_DELCHAIN,
+    NFT_MSG_DELRULE,
+    NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_NEWGEN,
+    NFT_MSG_NEWSETELEM,
 )
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns

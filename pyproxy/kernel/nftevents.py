@@ -39,25 +39,36 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from pyproxy.kernel.nft import OwnSockets
+from pyproxy.kernel.nlelements import (
+    HEADER,
+    NETLINK_NETFILTER,
+    NFNL_SUBSYS_NFTABLES,
+    NFPROTO,
+    NFT_MSG_DELCHAIN,
+    NFT_MSG_DELFLOWTABLE,
+    NFT_MSG_DELOBJ,
+    NFT_MSG_DELRULE,
+    NFT_MSG_DELSET,
+    NFT_MSG_DELSETELEM,
+    NFT_MSG_DELTABLE,
+    NFT_MSG_NEWCHAIN,
+    NFT_MSG_NEWFLOWTABLE,
+    NFT_MSG_NEWGEN,
+    NFT_MSG_NEWOBJ,
+    NFT_MSG_NEWRULE,
+    NFT_MSG_NEWSET,
+    NFT_MSG_NEWSETELEM,
+    NFT_MSG_NEWTABLE,
+    SOL_NETLINK,
+    attributes,
+)
 from pyproxy.render.objects import TABLE, filled_by_packets
 
 log = structlog.get_logger(__name__)
 
-NETLINK_NETFILTER = 12
 NFNLGRP_NFTABLES = 7
-SOL_NETLINK = 270
 NETLINK_ADD_MEMBERSHIP, NETLINK_DROP_MEMBERSHIP = 1, 2
-NFNL_SUBSYS_NFTABLES = 10
-# include/uapi/linux/netfilter/nf_tables.h
-NFT_MSG_NEWTABLE, NFT_MSG_DELTABLE = 0, 2
-NFT_MSG_NEWCHAIN, NFT_MSG_DELCHAIN = 3, 5
-NFT_MSG_NEWRULE, NFT_MSG_DELRULE = 6, 8
-NFT_MSG_NEWSET, NFT_MSG_DELSET = 9, 11
-NFT_MSG_NEWSETELEM, NFT_MSG_DELSETELEM = 12, 14
-NFT_MSG_NEWGEN = 15
-NFT_MSG_NEWOBJ, NFT_MSG_DELOBJ = 18, 20
-NFT_MSG_NEWFLOWTABLE, NFT_MSG_DELFLOWTABLE = 22, 24
-FAMILIES = {2: "ip", 10: "ip6"}  # NFPROTO_IPV4, NFPROTO_IPV6: the tables we own
+FAMILIES = {NFPROTO[name]: name for name in ("ip", "ip6")}  # the tables we own
 
 # What each message did, and which attribute names the object (1 is always the table).
 _VERBS = {
@@ -76,8 +87,6 @@ _VERBS = {
     NFT_MSG_NEWFLOWTABLE: ("flowtable {} added", 2),
     NFT_MSG_DELFLOWTABLE: ("flowtable {} deleted", 2),
 }
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, sequence, port id
-_ATTR = struct.Struct("=HH")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +107,13 @@ class Message:
 def parse(data: bytes) -> Iterator[Message]:
     """The nftables messages in one datagram (others, and truncated ones, are skipped)."""
     offset = 0
-    while offset + _HEADER.size + 4 <= len(data):
-        length, kind, _flags, _seq, portid = _HEADER.unpack_from(data, offset)
-        if length < _HEADER.size + 4 or offset + length > len(data):
+    while offset + HEADER.size + 4 <= len(data):
+        length, kind, _flags, _seq, portid = HEADER.unpack_from(data, offset)
+        if length < HEADER.size + 4 or offset + length > len(data):
             return
         if kind >> 8 == NFNL_SUBSYS_NFTABLES:
-            family = data[offset + _HEADER.size]
-            attrs = _attributes(data, offset + _HEADER.size + 4, offset + length)
+            family = data[offset + HEADER.size]
+            attrs = _attributes(data, offset + HEADER.size + 4, offset + length)
             msg = kind & 0xFF
             _, which = _VERBS.get(msg, ("", 0))
             table = "" if msg == NFT_MSG_NEWGEN else attrs.get(1, "")
@@ -114,16 +123,9 @@ def parse(data: bytes) -> Iterator[Message]:
 
 def _attributes(data: bytes, start: int, end: int) -> dict[int, str]:
     """The string attributes wanted here (table and object names), by type."""
-    out: dict[int, str] = {}
-    while start + _ATTR.size <= end:
-        length, kind = _ATTR.unpack_from(data, start)
-        if length < _ATTR.size:
-            break
-        if kind & 0x7FFF in (1, 2, 3) and start + length <= end:
-            raw = data[start + _ATTR.size:start + length]
-            out[kind & 0x7FFF] = raw.split(b"\0", 1)[0].decode("utf-8", "replace")
-        start += (length + 3) & ~3
-    return out
+    return {kind: data[begin:stop].split(b"\0", 1)[0].decode("utf-8", "replace")
+            for kind, begin, stop in attributes(data, start, end)
+            if kind in (1, 2, 3) and stop <= end}
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from pyproxy.kernel.nlelements import (
     ATTR,
     HEADER,
     NFNL_SUBSYS_NFTABLES,
+    NFT_MSG_GETSETELEM,
     NFTA_DATA_VALUE,
     NFTA_LIST_ELEM,
     NFTA_SET_ELEM_KEY,
@@ -41,10 +42,9 @@ from pyproxy.kernel.nlelements import (
     attributes,
     netlink_socket,
 )
+from pyproxy.render.connection_keys import element_text, shard_of
 from pyproxy.render.objects import CONNECTION_SHARDS, TABLE, connections_set
-from pyproxy.serve.connections import element_text
 
-NFT_MSG_GETSETELEM = 13
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLM_F_DUMP_INTR = 0x10  # the table changed while the dump ran: its parts may disagree
 NFPROTO = {family: nlelements.NFPROTO[family.nft_family] for family in IPFamily}
@@ -224,9 +224,3 @@ class KernelCounters:
         except NftError:
             return False
         return True
-
-
-def shard_of(key: bytes) -> int:
-    """The shard set of an element key: the endpoint address's low bits (its last byte,
-    just before the endpoint port's 4 bytes)."""
-    return key[-5] % CONNECTION_SHARDS

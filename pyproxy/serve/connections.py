@@ -28,8 +28,6 @@ them. Here:
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -38,13 +36,17 @@ from typing import NamedTuple
 
 import structlog
 
-from pyproxy.core.model import IPFamily, Node, Protocol, ip_family
+from pyproxy.core.model import IPFamily, Node, ip_family
 from pyproxy.core.topology import NodeLabels, PortSelection, endpoint_scope
+from pyproxy.render.connection_keys import (
+    PROTOCOL_NUMBERS,
+    endpoint_part,
+    node_port_part,
+    service_part,
+)
 
 log = structlog.get_logger(__name__)
 
-PROTOCOL_NUMBERS = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.SCTP: 132}
-_PROTOCOL_NAMES = {number: str(proto).lower() for proto, number in PROTOCOL_NUMBERS.items()}
 GRACE = 60.0  # seconds an element of no series stays unchanged before it is deleted
 RETENTION = 3600.0  # seconds a series without elements (or a missing element) is kept
 MIN_READ_INTERVAL = 1.0  # reads closer together than this share one (concurrent scrapes)
@@ -58,47 +60,6 @@ class Series(NamedTuple):
     port: str  # the port's name ("" when unnamed)
     endpoint: str  # IP:port, IPv6 in brackets
     scope: str  # node | zone | cluster (topology.endpoint_scope)
-
-
-# ---------------------------------------------------------------------------------------------
-# Element keys, as the kernel stores them: each field padded to 4 bytes, addresses and ports
-# in network order.
-
-
-def _packed(address: str) -> bytes:
-    # inet_pton: ten times faster than ipaddress, and this runs for every endpoint
-    return socket.inet_pton(socket.AF_INET6 if ":" in address else socket.AF_INET, address)
-
-
-def _port(port: int) -> bytes:
-    return port.to_bytes(2, "big") + b"\0\0"
-
-
-def service_part(address: str, protocol: int, port: int) -> bytes:
-    return _packed(address) + node_port_part(protocol, port)
-
-
-def node_port_part(protocol: int, port: int) -> bytes:
-    return bytes((protocol, 0, 0, 0)) + _port(port)
-
-
-def endpoint_part(address: str, port: int) -> bytes:
-    return _packed(address) + _port(port)
-
-
-def _address_size(key: bytes) -> int:
-    return 4 if len(key) == 20 else 16  # IPv4 keys are 20 bytes, IPv6 ones 44
-
-
-def element_text(key: bytes) -> str:
-    """The key in nft syntax (`10.96.0.10 . tcp . 80 . 10.244.1.2 . 8080`)."""
-    size = _address_size(key)
-    service = ipaddress.ip_address(key[:size])
-    protocol = _PROTOCOL_NAMES.get(key[size], str(key[size]))
-    port = int.from_bytes(key[size + 4:size + 6], "big")
-    endpoint = ipaddress.ip_address(key[size + 8:2 * size + 8])
-    endpoint_port = int.from_bytes(key[2 * size + 8:2 * size + 10], "big")
-    return f"{service} . {protocol} . {port} . {endpoint} . {endpoint_port}"
 
 
 # ---------------------------------------------------------------------------------------------
