@@ -1,6 +1,6 @@
 """Where the daemon learns about the cluster: the Kubernetes API, or a snapshot file. Both feed
-the same handlers (`NodeProxier.on_service/on_slice/on_node`), so everything after this point is
-the same code path."""
+the same handlers (a `ClusterHandler`: the sync layer's `NodeProxier`), so everything after
+this point is the same code path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -26,9 +26,29 @@ from pyproxy.cluster.watch import (
     services_resource,
 )
 from pyproxy.core.model import ObjectKey
-from pyproxy.sync.node import NodeProxier
+from pyproxy.core.wire import SliceDoc
 
 log = structlog.get_logger(__name__)
+
+
+class ClusterHandler(Protocol):
+    """What a source feeds: the objects' events, the initial lists the first sync waits for,
+    and a sync asked for. Declared here, below the sync layer that implements it
+    (`sync.node.NodeProxier`), so that the sources do not import upwards."""
+
+    def expect(self, source: str) -> None: ...
+
+    def source_synced(self, source: str) -> None: ...
+
+    def request_sync(self) -> None: ...
+
+    def on_service(self, key: ObjectKey, obj: dict[str, Any] | None) -> None: ...
+
+    def on_slice(self, key: ObjectKey, obj: dict[str, Any] | SliceDoc | None) -> None: ...
+
+    def on_node(self, key: ObjectKey, obj: dict[str, Any] | None) -> None: ...
+
+    def on_service_cidr(self, key: ObjectKey, obj: dict[str, Any] | None) -> None: ...
 
 
 
@@ -38,7 +58,7 @@ class SnapshotSource:
     changes. The differences between two readings become add/update/delete events."""
 
     path: str
-    proxier: NodeProxier
+    proxier: ClusterHandler
     stop: threading.Event
     poll_interval: float = 0.2
     _seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
@@ -130,7 +150,7 @@ class ApiSource:
     as kube-proxy starts that informer only with the gate on)."""
 
     api_client: Any
-    proxier: NodeProxier
+    proxier: ClusterHandler
     node_name: str
     stop: threading.Event
     watch_timeout: int = MIN_WATCH_TIMEOUT
