@@ -1,7 +1,12 @@
-"""The pure stages stay pure: the modules from the model to the ruleset (and what they import
-of pyproxy) import no I/O library — no API client, no libnftables, no netlink, no YAML
-reader, no sockets, no threads — so they run in unit tests as they run in the daemon, and a
-change to an I/O shell cannot reach them."""
+"""The layers point down, and the pure stages stay pure.
+
+Direction: each package imports only from itself and the layers below it (`LAYERS`), so a
+change to a shell (the daemon, the servers) cannot reach the stages under it, and a lower
+stage can be read, tested and reused without the ones above.
+
+Purity: the modules from the model to the ruleset (and what they import of pyproxy) import
+no I/O library — no API client, no libnftables, no netlink, no YAML reader, no sockets, no
+threads — so they run in unit tests as they run in the daemon."""
 
 from __future__ import annotations
 
@@ -13,10 +18,30 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyproxy"
 
+# The packages (and top-level modules) from the bottom up. Each imports only from itself and
+# the layers below; two packages on one layer do not import each other. The order is the data
+# flow's: the model; the configuration, in the model's terms; the cluster as the API gives it
+# and the ruleset computed from a state (side by side: neither needs the other); the kernel,
+# which applies what render computed; sync, which decides what to apply when; serve, which
+# reads the sync layer for health, metrics and the debug socket; the daemon, which builds all
+# of it; the commands.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("logs", "version", "memory"),  # process housekeeping: import nothing of pyproxy
+    ("core",),
+    ("config",),
+    ("cluster", "render"),
+    ("kernel",),
+    ("sync",),
+    ("serve",),
+    ("run",),
+    ("cli",),
+)
+RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
 # watch → cache → sync → topology → render → ruleset: the stages that only compute.
 PURE = ("core.model", "core.convert", "cluster.cache", "core.topology", "core.balancing",
-        "core.coexistence",
-        "core.explain", "render", "render.ruleset", "render.staging", "render.trace")
+        "core.coexistence", "core.explain", "render", "render.connection_keys", "render.ruleset",
+        "render.staging", "render.trace")
 FORBIDDEN = ("kubernetes", "nftables", "pyroute2", "yaml", "threading", "socketserver",
              "subprocess", "http", "urllib", "asyncio", "selectors", "concurrent")
 # The socket module's address conversions are computation, not I/O (convert.py uses them).
@@ -68,6 +93,64 @@ def test_a_pure_module_imports_no_io(module: str) -> None:
         used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name) and node.value.id == "socket"}
         assert used <= SOCKET_ALLOWED, f"{_path(module)} uses socket.{used - SOCKET_ALLOWED}"
+
+
+def _layer_of(name: str) -> str:
+    """The layer entry of pyproxy.<name>: its package, or the module itself at the top."""
+    return name.split(".")[0]
+
+
+def _modules() -> list[str]:
+    """Every pyproxy module, dotted below pyproxy (`cluster.watch`, `run`)."""
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts == ("__init__",):
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+def _against_the_layers(module: str, imported: set[str]) -> list[str]:
+    """The pyproxy modules of `imported` that `module` may not import: any from its own layer
+    but another package, or from a layer above."""
+    own = _layer_of(module)
+    bad = []
+    for name in sorted(imported):
+        if not name.startswith("pyproxy."):
+            continue
+        target = _layer_of(name.split(".", 1)[1])
+        if target != own and RANK[target] >= RANK[own]:
+            bad.append(name)
+    return bad
+
+
+def test_every_package_has_its_layer() -> None:
+    """A new package (or top-level module) is placed in LAYERS, not left out of the check."""
+    missing = sorted({_layer_of(m) for m in _modules()} - RANK.keys())
+    assert not missing, f"add {missing} to LAYERS"
+
+
+@pytest.mark.parametrize("module", _modules())
+def test_a_module_imports_only_from_its_layer_and_below(module: str) -> None:
+    """Imports inside functions and under TYPE_CHECKING count too: they are dependencies all
+    the same (a Protocol in the lower layer is the way to name a higher one's object)."""
+    bad = _against_the_layers(module, _imports(_tree(module)))
+    assert not bad, f"{_path(module)} imports {bad}, which is not below {_layer_of(module)}"
+
+
+@pytest.mark.parametrize(("module", "imported", "refused"), [
+    ("cluster.sources", "pyproxy.sync.node", True),  # up
+    ("kernel.nlsets", "pyproxy.serve.connections", True),  # up
+    ("cluster.watch", "pyproxy.render.objects", True),  # a sibling on the same layer
+    ("kernel.nft", "pyproxy.render.objects", False),  # down
+    ("serve.live", "pyproxy.serve.connections", False),  # its own package
+    ("run", "pyproxy.logs", False),  # down to the housekeeping
+    ("logs", "pyproxy.core.model", True),
+])
+def test_the_layer_check_refuses_an_import_that_does_not_point_down(
+        module: str, imported: str, refused: bool) -> None:
+    assert bool(_against_the_layers(module, {imported})) == refused
 
 
 def test_the_pure_stages_do_not_import_the_shells() -> None:
