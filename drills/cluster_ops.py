@@ -281,7 +281,7 @@ def migration(cluster: RealCluster) -> OpResult:
             wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
             cluster.kubectl("-n", "kube-system", "patch", "ds", "kube-proxy", "-p", json.dumps(
                 {"spec": {"template": {"spec": {"nodeSelector": {
-                    "pyproxy.io/no-kube-proxy": "true"}}}}}))  # step 4
+                    "pyproxy.io/run-kube-proxy": "true"}}}}}))  # step 4
             wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120,
                      "kube-proxy's pods gone")
             for pod in pyproxy_pods(cluster):  # step 5
@@ -295,7 +295,7 @@ def migration(cluster: RealCluster) -> OpResult:
             # Back to kube-proxy, step 1 to 4.
             cluster.kubectl("-n", "kube-system", "patch", "ds", "kube-proxy", "-p", json.dumps(
                 {"spec": {"template": {"spec": {"nodeSelector": {
-                    "pyproxy.io/no-kube-proxy": None}}}}}))
+                    "pyproxy.io/run-kube-proxy": None}}}}}))
             cluster.rollout("daemonset", "kube-proxy")
             wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
                      "kube-proxy's table on every node")
