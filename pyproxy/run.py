@@ -398,6 +398,99 @@ def init_host(config: ProxyConfig) -> int:
     return 1 if any(outcome.action == "failed" for outcome in outcomes) else 0
 
 
+@dataclass(frozen=True)
+class Daemon:
+    """The daemon's object graph, finished: nothing in it is assigned or appended to after
+    `build_daemon` returns. Nothing runs yet either (but the conntrack worker's thread)."""
+
+    cache: ClusterCache
+    proxier: NodeProxier
+    runner: BoundedFrequencyRunner
+    health: ProxyHealth
+    metrics: Metrics
+    observer: DaemonObserver
+    localhost: LocalhostProxies
+    connections: ConnectionCounters
+    coexistence: CoexistenceCheck
+    source: ApiSource | SnapshotSource
+    address_check: ApiAddressCheck | None
+
+
+def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, ...],
+                 node_config: NodeConfig, api_client: Any, stop: threading.Event) -> Daemon:
+    """Every part built once, each given what it needs when it is made. The graph has
+    cycles (the runner runs the proxier's sync and the proxier asks the runner for the next;
+    health reads the proxier's damage and the proxier's observer reports to health): each is
+    closed by a lambda over a part built further down, called only once this has returned."""
+    families = _families(node_config.node_ips)
+    timing = sync_timing(config)
+    metrics = Metrics()
+    service_health = ServiceHealth()
+    cache = ClusterCache(node_name)
+    # Someone else changing our tables: repaired at once, and /healthz fails until it is.
+    health = ProxyHealth(families, timeout=timing.health_timeout,
+                         damage=lambda: proxier.damage())
+    localhost = LocalhostProxies(metrics)
+    address_check = None if config.snapshot else ApiAddressCheck(
+        _server_host(api_client), metrics, apiconnection.kubelet_cluster_ips(os.environ))
+    observer = DaemonObserver(
+        lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
+        ServiceHealthServers(service_health, health, _hcnp_addresses(node_config)),
+        ConntrackWorker(metrics), on_first_sync=lambda: sd_notify("READY=1"),
+        after_sync=_after_sync(config, cache, localhost, lambda: proxier, address_check,
+                               lambda: source))
+    tracker = NodeTracker(config, node_name, interface_ips, node_config, lambda: cache.node,
+                          on_change=[lambda new: reconfigure(new, proxier, observer, health)])
+    proxier = NodeProxier(
+        cache, [FamilyProxier(f, node_config) for f in families],
+        full_sync_period=timing.full_sync_period, verify_period=timing.verify_period,
+        reconfigure=tracker, request_sync=lambda: runner.run(), observers=[observer],
+        on_invalid=[lambda s: metrics.invalid_objects.labels(kind=s.kind).inc()],
+        on_node_change=[health.set_node])
+    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, timing.min_interval,
+                                    timing.retry_interval, timing.max_interval)
+    if config.localhost_nodeports_gate:
+        metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
+    metrics.watch_selections(lambda: current_selections(proxier))
+    counters = KernelCounters()
+    connections = ConnectionCounters(families, lambda: counting_context(proxier),
+                                     Kernel(counters.read, counters.delete))
+    metrics.watch_connections(connections.totals)
+    # Other tables' base chains that drop what we accept: checked at start and after every
+    # change to another table's chains or rules.
+    coexistence = CoexistenceCheck(
+        tuple(families), lambda found: metrics.other_table_drops.set(len(found)))
+    source: ApiSource | SnapshotSource = (
+        SnapshotSource(config.snapshot, proxier, stop) if config.snapshot
+        else ApiSource(api_client, proxier, node_name, stop,
+                       service_cidrs=config.watches_service_cidrs))
+    return Daemon(cache, proxier, runner, health, metrics, observer, localhost, connections,
+                  coexistence, source, address_check)
+
+
+def _after_sync(config: ProxyConfig, cache: ClusterCache, localhost: LocalhostProxies,
+                proxier: Callable[[], NodeProxier], address_check: ApiAddressCheck | None,
+                source: Callable[[], ApiSource | SnapshotSource]) -> list[Callable[[], None]]:
+    """What runs after every successful sync, beyond the observer's own: the localhost
+    NodePort listeners, the API server address check, and the watch of every Node once a
+    service uses topology keys beyond the hostname."""
+    hooks: list[Callable[[], None]] = []
+    if config.localhost_nodeports_gate:
+        hooks.append(lambda: localhost.sync(proxier()))
+    if address_check is not None:
+        check = address_check
+        hooks.append(lambda: check(cache.state()))
+
+    def watch_all_nodes() -> None:
+        api = source()
+        if isinstance(api, ApiSource) and cache.uses_node_labels():
+            api.watch_all_nodes()
+
+    if not config.snapshot:
+        hooks.append(watch_all_nodes)
+    return hooks
+
+
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
                api_client: Any = None, node_ips: tuple[str, ...] | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`). The rules stay in place when it exits.
@@ -426,43 +519,12 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
              families=[str(f) for f in families],
              source="snapshot" if config.snapshot else "api")
 
-    timing = sync_timing(config)
-    metrics = Metrics()
-    health = ProxyHealth(families, timeout=timing.health_timeout)
-    service_health = ServiceHealth()
-    cache = ClusterCache(node_name)
-    tracker = NodeTracker(config, node_name, tuple(node_ips), node_config, lambda: cache.node)
-    proxier = NodeProxier(cache, [FamilyProxier(f, node_config) for f in families],
-                      full_sync_period=timing.full_sync_period,
-                      verify_period=timing.verify_period, reconfigure=tracker)
-    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, timing.min_interval,
-                                    timing.retry_interval, timing.max_interval)
-    proxier.request_sync = runner.run
-    observer = DaemonObserver(
-        lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
-        ServiceHealthServers(service_health, health, _hcnp_addresses(node_config)),
-        ConntrackWorker(metrics), on_first_sync=lambda: sd_notify("READY=1"))
-    tracker.on_change.append(lambda new: reconfigure(new, proxier, observer, health))
-    localhost = LocalhostProxies(metrics)
-    if config.localhost_nodeports_gate:
-        metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
-        observer.after_sync.append(lambda: localhost.sync(proxier))
-    metrics.watch_selections(lambda: current_selections(proxier))
-    counters = KernelCounters()
-    connections = ConnectionCounters(families, lambda: counting_context(proxier),
-                                     Kernel(counters.read, counters.delete))
-    metrics.watch_connections(connections.totals)
+    daemon = build_daemon(config, node_name, tuple(node_ips), node_config, api_client, stop)
+    proxier, runner, health, metrics = daemon.proxier, daemon.runner, daemon.health, daemon.metrics
+    connections, coexistence, source = daemon.connections, daemon.coexistence, daemon.source
+    address_check, observer, localhost = daemon.address_check, daemon.observer, daemon.localhost
     threading.Thread(target=connections.run_periodically, args=(stop, REFRESH_INTERVAL),
                      name="connection-counters", daemon=True).start()
-    proxier.on_invalid.append(lambda s: metrics.invalid_objects.labels(kind=s.kind).inc())
-    proxier.observers.append(observer)
-    proxier.on_node_change.append(health.set_node)
-    # Someone else changing our tables: repaired at once, and /healthz fails until it is.
-    health.damage = proxier.damage
-    # Other tables' base chains that drop what we accept: checked at start and after every
-    # change to another table's chains or rules.
-    coexistence = CoexistenceCheck(
-        tuple(families), lambda found: metrics.other_table_drops.set(len(found)))
     NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost,
                on_other_tables=coexistence.request).start(stop)
     coexistence.start(stop)
@@ -474,24 +536,11 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     # The checks are done: from here on pyproxy changes the host.
     for outcome in apply_host_settings(config):
         _log_host_setting(outcome)
-    source: ApiSource | SnapshotSource
-    address_check: ApiAddressCheck | None = None
-    if config.snapshot:
-        source = SnapshotSource(config.snapshot, proxier, stop)
-        source.start()
-    else:
-        address_check = ApiAddressCheck(_server_host(api_client), metrics,
-                                        apiconnection.kubelet_cluster_ips(os.environ))
-        address_check(cache.state())  # what the environment already tells, before any list
-        check = address_check
-        observer.after_sync.append(lambda: check(cache.state()))
-        source = ApiSource(api_client, proxier, node_name, stop,
-                           service_cidrs=config.watches_service_cidrs)
-        source.start()
+    if address_check is not None:
+        address_check(daemon.cache.state())  # what the environment tells, before any list
+    source.start()
+    if isinstance(source, ApiSource):
         record_start(source.api_client, node_name, stop)
-        api = source
-        observer.after_sync.append(
-            lambda: api.watch_all_nodes() if cache.uses_node_labels() else None)
 
     debug = _start_debug(config, proxier, health, runner, source, connections, address_check,
                          coexistence)

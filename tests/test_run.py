@@ -6,6 +6,7 @@ import socket
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,27 @@ def test_hard_fail_makes_a_busy_port_fatal() -> None:
         with pytest.raises(OSError):
             run._start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(),
                                threading.Event())
+
+
+def test_the_daemon_is_built_finished(tmp_path: Path) -> None:
+    """`build_daemon` gives every part what it needs at construction: the proxier asks the
+    runner for syncs, reports to the observer and to health, health reads the proxier's
+    damage; nothing is patched in afterwards (Daemon is frozen) and nothing runs yet."""
+    snapshot = tmp_path / "cluster.yaml"
+    snapshot.write_text("[]\n")
+    config = ProxyConfig(snapshot=str(snapshot), healthz_bind_address=None,
+                         metrics_bind_address=None)
+    node_config = config.node_config("node-a", ("192.168.50.1",))
+    daemon = run.build_daemon(config, "node-a", ("192.168.50.1",), node_config, None,
+                              threading.Event())
+    proxier = daemon.proxier
+    assert daemon.address_check is None and isinstance(daemon.source, run.SnapshotSource)
+    assert daemon.source.proxier is proxier
+    assert proxier.observers == [daemon.observer] and daemon.observer.proxier_ref() is proxier
+    assert proxier.on_node_change == [daemon.health.set_node]
+    assert not daemon.runner.schedule().requested
+    proxier.request_sync()
+    assert daemon.runner.schedule().requested
+    assert daemon.health.damage() is None
+    with pytest.raises(AttributeError):
+        daemon.proxier = proxier  # type: ignore[misc]
