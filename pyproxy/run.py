@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import queue
 import signal
 import socket
@@ -51,7 +52,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
-from pyproxy.kernel.host import Outcome, apply_host_settings
+from pyproxy.kernel.host import MIN_KERNEL, Outcome, apply_host_settings, kernel_below_supported
 from pyproxy.kernel.nft import OWN_SOCKETS, rule_packets
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.nlsets import KernelCounters
@@ -518,6 +519,12 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
              families=[str(f) for f in families],
              source="snapshot" if config.snapshot else "api")
+    if kernel_below_supported(platform.release()):
+        # kube-proxy refuses to start here; pyproxy runs and says so (what breaks below is in
+        # docs/deploying.md, and a refused transaction is reported by every sync anyway).
+        log.warning("kernel_below_supported", kernel=platform.release(),
+                    minimum=".".join(map(str, MIN_KERNEL)),
+                    docs="docs/deploying.md, \"Kernel and nftables\"")
 
     daemon = build_daemon(config, node_name, tuple(node_ips), node_config, api_client, stop)
     proxier, runner, health, metrics = daemon.proxier, daemon.runner, daemon.health, daemon.metrics

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pyproxy.kernel.host import kernel_below_supported
 from testkit.builders import ep, make_node, make_service, make_slice
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,3 +118,15 @@ def test_the_park_label_says_what_it_does_in_the_doc_and_the_drill() -> None:
     drill = (ROOT / "drills" / "cluster_ops.py").read_text(encoding="utf-8")
     assert set(label.findall(doc)) == set(label.findall(drill)) == {"pyproxy.io/run-kube-proxy"}
     assert "no-kube-proxy" not in doc + drill
+
+
+@pytest.mark.parametrize(("release", "old"), [
+    pytest.param("6.18.44-fc-v669", False, id="this machine's"),
+    pytest.param("5.13.0-52-generic", False, id="the floor itself"),
+    pytest.param("5.10.0-28-amd64", True, id="Debian 11's"),
+    pytest.param("4.18.0-553.el8_10.x86_64", True, id="RHEL 8's"),
+    pytest.param("6", False, id="a major number alone is not below 5.13"),
+    pytest.param("weird", False, id="unreadable: no warning"),
+])
+def test_a_kernel_below_the_floor_is_warned_about(release: str, old: bool) -> None:
+    assert kernel_below_supported(release) is old

@@ -191,3 +191,20 @@ def apply_host_settings(config: ProxyConfig, cpus: int | None = None,
     outcomes = [apply_oom_score_adj(config.oom_score_adj, oom_score_adj)]
     plan = conntrack_sysctls(config, cpus or os.cpu_count() or 1)
     return outcomes + apply_conntrack(plan, proc_sys, hashsize)
+
+
+# kube-proxy's nftables mode's floor (pkg/proxy/nftables/supported.go): a distribution with
+# this kernel has nft ≥ 1.0.1, which can read what pyproxy writes; docs/deploying.md, "Kernel
+# and nftables", has the features behind it.
+MIN_KERNEL = (5, 13)
+
+
+def kernel_below_supported(release: str) -> bool:
+    """A kernel release (`uname -r`: "6.18.44-fc-v669", "5.10.0-28-amd64") older than
+    MIN_KERNEL. An unreadable release is not called old: the warning is for what is known."""
+    parts = release.split("-", 1)[0].split(".")
+    try:
+        major, minor = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+    except ValueError:
+        return False
+    return (major, minor) < MIN_KERNEL
