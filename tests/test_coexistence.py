@@ -171,6 +171,20 @@ class TestCoexistenceCheck:
         check.run(stop)
         assert len(reads) == 2
 
+    def test_no_check_after_stop(self) -> None:
+        """Stopped while waiting for a change: the next request ends it, unchecked."""
+        reads: list[int] = []
+        stop = threading.Event()
+        check = CoexistenceCheck(V4, read=lambda: reads.append(1) or (), min_interval=0.0,
+                                 period=30.0)
+        thread = threading.Thread(target=check.run, args=(stop,))
+        thread.start()
+        until(lambda: reads, 5, "the first check")
+        stop.set()
+        check.request()
+        thread.join(5)
+        assert not thread.is_alive() and len(reads) == 1
+
     def test_an_unreadable_ruleset_is_a_warning_and_no_crash(self) -> None:
         stop = threading.Event()
 

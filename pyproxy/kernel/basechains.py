@@ -99,6 +99,8 @@ class CoexistenceCheck:
                 return
             self._wanted.wait(self.period)
             self._wanted.clear()
+            if stop.is_set():  # stopped while waiting: no check of a node being left
+                return
 
     def start(self, stop: threading.Event) -> None:
         threading.Thread(target=self.run, args=(stop,), name="coexistence",
