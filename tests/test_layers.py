@@ -139,6 +139,15 @@ def test_a_module_imports_only_from_its_layer_and_below(module: str) -> None:
     assert not bad, f"{_path(module)} imports {bad}, which is not below {_layer_of(module)}"
 
 
+def test_imports_are_absolute() -> None:
+    """The layer check reads absolute imports; a relative one would pass it unseen."""
+    relative = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+                for path in sorted(PACKAGE.rglob("*.py"))
+                for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative, relative
+
+
 @pytest.mark.parametrize(("module", "imported", "refused"), [
     ("cluster.sources", "pyproxy.sync.node", True),  # up
     ("kernel.nlsets", "pyproxy.serve.connections", True),  # up
