@@ -45,6 +45,14 @@ def offline_explain(path: Path) -> dict[str, Any]:
     return report
 
 
+def snapshot_services(path: Path, keys: set[str]) -> list[Obj]:
+    """The Services of the snapshot file at `path` named "namespace/name" in `keys`."""
+    items = json.loads(path.read_text())["items"]
+    return [obj for obj in items if isinstance(obj, dict) and obj.get("kind") == "Service"
+            and isinstance(obj.get("metadata"), dict)
+            and f"{obj['metadata'].get('namespace')}/{obj['metadata'].get('name')}" in keys]
+
+
 @dataclass
 class Baseline:
     """Counters of a (possibly shared) daemon before a drill."""
@@ -88,8 +96,12 @@ def check_programmed(r: Result, env: Env, daemon: Daemon, path: Path, expect: Ex
     missing = expect.valid_services - programmed
     extra = programmed - expect.valid_services
     r.check(not missing, f"{len(missing)} valid services not programmed: {sorted(missing)[:5]}")
-    r.check(not extra, f"{len(extra)} invalid services programmed: "
-            f"{[repr(x) for x in sorted(extra)[:5]]}")
+    if not r.check(not extra, f"{len(extra)} invalid services programmed: "
+                              f"{[repr(x) for x in sorted(extra)[:5]]}"):
+        # The generator is not reproducible across processes (seed 69048 gave other cases
+        # offline): the object itself is the only evidence left once the lab is gone.
+        r.notes += [f"programmed though broken: {json.dumps(obj)[:1500]}"
+                    for obj in snapshot_services(path, extra)[:5]]
     skipped = [s for s in offline["skipped"] if s["invalid"]]
     kinds = Counter(s["object"].split(" ", 1)[0] for s in skipped)
     r.check(kinds == expect.invalid, f"skipped as invalid {dict(kinds)}, expected "
