@@ -769,7 +769,8 @@ def bring_up(lab: Lab, bin_dir: Path, nodes: int, with_pyproxy: bool = True) -> 
     if with_pyproxy:
         cluster.deploy_pyproxy(built.PYPROXY)
         cluster.rollout("daemonset", "pyproxy")
-    cluster.rollout("deployment", "coredns")
+        # CoreDNS reads the API through the `kubernetes` ClusterIP: Ready once a proxy runs.
+        cluster.rollout("deployment", "coredns")
     cluster.up_seconds = time.monotonic() - started
     return cluster
 
