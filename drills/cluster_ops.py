@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,14 +46,14 @@ from testkit.cluster import (
     ProbeReport,
     RealCluster,
     Target,
-    bring_up,
     is_failure,
     netexec,
+    running_cluster,
     service,
 )
-from testkit.controlplane import API_IP, binaries_dir, wait_for
+from testkit.controlplane import API_IP, wait_for
 from testkit.inproc import call_in_netns, http_probe
-from testkit.netlab import NETNS_USABLE, Lab
+from testkit.netlab import NETNS_USABLE
 
 NS = "ops"
 NODE_PORT = 30280
@@ -460,19 +460,6 @@ OPERATIONS: list[tuple[str, Callable[[RealCluster], OpResult]]] = [
 ]
 
 
-@contextlib.contextmanager
-def cluster_for_drills(nodes: int) -> Iterator[RealCluster]:
-    with Lab() as lab:
-        cluster: RealCluster | None = None
-        try:
-            cluster = bring_up(lab, binaries_dir(), nodes)
-            yield cluster
-        finally:
-            if cluster is not None:
-                cluster.close()
-                cluster.plane.stop()
-
-
 def markdown(results: Sequence[OpResult]) -> str:
     rows = ["| operation | connections | failed | figures | seconds |", "|---|---|---|---|---|"]
     for r in results:
@@ -494,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = [(n, f) for n, f in OPERATIONS if not args.only or any(o in n for o in args.only)]
     results: list[OpResult] = []
     started = time.monotonic()
-    with cluster_for_drills(args.nodes) as cluster:
+    with running_cluster(args.nodes) as cluster:
         print(f"cluster up in {cluster.up_seconds:.0f} s ({len(cluster.nodes)} nodes)",
               flush=True)
         workload(cluster)

@@ -463,6 +463,20 @@ class RealCluster:
 
     # -- bring-up -----------------------------------------------------------------------
 
+    def start(self, with_pyproxy: bool = True) -> RealCluster:
+        """Everything up; with pyproxy's DaemonSet Ready (else no proxy runs yet)."""
+        from testkit import images as built
+
+        started = time.monotonic()
+        self.up()
+        if with_pyproxy:
+            self.deploy_pyproxy(built.PYPROXY)
+            self.rollout("daemonset", "pyproxy")
+            # CoreDNS reads the API through the `kubernetes` ClusterIP: Ready once a proxy runs.
+            self.rollout("deployment", "coredns")
+        self.up_seconds = time.monotonic() - started
+        return self
+
     def up(self) -> RealCluster:
         from testkit import images as built
 
@@ -608,14 +622,19 @@ class RealCluster:
 
 
 @contextlib.contextmanager
-def running_cluster(bin_dir: Path, nodes: int = 2) -> Iterator[RealCluster]:
-    with Lab() as lab:
-        cluster = RealCluster(lab, bin_dir, nodes)
+def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True,
+                    prefix: str | None = None) -> Iterator[RealCluster]:
+    """A cluster for a test, a drill or `make cluster`, torn down on the way out, also when
+    it failed to come up half-way (a node's processes live in its cgroups, not in the lab)."""
+    from testkit.controlplane import binaries_dir
+
+    with Lab(prefix=prefix) as lab:
+        cluster = RealCluster(lab, binaries_dir(), nodes)
         try:
-            yield cluster.up()
+            yield cluster.start(with_pyproxy)
         finally:
             cluster.close()
-            with contextlib.suppress(AttributeError):
+            with contextlib.suppress(AttributeError):  # failed before the control plane
                 cluster.plane.stop()
 
 
@@ -760,21 +779,6 @@ LAB_PREFIX = "pyproxy-cluster-"
 STATE = Path("/tmp") / "pyproxy-cluster.json"  # the serving process: pid, kubeconfig, ready
 
 
-def bring_up(lab: Lab, bin_dir: Path, nodes: int, with_pyproxy: bool = True) -> RealCluster:
-    from testkit import images as built
-
-    cluster = RealCluster(lab, bin_dir, nodes)
-    started = time.monotonic()
-    cluster.up()
-    if with_pyproxy:
-        cluster.deploy_pyproxy(built.PYPROXY)
-        cluster.rollout("daemonset", "pyproxy")
-        # CoreDNS reads the API through the `kubernetes` ClusterIP: Ready once a proxy runs.
-        cluster.rollout("deployment", "coredns")
-    cluster.up_seconds = time.monotonic() - started
-    return cluster
-
-
 def _main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
@@ -796,10 +800,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return _up_detached(args)
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    with Lab(prefix=LAB_PREFIX) as lab:
-        cluster: RealCluster | None = None
-        try:
-            cluster = bring_up(lab, binaries_dir(), args.nodes, not args.no_pyproxy)
+    try:
+        with running_cluster(args.nodes, with_pyproxy=not args.no_pyproxy,
+                             prefix=LAB_PREFIX) as cluster:
             config = cluster.admin_kubeconfig()
             print(cluster.kubectl("get", "nodes,pods", "-A", "-o", "wide").stdout)
             print(f"cluster up in {cluster.up_seconds:.0f} s; kubectl from "
@@ -812,15 +815,11 @@ def _main(argv: Sequence[str] | None = None) -> int:
             elif args.keep:
                 print("Enter or Ctrl-C ends it.", flush=True)
                 sys.stdin.readline()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            if cluster is not None:
-                cluster.close()
-                with contextlib.suppress(AttributeError):
-                    cluster.plane.stop()
-            if args.command == "serve":
-                STATE.unlink(missing_ok=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if args.command == "serve":
+            STATE.unlink(missing_ok=True)
     return 0
 
 

@@ -27,9 +27,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testkit.cluster import RealCluster, bring_up
+from testkit.cluster import RealCluster, running_cluster
 from testkit.controlplane import API_IP, binaries_dir, kubeconfig, write_kubeconfig
-from testkit.netlab import Lab
 
 # Upstream's nftables jobs (kind, kube-proxy in nftables mode): this focus and skip.
 FOCUS = r"\[sig-network\]|\[Conformance\]"
@@ -117,18 +116,11 @@ def cluster_with(proxy: str, nodes: int) -> Iterator[RealCluster]:
     """A fresh cluster with one proxy: pyproxy's DaemonSet, or kube-proxy's alone."""
     from drills import cluster_ops as ops
 
-    with Lab() as lab:
-        cluster: RealCluster | None = None
-        try:
-            cluster = bring_up(lab, binaries_dir(), nodes, with_pyproxy=proxy == "pyproxy")
-            if proxy == "kube-proxy":
-                ops.deploy_kube_proxy(cluster)
+    with running_cluster(nodes, with_pyproxy=proxy == "pyproxy") as cluster:
+        if proxy == "kube-proxy":
+            ops.deploy_kube_proxy(cluster)
             cluster.rollout("deployment", "coredns")
-            yield cluster
-        finally:
-            if cluster is not None:
-                cluster.close()
-                cluster.plane.stop()
+        yield cluster
 
 
 def table(runs: Sequence[Run]) -> str:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from testkit.cluster import NODE_BINARIES, RealCluster, bring_up
+from testkit.cluster import NODE_BINARIES, RealCluster, running_cluster
 from testkit.controlplane import (
     BINARIES,
     ControlPlane,
@@ -73,12 +73,5 @@ def real_cluster_fixture() -> Iterator[RealCluster]:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    with Lab() as lab:
-        up: RealCluster | None = None
-        try:
-            up = bring_up(lab, bin_dir, nodes=2)
-            yield up
-        finally:
-            if up is not None:
-                up.close()
-                up.plane.stop()
+    with running_cluster(2) as cluster:
+        yield cluster
