@@ -62,7 +62,7 @@ from testkit.controlplane import (
     wait_for,
     write_kubeconfig,
 )
-from testkit.netlab import Lab, Netns
+from testkit.netlab import _NS_RE, NS_PREFIX, Lab, Netns, _pid_alive
 
 FABRIC = ipaddress.ip_network("172.18.0.0/24")
 GATEWAY = "172.18.0.1"
@@ -163,14 +163,42 @@ class Cgroup:
             base = hierarchy / self.path.strip("/")
             if not base.exists():
                 continue
-            for directory in sorted((p for p in base.rglob("*") if p.is_dir()),
-                                    key=lambda p: len(p.parts), reverse=True):
+            for directory in [*sorted((p for p in base.rglob("*") if p.is_dir()),
+                                      key=lambda p: len(p.parts), reverse=True), base]:
                 with contextlib.suppress(OSError):
                     directory.rmdir()
         for directory in reversed(self.made):
             with contextlib.suppress(OSError):
                 directory.rmdir()
         self.made.clear()
+
+
+def sweep_stale_cgroups(base: str, fixed_prefix: str | None = None) -> list[str]:
+    """The node cgroups of runs whose process died without tearing down (SIGKILL, a timeout's
+    SIGTERM): their containers (a pause process, say) live on in them, reparented to init.
+    Only ``ppx-<pid>-...`` cgroups of a dead pid are touched, as netlab's `sweep_stale` does
+    for namespaces, so a concurrent run's nodes are left alone."""
+    swept = []
+    parent = CGROUP_FS / "pids" / base.strip("/")
+    for path in sorted(parent.iterdir()) if parent.exists() else []:
+        # A fixed-prefix lab (make cluster-up's) holds its lock: whatever has its prefix is a
+        # killed run's.
+        mine = fixed_prefix is not None and path.name.startswith(fixed_prefix)
+        match = _NS_RE.match(path.name)
+        if not mine and (match is None or _pid_alive(int(match.group(1)))):
+            continue
+        stale = Cgroup(f"{base}/{path.name}")
+        stale.kill_all()
+        # A killed task leaves its cgroup only once reaped (init reaps an orphan at once; a
+        # parent may take a moment): rmdir answers EBUSY until then.
+        deadline = time.monotonic() + 5
+        while True:
+            stale.remove()
+            if not path.exists() or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        swept.append(path.name)
+    return swept
 
 
 # -- nodes ------------------------------------------------------------------------------------
@@ -479,6 +507,9 @@ class RealCluster:
 
     def up(self) -> RealCluster:
         from testkit import images as built
+
+        fixed = None if self.lab.prefix.startswith(NS_PREFIX) else self.lab.prefix
+        sweep_stale_cgroups(self.cgroup_base, fixed)
 
         self.images = built.ensure_images()
         self.images_pause = built.PAUSE

@@ -11,7 +11,10 @@ reboot, ...) are `make cluster-drills`.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import urllib.parse
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -173,3 +176,33 @@ def test_services_on_real_pods(real_cluster: RealCluster) -> None:
 
     wait_for(lambda: http_probe(node_b.ns.full, ip, 80, 1, 2.0) == {"refused": 1}, 60,
              "connections refused once the service has no endpoints")
+
+
+def test_a_dead_runs_node_cgroups_are_swept() -> None:
+    """A run killed without teardown leaves its nodes' containers in their cgroups; the next
+    cluster's start kills them and removes the cgroups (a live run's are left alone)."""
+    import subprocess
+
+    from testkit.cluster import Cgroup, _own_memory_cgroup, sweep_stale_cgroups
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    base = _own_memory_cgroup()
+    stale = Cgroup(f"{base}/ppx-{dead.pid}-0-node-x").create()
+    alive = Cgroup(f"{base}/ppx-{os.getpid()}-99-node-x").create()
+    orphan = subprocess.Popen(["sh", "-c", 'for p in $0; do echo $$ > "$p"; done; exec sleep 60',
+                               " ".join(stale.procs_file_args())])
+    try:
+        wait_for(lambda: stale.pids() == {orphan.pid}, 10, "the orphan in the stale cgroup")
+        reaper = threading.Thread(target=orphan.wait)  # as init would reap a real orphan
+        reaper.start()
+        assert f"ppx-{dead.pid}-0-node-x" in sweep_stale_cgroups(base)
+        reaper.join(10)
+        assert orphan.returncode == -9
+        assert not stale.pids()
+        assert not (Path("/sys/fs/cgroup/pids") / stale.path.strip("/")).exists()
+        assert (Path("/sys/fs/cgroup/pids") / alive.path.strip("/")).exists()
+    finally:
+        orphan.kill()
+        stale.remove()
+        alive.remove()
