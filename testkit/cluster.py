@@ -158,8 +158,9 @@ class Cgroup:
             time.sleep(0.1)
 
     def remove(self) -> None:
-        """Remove every cgroup below and at this path that exists (the kubelet's own too)."""
-        for hierarchy in _hierarchies():
+        """Remove every cgroup below and at this path that exists (the kubelet's own too, and
+        what runc made in the empty cgroup2 hierarchy of this hybrid setup)."""
+        for hierarchy in [*_hierarchies(), CGROUP_FS / "unified"]:
             base = hierarchy / self.path.strip("/")
             if not base.exists():
                 continue
