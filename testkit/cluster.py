@@ -68,12 +68,10 @@ FABRIC = ipaddress.ip_network("172.18.0.0/24")
 GATEWAY = "172.18.0.1"
 CP_IP = "172.18.0.2"
 OUTSIDE_NET = ("172.19.0.1", "172.19.0.2")  # net's end, the outside client's
-CLUSTER_CIDR = "10.244.0.0/16"
 DNS_IP = "10.96.0.10"
 CLUSTER_DOMAIN = "cluster.local"
 CNI_BIN = Path("/usr/lib/cni")
 RUNC = shutil.which("runc") or "/usr/sbin/runc"
-APT_PACKAGES = ("runc", "containernetworking-plugins")
 NODE_BINARIES = ("kubelet", "kubectl", "kube-scheduler", "containerd", "containerd-shim-runc-v2",
                  "ctr")
 # What the kubelet's container manager wants of the kernel (setupKernelTunables): it writes
