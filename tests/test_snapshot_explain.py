@@ -128,6 +128,17 @@ def test_one_bad_object_does_not_hide_the_others() -> None:
     assert {s.object for s in state.skipped} == {"Service ns/bad", "EndpointSlice ns/bad-ipv4"}
 
 
+def test_objects_without_a_name_are_each_reported() -> None:
+    """The cache keys objects by namespace/name, as the API does: one without a name is no
+    event for it, and each is reported by its item, not folded into one."""
+    nameless = make_service("ns", "svc")
+    del nameless["metadata"]["name"]
+    state = build_state([make_service("ns", "svc"), nameless, {**nameless, "spec": {}}])
+    assert [str(p.name) for p in state.ports] == ["ns/svc:http"]
+    assert [(s.object, s.reason) for s in state.skipped] == [
+        ("Service", "item 2 has no metadata.name"), ("Service", "item 3 has no metadata.name")]
+
+
 # --- explain ----------------------------------------------------------------------------------
 
 

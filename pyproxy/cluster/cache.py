@@ -1,4 +1,5 @@
-"""The daemon's view of the cluster, and the changes waiting for the next sync. Pure.
+"""The daemon's view of the cluster, and the changes waiting for the next sync. Pure. The
+offline commands build their state here too, from a snapshot's items (`cluster.snapshot`).
 
 Event handlers only record (as upstream's trackers do): each Service or EndpointSlice event
 updates the cache and remembers, per Service, what it looked like before the first pending
@@ -67,6 +68,9 @@ class ClusterCache:
     _service_cidrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     _all_service_cidrs: tuple[str, ...] = ()
     _service_cidrs_changed: bool = False
+    # What the snapshot file last read holds that no event carries (earlier copies of an
+    # object, items that are no Kubernetes objects, other kinds): none from the API.
+    _snapshot_skipped: tuple[Skipped, ...] = ()
 
     # -- events ------------------------------------------------------------------------------
 
@@ -164,13 +168,19 @@ class ClusterCache:
             self._service_cidrs_changed = True
         return None
 
+    def set_snapshot_skipped(self, skipped: tuple[Skipped, ...]) -> None:
+        """The items of the snapshot last read that carry no event, and why (from
+        `cluster.snapshot.snapshot_items`). They change no rules: nothing to sync."""
+        self._snapshot_skipped = skipped
+
     # -- the state and the pending changes ---------------------------------------------------
 
     def state(self) -> ClusterState:
         """A view over the live cache (valid until the next event)."""
         return ClusterState(
             nodes=self._nodes, ports_by_service=self._ports, slices=self._slice_view,
-            skipped=tuple(self._skipped.values()), service_cidrs=self._all_service_cidrs,
+            skipped=self._snapshot_skipped + tuple(self._skipped.values()),
+            service_cidrs=self._all_service_cidrs,
         )
 
     @property

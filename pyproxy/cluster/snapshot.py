@@ -1,6 +1,7 @@
 """A cluster snapshot: Nodes, Services, EndpointSlices and ServiceCIDRs as `kubectl get -o
 yaml|json` prints them (a `kind: List`, several YAML documents, or single objects), turned
-into the model.
+into the model by the daemon's `ClusterCache`: the offline commands and the daemon's --snapshot
+read a file through the same items (`snapshot_items`) and the same cache.
 
 Parsing is pure (text in, model out); only `load_snapshot` touches the file system.
 """
@@ -8,29 +9,16 @@ Parsing is pure (text in, model out); only `load_snapshot` touches the file syst
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pyproxy.core.convert import (
-    convert_endpoint_slice,
-    convert_node,
-    convert_service,
-    convert_service_cidr,
-)
-from pyproxy.core.model import (
-    ClusterState,
-    Node,
-    ServiceKey,
-    ServicePort,
-    Skipped,
-    SliceEndpoints,
-    all_cidrs,
-)
-from pyproxy.core.wire import SliceDoc
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.core.model import ClusterState, Skipped
+from pyproxy.core.wire import SliceDoc, metadata
 from pyproxy.memory import gc_paused
 
 
@@ -75,112 +63,84 @@ def nothing_usable(state: ClusterState) -> str | None:
 
 
 def build_state(objects: Iterable[Any]) -> ClusterState:
-    """Model objects from API objects (dicts or client models), dispatched on `kind`."""
+    """The state of a snapshot's objects (dicts, or EndpointSlices as the API's decoder makes
+    them), built as the daemon builds its own: the snapshot's items fed to a `ClusterCache`."""
     with gc_paused():  # many small objects, no cycles: the cyclic GC would only slow it down
-        return _build_state(objects)
+        cache = ClusterCache("")
+        _feed(cache, snapshot_items(objects))
+        return cache.state()
 
 
-def _build_state(objects: Iterable[Any]) -> ClusterState:
-    nodes: dict[str, Node] = {}
-    ports: list[ServicePort] = []
-    slices: dict[ServiceKey, list[SliceEndpoints]] = {}
-    service_cidrs: list[str] = []
-    objects = list(objects)
-    replaced = _replaced(objects)
-    skipped = list(replaced.values())
-    for index, obj in enumerate(objects, 1):
-        if index in replaced:
-            continue
-        kind = (obj.get("kind") if isinstance(obj, Mapping)
-                else "EndpointSlice" if type(obj) is SliceDoc  # as the API's decoder made it
-                else _model_kind(obj))
+def _feed(cache: ClusterCache, items: SnapshotItems) -> None:
+    """A snapshot's items into a fresh cache, one add event each (the daemon's snapshot
+    source sends the same ones through its handler, and later only what changed)."""
+    cache.set_snapshot_skipped(items.skipped)
+    for (kind, namespace, name), obj in items.objects.items():
         if kind == "Service":
-            result = convert_service(obj)
-            if isinstance(result, Skipped):
-                skipped.append(result)
-            else:
-                ports.extend(result)
+            cache.set_service((namespace, name), obj)
         elif kind == "EndpointSlice":
-            piece = convert_endpoint_slice(obj)
-            if isinstance(piece, Skipped):
-                skipped.append(piece)
-            else:
-                slices.setdefault(piece.service, []).append(piece)
+            cache.set_slice((namespace, name), obj)
         elif kind == "Node":
-            node = convert_node(obj)
-            if isinstance(node, Skipped):
-                skipped.append(node)
-            else:
-                nodes[node.name] = node
-        elif kind == "ServiceCIDR":
-            cidrs = convert_service_cidr(obj)
-            if isinstance(cidrs, Skipped):
-                skipped.append(cidrs)
-            else:
-                service_cidrs.extend(cidrs)
+            cache.set_node(name, obj)
+        else:
+            cache.set_service_cidr(name, obj)
+
+
+# The kinds the cache keeps, and the API one of per namespace/name: a snapshot holding two
+# is two versions of one object (files concatenated, a resource listed twice).
+_KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
+_CLUSTER_SCOPED = ("Node", "ServiceCIDR")
+
+# (kind, namespace, name): "" the namespace of cluster-scoped kinds.
+ObjectRef = tuple[str, str, str]
+
+
+@dataclass(frozen=True)
+class SnapshotItems:
+    """A snapshot as a source feeds it to the cache: the objects of the kinds the proxy reads,
+    one per kind and namespace/name (the last copy, as applying the file in order would
+    leave it; in the order of those copies), and the items no event carries, with why."""
+
+    objects: dict[ObjectRef, Any]
+    skipped: tuple[Skipped, ...]
+
+
+def snapshot_items(objects: Iterable[Any]) -> SnapshotItems:
+    """Every command reading a snapshot (explain, render, apply, trace, the daemon's
+    --snapshot) keeps and drops the same items for the same reasons."""
+    objects = list(objects)
+    keyed: list[tuple[int, ObjectRef | None]] = []
+    skipped: list[Skipped] = []
+    for index, obj in enumerate(objects, 1):
+        kind = (obj.get("kind") if isinstance(obj, Mapping)
+                else "EndpointSlice" if type(obj) is SliceDoc else None)
+        if kind in _KINDS:
+            ref = _ref(kind, obj)
+            keyed.append((index, ref))
+            if ref is None:
+                skipped.append(Skipped(kind, "", "", f"item {index} has no metadata.name"))
         elif isinstance(kind, str) and kind:
             skipped.append(Skipped(kind, "", _name_of(obj), "kind not used by the proxy",
                                    invalid=False))
         else:
             skipped.append(Skipped(f"item {index}", "", "", _not_kubernetes(obj)))
-    ports.sort(key=lambda p: (p.name.namespace, p.name.name, p.name.port, p.name.protocol))
-    by_service: dict[ServiceKey, list[ServicePort]] = {}
-    for port in ports:
-        by_service.setdefault(port.name.service, []).append(port)
-    return ClusterState(
-        ports_by_service={key: tuple(value) for key, value in by_service.items()},
-        nodes=nodes,
-        slices={key: tuple(value) for key, value in slices.items()},
-        skipped=tuple(skipped),
-        service_cidrs=all_cidrs(service_cidrs),
-    )
+    last = {ref: index for index, ref in keyed if ref is not None}
+    duplicates = [Skipped(*ref, f"duplicate: item {index} is ignored, item {last[ref]} (the "
+                          f"same {ref[0]}, later in the snapshot) is used")
+                  for index, ref in keyed if ref is not None and last[ref] != index]
+    used = {ref: objects[index - 1] for ref, index in sorted(last.items(), key=lambda i: i[1])}
+    return SnapshotItems(used, (*duplicates, *skipped))
 
 
-# Kinds that the API keeps one of per namespace/name: a snapshot holding two is two
-# versions of one object (files concatenated, a resource listed twice).
-_UNIQUE_KINDS = ("Service", "EndpointSlice", "Node", "ServiceCIDR")
-
-
-def _replaced(objects: Sequence[Any]) -> dict[int, Skipped]:
-    """The items (1-based) another item of the same kind and namespace/name comes after, and
-    why they are ignored: the later one is used, as applying the file in order would leave
-    it. Every command reading the snapshot (explain, render, apply, trace) drops the same."""
-    last: dict[tuple[str, str, str], int] = {}
-    for index, obj in enumerate(objects, 1):
-        key = _identity(obj)
-        if key is not None:
-            last[key] = index
-    replaced = {}
-    for index, obj in enumerate(objects, 1):
-        key = _identity(obj)
-        if key is not None and last[key] != index:
-            kind, namespace, name = key
-            replaced[index] = Skipped(kind, namespace, name, f"duplicate: item {index} is "
-                                      f"ignored, item {last[key]} (the same {kind}, later "
-                                      f"in the snapshot) is used")
-    return replaced
-
-
-def _identity(obj: Any) -> tuple[str, str, str] | None:
-    if not isinstance(obj, Mapping) or obj.get("kind") not in _UNIQUE_KINDS:
-        return None
+def _ref(kind: str, obj: Any) -> ObjectRef | None:
+    """An object's kind and namespace/name as the API keys it; None without a name."""
     name = _name_of(obj)
     if not name:
         return None
-    cluster_scoped = obj["kind"] in ("Node", "ServiceCIDR")
-    meta = obj.get("metadata")
-    namespace = meta.get("namespace") if isinstance(meta, Mapping) else None
-    return (obj["kind"], "" if cluster_scoped else
-            namespace if isinstance(namespace, str) and namespace else "default", name)
-
-
-# The kubernetes client's model classes: V1Service, V1EndpointSlice, V2HorizontalPod…
-_MODEL_CLASS = re.compile(r"V\d+(?:alpha\d+|beta\d+)?([A-Z]\w*)")
-
-
-def _model_kind(obj: Any) -> str | None:
-    match = _MODEL_CLASS.fullmatch(type(obj).__name__)
-    return match[1] if match else None
+    if kind in _CLUSTER_SCOPED:
+        return kind, "", name
+    namespace = metadata(obj).get("namespace")
+    return kind, namespace if isinstance(namespace, str) and namespace else "default", name
 
 
 def _not_kubernetes(obj: Any) -> str:
@@ -193,8 +153,7 @@ def _not_kubernetes(obj: Any) -> str:
 
 
 def _name_of(obj: Any) -> str:
-    meta = obj.get("metadata") if isinstance(obj, Mapping) else None
-    name = meta.get("name") if isinstance(meta, Mapping) else None
+    name = metadata(obj).get("name")
     return name if isinstance(name, str) else ""
 
 
