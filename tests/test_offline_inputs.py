@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,16 @@ import structlog
 import yaml
 
 from pyproxy.cli import main
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.sources import SnapshotSource
+from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.serve.health import ProxyHealth
+from pyproxy.serve.live import handlers
+from pyproxy.sync.node import NodeProxier
+from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import FakeNft
 from testkit.netlab import Lab
 
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
@@ -213,6 +223,49 @@ class TestReportedTheSameEverywhere:
         assert err.startswith("pyproxy: conflict: ") and line in err
         _, out, err = cli(capsys, "render", "-f", str(path), "--node=node-a")
         assert err.startswith("pyproxy: conflict: ") and line in err
+
+    def test_the_daemon_reads_a_snapshot_as_explain_and_render_do(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """Issue 30, point 3: the daemon's --snapshot feeds the same items to the same cache
+        as the offline commands. Its explain (what the debug socket answers) skips the same
+        copy of a duplicate Service for the same reason and names the same conflict; its
+        rules use the same copy. Reading the file again without the copy forgets it."""
+        claiming = []
+        for name, ip in (("b", "10.96.0.11"), ("a", "10.96.0.12")):
+            service = make_service("demo", name, ip=ip)
+            service["spec"]["externalIPs"] = ["192.0.2.50"]
+            claiming.append(service)
+        objects = [make_node("node-a"), make_service("demo", "web", ip="10.96.0.10"),
+                   make_slice("demo", "web", [ep("10.244.1.5", "node-a")]), *claiming,
+                   make_service("demo", "web", ip="10.96.0.20")]
+        path = snapshot(tmp_path, *objects)
+        _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
+        offline = json.loads(out)
+        _, rendered, _ = cli(capsys, "render", "-f", str(path), "--node=node-a")
+        assert "10.96.0.20" in rendered and "10.96.0.10" not in rendered
+
+        nft = FakeNft()
+        proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
+            IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)])
+        source = SnapshotSource(str(path), proxier, threading.Event())
+        proxier.expect(source.NAME)
+        assert source.poll() and proxier.sync()
+        explain = handlers(proxier, ProxyHealth((IPFamily.IPv4,)),
+                           BoundedFrequencyRunner("sync", proxier.sync, 1.0, 1.0, 1.0),
+                           lambda: None)["/explain"]
+        code, live = explain({})
+        assert code == 200
+        assert [s["object"] for s in offline["skipped"]] == ["Service demo/web"]
+        assert live["skipped"] == offline["skipped"]
+        assert live["services"] == offline["services"]
+        assert [c["used"] for c in live["conflicts"]] == [["demo/a:http"]]
+        assert live["conflicts"] == offline["conflicts"]
+        assert "10.96.0.20" in nft.last and "10.96.0.10" not in nft.last
+
+        path.write_text(yaml.safe_dump_all(objects[:-1]))
+        assert source.poll() and proxier.sync()
+        assert explain({})[1]["skipped"] == []
+        assert "10.96.0.10" in nft.last
 
 
 def test_a_big_service_keeps_its_row_readable(tmp_path: Path,

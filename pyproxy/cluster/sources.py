@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 import structlog
 
-from pyproxy.cluster.snapshot import SnapshotError, parse_objects
+from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
 from pyproxy.cluster.watch import (
     MIN_WATCH_TIMEOUT,
     WATCH_READ_TIMEOUT,
@@ -25,7 +26,7 @@ from pyproxy.cluster.watch import (
     service_cidrs_resource,
     services_resource,
 )
-from pyproxy.core.model import ObjectKey
+from pyproxy.core.model import ObjectKey, Skipped
 from pyproxy.core.wire import SliceDoc
 
 log = structlog.get_logger(__name__)
@@ -35,6 +36,10 @@ class ClusterHandler(Protocol):
     """What a source feeds: the objects' events, the initial lists the first sync waits for,
     and a sync asked for. Declared here, below the sync layer that implements it
     (`sync.node.NodeProxier`), so that the sources do not import upwards."""
+
+    # Its cache, where a snapshot's items that carry no event (earlier copies of an object,
+    # other kinds) are recorded as they are read: they change no rules, so ask for no sync.
+    cache: ClusterCache
 
     def expect(self, source: str) -> None: ...
 
@@ -62,6 +67,7 @@ class SnapshotSource:
     stop: threading.Event
     poll_interval: float = 0.2
     _seen: dict[tuple[str, str, str], str] = field(default_factory=dict)
+    _skipped: tuple[Skipped, ...] = ()
     _stamp: tuple[int, int] | None = None
     _digest: str = ""
     loads: int = 0
@@ -117,29 +123,28 @@ class SnapshotSource:
         self.last_error = message
 
     def _apply(self, objects: list[Any]) -> None:
-        current: dict[tuple[str, str, str], Any] = {}
-        for obj in objects:
-            if not isinstance(obj, dict):
-                continue
-            raw_meta = obj.get("metadata")
-            meta: dict[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-            namespace = str(meta.get("namespace") or "")
-            if obj.get("kind") in ("Service", "EndpointSlice") and not namespace:
-                namespace = "default"
-            current[(str(obj.get("kind")), namespace, str(meta.get("name") or ""))] = obj
+        """The items as offline commands read them (`snapshot_items`); what changed since the
+        last reading as events, the rest recorded in the cache."""
+        items = snapshot_items(objects)
+        for skipped in items.skipped:
+            if skipped.invalid and skipped not in self._skipped:
+                log.warning("invalid_object_skipped", object=skipped.object,
+                            reason=skipped.reason)
+        self._skipped = items.skipped
+        self.proxier.cache.set_snapshot_skipped(items.skipped)
         handlers: dict[str, Callable[[ObjectKey, Any], None]] = {
             "Service": self.proxier.on_service,
             "EndpointSlice": self.proxier.on_slice,
             "Node": self.proxier.on_node,
             "ServiceCIDR": self.proxier.on_service_cidr,
         }
-        fingerprints = {key: repr(obj) for key, obj in current.items()}
-        for key in self._seen.keys() - current.keys():
-            if key[0] in handlers:
-                handlers[key[0]]((key[1], key[2]), None)
-        for key, obj in current.items():
-            if key[0] in handlers and self._seen.get(key) != fingerprints[key]:
-                handlers[key[0]]((key[1], key[2]), obj)
+        fingerprints = {ref: repr(obj) for ref, obj in items.objects.items()}
+        for kind, namespace, name in self._seen.keys() - fingerprints.keys():
+            handlers[kind]((namespace, name), None)
+        for ref, obj in items.objects.items():
+            if self._seen.get(ref) != fingerprints[ref]:
+                kind, namespace, name = ref
+                handlers[kind]((namespace, name), obj)
         self._seen = fingerprints
 
 
