@@ -6,6 +6,8 @@ where pyproxy programs nftables. The node is `node-a`; endpoints "on node-a" are
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable, Iterator
 from ipaddress import ip_address
 from typing import Any
@@ -158,6 +160,32 @@ def test_session_affinity_keeps_the_client_on_one_endpoint(cluster: Cluster,
     assert len(counts) == 1 and sum(counts.values()) == 20, counts
     counts = tally(cluster.lab.connect(cluster.pod_client.ns, VIP, 80, count=20))
     assert len(counts) == 1, counts
+
+
+def test_session_affinity_timeout_counts_from_the_clients_last_connection(
+        cluster: Cluster, proxy: NodeProxy) -> None:
+    """As kube-proxy (its endpoint chain's `update @affinity-…`), every connection of a
+    returning client renews its affinity element, so the timeout is the idle time allowed
+    (upstream's e2e "session affinity timeout" tests); renewed only when an endpoint was
+    picked, a busy client would be moved once the timeout had passed since its first one."""
+    svc = service(spec(sessionAffinity="ClientIP",
+                       sessionAffinityConfig={"clientIP": {"timeoutSeconds": 60}}))
+    proxy.apply([*NODES, svc, endpoints(cluster, ["pod-a", "pod-b", "pod-c"])])
+
+    def remaining() -> float:
+        """The seconds left to the client's affinity element (its one element)."""
+        ruleset = cluster.node.run(["nft", "list", "table", "ip", "pyproxy"]).stdout
+        left = re.findall(r"expires (?:(\d+)m)?(?:(\d+)s)?(?:(\d+)ms)?", ruleset)
+        assert len(left) == 1, ruleset
+        minutes, seconds, millis = (int(x or 0) for x in left[0])
+        return minutes * 60 + seconds + millis / 1000
+
+    assert len(tally(cluster.lab.connect(cluster.client, VIP, 80, count=1))) == 1
+    time.sleep(2.5)  # let the element age measurably (nft prints it to the millisecond)
+    aged = remaining()
+    assert aged < 58.5, aged
+    assert len(tally(cluster.lab.connect(cluster.client, VIP, 80, count=1))) == 1
+    assert remaining() > aged + 1.5  # renewed by the returning client's connection
 
 
 def test_hairpin_endpoint_reaches_itself(cluster: Cluster, proxy: NodeProxy) -> None:

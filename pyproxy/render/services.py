@@ -808,8 +808,11 @@ class _AffinityRender:
             sets[ep.key] = aff
             yield _set(aff, f"type {cfg.addr_type}; flags dynamic,timeout; "
                             f"timeout {svc.port.affinity_timeout}s;")
-            # Every endpoint, drained ones too: a returning client keeps its endpoint.
-            rules.append(f"{ip} saddr @{aff} {_dnat_to(cfg, proto, ep)}")
+            # Every endpoint, drained ones too: a returning client keeps its endpoint, and
+            # renews its element, so the timeout is the time it may stay away (kube-proxy's
+            # endpoint chains `update` on every connection, new or returning).
+            rules.append(f"{ip} saddr @{aff} update @{aff} {{ {ip} saddr }} "
+                         f"{_dnat_to(cfg, proto, ep)}")
         # New clients: a cascade over the weighted slots (hashing algorithms would fight the
         # affinity sets, so with affinity only the weights apply).
         weights, _ = effective_weights(svc.port, endpoints)

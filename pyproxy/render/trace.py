@@ -291,7 +291,8 @@ class _Walker:
                 if "saddr !=" not in rule or not self.from_pod():
                     self.out.masquerade = True
                     self.note(f"{chain}: masquerade ({rule.split(mark)[0].strip()})")
-            elif "update @" in rule:
+            elif "update @" in rule and not rule.startswith(f"{self.cfg.ip} saddr @"):
+                # A new client's pick (a returning client's rule renews its own element).
                 match = _DNAT.search(rule)
                 if match:
                     targets.append(_endpoint(match.group(1), match.group(2)))
