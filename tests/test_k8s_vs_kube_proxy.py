@@ -12,6 +12,8 @@ docs/kube-proxy-differences.md) with the reason; every other difference fails th
 from __future__ import annotations
 
 import os
+import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ from testkit.controlplane import (
     wait_for,
 )
 from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, ConnResult, Lab
 
 pytestmark = [pytest.mark.netns, pytest.mark.k8s, requires_netns]
@@ -249,6 +252,47 @@ def island(lab: Lab, plane: ControlPlane) -> Island:
     return Island(lab, cluster)
 
 
+def slices_settled(kube: Kube, svc: Svc, cluster: Cluster) -> bool:
+    """svc's EndpointSlices hold exactly its pods' addresses, per family it has, and hints
+    on every endpoint where it asks for a traffic distribution."""
+    families = {"IPv4"}
+    if svc.spec.get("ipFamilyPolicy") in ("PreferDualStack", "RequireDualStack"):
+        families.add("IPv6")
+    want = {"IPv4": {cluster.pods[b].ip4 for b, _ in svc.pods},
+            "IPv6": {cluster.pods[b].ip6 for b, _ in svc.pods}}
+    seen: dict[str, set[str]] = {family: set() for family in families}
+    for piece in kube.slices(NS, svc.name):
+        for endpoint in piece.endpoints or []:
+            seen.setdefault(piece.address_type, set()).update(endpoint.addresses)
+            if "trafficDistribution" in svc.spec and not endpoint.hints:
+                return False
+    return all(seen[family] == want[family] for family in families)
+
+
+def synced_since(island: Island, moment: float) -> bool:
+    """The island's proxy (kube-proxy or pyproxy: both export kube-proxy's sync metrics on
+    127.0.0.1:10249 in the node's namespace) finished a sync after `moment` and holds no
+    change it has not synced."""
+    def scrape() -> str:
+        with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=5) as answer:
+            return str(answer.read().decode())
+
+    samples = [line.split() for line in call_in_netns(island.cluster.node.full,
+                                                       scrape).splitlines()
+               if line.startswith("kubeproxy_sync_proxy_rules_")]
+
+    def values(name: str) -> list[float]:
+        """A metric's samples, of every label set (kube-proxy's are per IP family)."""
+        return [float(value) for sample, value, *_ in samples
+                if sample.split("{")[0] == name]
+
+    last_syncs = values("kubeproxy_sync_proxy_rules_last_timestamp_seconds")
+    pending = (values("kubeproxy_sync_proxy_rules_endpoint_changes_pending")
+               + values("kubeproxy_sync_proxy_rules_service_changes_pending"))
+    return bool(last_syncs) and min(last_syncs) > moment and len(pending) == 2 \
+        and not any(pending)
+
+
 @pytest.fixture(scope="module")
 def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
     kube = Kube(control_plane.admin_client())
@@ -294,7 +338,18 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
         try:
             wait_for(lambda: kube.endpoint_conditions(NS, "terminating").get(
                 cluster.pods["pod-a"].ip4) == (False, True, True), 30, "pod-a terminating")
+            # Every flow must meet the final state in both proxies: first the API's (each
+            # Service's slices hold all its pods, with hints where asked), then each proxy
+            # synced after that moment with no change pending. The slices of one Service
+            # arriving late made a flow compare a proxy that had them with one that had not.
+            for svc in SERVICES:
+                wait_for(lambda s=svc: slices_settled(kube, s, cluster), 60,
+                         f"the EndpointSlices of {svc.name}", interval=0.2)
+            settled = time.time()
             for each in (kp, py):
+                wait_for(lambda i=each: synced_since(i, settled), 30,
+                         f"a sync of {each.lab.prefix}'s proxy with nothing pending",
+                         interval=0.2)
                 wait_for(lambda i=each: both.run(FLOWS[0], i) == ("pod-a/masq", "pod-b/masq"),
                          60, "the proxy programmed the cluster", interval=0.5)
             yield both
