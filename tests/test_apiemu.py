@@ -829,15 +829,20 @@ def test_model_deserialization_cost_vs_raw_json(emu: ApiEmulator, core: Any) -> 
         body["spec"]["ports"].append({"name": "dns", "port": 53, "protocol": "UDP"})
         emu.create("services", body)
 
-    started = time.perf_counter()
-    raw = core.list_service_for_all_namespaces(_preload_content=False).data
-    fetched = time.perf_counter()
-    items = json.loads(raw)["items"]
-    decoded = time.perf_counter()
-    models = core.list_service_for_all_namespaces().items
-    modelled = time.perf_counter()
+    # Best of two rounds each, alternated: one busy moment on a shared machine must not
+    # decide the comparison.
+    fetch = raw_decode = model_total = float("inf")
+    for _round in range(2):
+        started = time.perf_counter()
+        raw = core.list_service_for_all_namespaces(_preload_content=False).data
+        fetched = time.perf_counter()
+        items = json.loads(raw)["items"]
+        decoded = time.perf_counter()
+        models = core.list_service_for_all_namespaces().items
+        modelled = time.perf_counter()
+        fetch, raw_decode = min(fetch, fetched - started), min(raw_decode, decoded - fetched)
+        model_total = min(model_total, modelled - decoded)
 
-    fetch, raw_decode, model_total = fetched - started, decoded - fetched, modelled - decoded
     print(
         f"\n{count} Services, {len(raw) / 1e6:.1f} MB: HTTP fetch {fetch:.3f}s, json.loads "
         f"{raw_decode:.3f}s, client models (fetch + deserialize) {model_total:.3f}s"
