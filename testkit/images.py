@@ -68,6 +68,10 @@ PAUSE = "registry.k8s.io/pause:3.10.2"
 AGNHOST = "registry.k8s.io/e2e-test-images/agnhost:2.66.1"
 BUSYBOX = "registry.k8s.io/e2e-test-images/busybox:1.37.0-2"
 COREDNS = "registry.k8s.io/coredns/coredns:v1.14.6"
+# The other images [sig-network]'s e2e tests run (test/utils/image/manifest.go's names).
+GLIBC_DNS_TESTING = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
+NGINX = "registry.k8s.io/e2e-test-images/nginx:1.27.0-2"
+REGRESSION_ISSUE_74839 = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.5"
 KUBE_PROXY = f"registry.k8s.io/kube-proxy:{RELEASE}"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 # A local name: nothing is pushed anywhere; the cluster harness puts it into the DaemonSet.
@@ -517,28 +521,35 @@ def _build_busybox(out: Path) -> None:
 # agnhost -------------------------------------------------------------------------------------
 
 
-def _agnhost_binary() -> Path:
-    """agnhost built in a copy of e2e/k8s's module (its requirements and replaces, so the
-    same k8s.io/* versions as the control plane); the copy may add go.sum lines for agnhost's
-    own dependencies (e.g. sctp) without touching the checkout."""
-    key = digest_of(K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version())[:16]
+def _e2e_image_binary(name: str) -> Path:
+    """test/images/<name> built in a copy of e2e/k8s's module (its requirements and
+    replaces, so the same k8s.io/* versions as the control plane); the copy may add go.sum
+    lines for the program's own dependencies (e.g. agnhost's sctp) without touching the
+    checkout."""
+    key = digest_of(name, K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum",
+                    go_version())[:16]
     build = cache_dir() / "build"
-    target = build / f"agnhost-{key}"
+    target = build / f"{name}-{key}"
     if target.exists():
         return target
-    module = build / "agnhost-module"
+    module = build / "e2e-images-module"
     module.mkdir(parents=True, exist_ok=True)
-    for name in ("go.mod", "go.sum"):
-        shutil.copyfile(K8S_MODULE_DIR / name, module / name)
+    for file in ("go.mod", "go.sum"):
+        shutil.copyfile(K8S_MODULE_DIR / file, module / file)
 
     def compile_it(partial: Path) -> None:
-        log("go build k8s.io/kubernetes/test/images/agnhost (a few minutes when cold)")
+        log(f"go build k8s.io/kubernetes/test/images/{name} (a few minutes when cold)")
         start = time.monotonic()
         run("go", "build", "-mod=mod", "-ldflags=-s -w", "-o", partial,
-            "k8s.io/kubernetes/test/images/agnhost", cwd=module, env=go_env())
-        log(f"agnhost built in {time.monotonic() - start:.0f} s")
+            f"k8s.io/kubernetes/test/images/{name}", cwd=module,
+            env={**go_env(), "CGO_ENABLED": "0"})
+        log(f"{name} built in {time.monotonic() - start:.0f} s")
 
     return _publish(compile_it, target)
+
+
+def _agnhost_binary() -> Path:
+    return _e2e_image_binary("agnhost")
 
 
 # What upstream's agnhost image adds to its base (Alpine's bind-tools, curl, netcat-openbsd,
@@ -559,11 +570,17 @@ def _member(tar: Path, name: str) -> bytes:
     raise ImageBuildError(f"{tar} has no {name}")
 
 
+def _check_version(source: Path, image: str) -> None:
+    """The image's tag is the VERSION of its source folder in the module, or the names the
+    e2e manifest asks for are not what was built."""
+    version = (source / "VERSION").read_text().strip()
+    if version != image.rpartition(":")[2]:
+        raise ImageBuildError(f"{source.name} is {version} in {source}, the name says {image}")
+
+
 def _build_agnhost(out: Path) -> None:
     source = k8s_module() / "test" / "images" / "agnhost"
-    version = (source / "VERSION").read_text().strip()
-    if version != AGNHOST.rpartition(":")[2]:
-        raise ImageBuildError(f"agnhost is {version} in {source}, the name says {AGNHOST}")
+    _check_version(source, AGNHOST)
     rootfs = debian_rootfs(AGNHOST_PACKAGES)
     tree = Tree()
     # Upstream's Dockerfile: a user and a group the SupplementalGroups tests look for, beside
@@ -583,6 +600,65 @@ def _build_agnhost(out: Path) -> None:
     _archive(out, AGNHOST, [rootfs, tree], image_config(
         entrypoint=["/agnhost"], cmd=["pause"],
         ports=["80/tcp", "8080/tcp", "8081/tcp", "9376/tcp", "5000/tcp"]))
+
+
+# glibc-dns-testing ---------------------------------------------------------------------------
+
+# test/images/glibc-dns-testing: Debian bookworm-slim with dnsutils (the DNS tests' "jessie"
+# probes run `dig` and glibc's `getent` in it) and a CoreDNS binary at /coredns.
+GLIBC_DNS_TESTING_PACKAGES = ("dnsutils",)
+
+
+def _build_glibc_dns_testing(out: Path) -> None:
+    _check_version(k8s_module() / "test" / "images" / "glibc-dns-testing", GLIBC_DNS_TESTING)
+    tree = Tree()
+    # Upstream unpacks CoreDNS 1.5.0's release there; the one built here for the cluster
+    # serves the same purpose (a DNS server some tests start in the pod).
+    tree.file("/coredns", _coredns_binary(), 0o755)
+    _archive(out, GLIBC_DNS_TESTING, [debian_rootfs(GLIBC_DNS_TESTING_PACKAGES), tree],
+             image_config(cmd=["bash"]))
+
+
+# nginx ---------------------------------------------------------------------------------------
+
+# test/images/nginx is nginx:1.27-alpine under another name: a web server on port 80 serving
+# /usr/share/nginx/html, logging to the container's output. Debian's nginx does the same here.
+NGINX_PACKAGES = ("nginx",)
+NGINX_SITE = b"""server {
+    listen 80 default_server;
+    listen [::]:80 default_server;
+    root /usr/share/nginx/html;
+    index index.html;
+    location / { try_files $uri $uri/ =404; }
+}
+"""
+NGINX_INDEX = b"<!DOCTYPE html>\n<html><head><title>Welcome to nginx!</title></head>" \
+    b"<body><h1>Welcome to nginx!</h1></body></html>\n"
+
+
+def _build_nginx(out: Path) -> None:
+    _check_version(k8s_module() / "test" / "images" / "nginx", NGINX)
+    tree = Tree()
+    tree.file("/etc/nginx/sites-enabled/default", NGINX_SITE)
+    tree.file("/usr/share/nginx/html/index.html", NGINX_INDEX)
+    # As the official image: logs to the container's stdout/stderr.
+    tree.symlink("/var/log/nginx/access.log", "/dev/stdout")
+    tree.symlink("/var/log/nginx/error.log", "/dev/stderr")
+    _archive(out, NGINX, [debian_rootfs(NGINX_PACKAGES), tree], image_config(
+        cmd=["nginx", "-g", "daemon off;"], ports=["80/tcp"]))
+
+
+# regression-issue-74839 ----------------------------------------------------------------------
+
+
+def _build_regression_issue_74839(out: Path) -> None:
+    name = "regression-issue-74839"
+    _check_version(k8s_module() / "test" / "images" / name, REGRESSION_ISSUE_74839)
+    tree = Tree()
+    tree.file(f"/{name}", _e2e_image_binary(name), 0o755)
+    # Upstream's base is debian-base (bookworm); the program is static and needs no more.
+    _archive(out, REGRESSION_ISSUE_74839, [debian_rootfs(), tree],
+             image_config(entrypoint=[f"/{name}"]))
 
 
 # CoreDNS -------------------------------------------------------------------------------------
@@ -793,6 +869,12 @@ RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
            lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version(),
                     *AGNHOST_PACKAGES], _build_agnhost),
     Recipe(COREDNS, "coredns", lambda: [go_version()], _build_coredns),
+    Recipe(GLIBC_DNS_TESTING, "glibc-dns-testing",
+           lambda: [go_version(), *GLIBC_DNS_TESTING_PACKAGES], _build_glibc_dns_testing),
+    Recipe(NGINX, "nginx", lambda: [*NGINX_PACKAGES], _build_nginx),
+    Recipe(REGRESSION_ISSUE_74839, "regression-issue-74839",
+           lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version()],
+           _build_regression_issue_74839),
     Recipe(KUBE_PROXY, "kube-proxy",
            lambda: [_kube_proxy_binary(), *KUBE_PROXY_PACKAGES], _build_kube_proxy),
     _pyproxy_recipe(PYPROXY),
