@@ -10,7 +10,8 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy demo clean k8s k8s-path \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet demo clean \
+	k8s k8s-path \
 	images
 
 all: test
@@ -102,6 +103,15 @@ bench-daemon: venv
 # VS_FLAGS e.g. --sizes 1000x10 --json out.json.
 bench-vs-kube-proxy: venv k8s
 	$(BIN)/python -m bench.bench_vs_kube_proxy $(if $(AGAINST),--against $(AGAINST)) $(VS_FLAGS)
+
+# A fleet on one control plane (issue 29): N kube-proxies, then N pyproxies, each node in its
+# own namespace, on one loaded cluster; what each fleet costs the API server (CPU, bytes sent,
+# requests) while starting, under 20 endpoint changes/s and across a kube-apiserver restart
+# (bench/bench_fleet.py; ~25 min with the defaults). FLEET_FLAGS e.g. --nodes 5
+# --churn-seconds 30 --after-seconds 60 --size 10000x10.
+FLEET_FLAGS ?=
+bench-fleet: venv k8s
+	$(BIN)/python -m bench.bench_fleet $(FLEET_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

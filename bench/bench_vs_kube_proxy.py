@@ -341,15 +341,20 @@ def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
     return start
 
 
+def pyproxy_argv(kubeconfig: Path, node: str = NODE, binary: str = PYPROXY) -> list[str]:
+    """pyproxy as these benchmarks run it: kube-proxy's settings (minSyncPeriod 1 s,
+    syncPeriod 30 s, the cluster CIDRs, health and metrics on their ports), no debug socket."""
+    return [binary, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", node,
+            "--cluster-cidr", CLUSTER_CIDRS, "--min-sync-period", MIN_SYNC,
+            "--sync-period", "30s", "--healthz-bind-address", "127.0.0.1:10256",
+            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""]
+
+
 def pyproxy_starter(lab: Lab, cluster: Cluster, kubeconfig: Path, binary: str = PYPROXY,
                     log_name: str = "pyproxy.log") -> Callable[[], Any]:
     def start() -> Any:
-        return lab.popen(cluster.node, [
-            binary, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", NODE,
-            "--cluster-cidr", CLUSTER_CIDRS, "--min-sync-period", MIN_SYNC,
-            "--sync-period", "30s", "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""],
-            log_name=log_name)
+        return lab.popen(cluster.node, pyproxy_argv(kubeconfig, NODE, binary),
+                         log_name=log_name)
     return start
 
 

@@ -275,14 +275,17 @@ class Attachment:
 
 class ControlPlane:
     """``controllers``: the controller manager's --controllers (a real cluster with kubelets
-    wants the defaults, "*"); ``controller_args``: more of its flags."""
+    wants the defaults, "*"); ``controller_args``: more of its flags; ``apiserver_args``:
+    more of the API server's flags (kept for its restarts: an audit log, say)."""
 
     def __init__(self, lab: Lab, bin_dir: Path, *, controllers: tuple[str, ...] = CONTROLLERS,
-                 controller_args: tuple[str, ...] = ()) -> None:
+                 controller_args: tuple[str, ...] = (),
+                 apiserver_args: tuple[str, ...] = ()) -> None:
         self.lab = lab
         self.bin = bin_dir
         self.controllers = controllers
         self.controller_args = controller_args
+        self.apiserver_args = apiserver_args
         self.scheduler: subprocess.Popen[str] | None = None
         self.dir = lab.workdir / "control-plane"
         self.dir.mkdir()
@@ -365,6 +368,7 @@ class ControlPlane:
             # kube-proxy's own DaemonSet (kubeadm's) runs privileged.
             "--allow-privileged=true",
             "--profiling=false", "-v=1",
+            *self.apiserver_args,
         ], log_name=f"kube-apiserver-{self._apiserver_starts}.log")
         self._wait(self._ready, "kube-apiserver /readyz", self.apiserver)
 
@@ -460,9 +464,10 @@ class ControlPlane:
 
 
 @contextlib.contextmanager
-def running_control_plane(bin_dir: Path) -> Iterator[ControlPlane]:
+def running_control_plane(bin_dir: Path,
+                          apiserver_args: tuple[str, ...] = ()) -> Iterator[ControlPlane]:
     with Lab() as lab:
-        plane = ControlPlane(lab, bin_dir)
+        plane = ControlPlane(lab, bin_dir, apiserver_args=apiserver_args)
         try:
             yield plane.start()
         finally:

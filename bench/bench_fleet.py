@@ -1,0 +1,675 @@
+"""A fleet on one machine: what N kube-proxies, then N pyproxies, cost one real API server.
+
+`make bench-fleet` (root; `make k8s` builds the control plane first; issue 29). One real
+control plane (testkit/controlplane.py) loaded through the API with bench/synth.py's cluster
+(1,000 Services × 10 endpoints; `--size 10000x10`), and N node namespaces (`--nodes`, default
+50), each linked to the control plane by its own veth and with its own Node object. First N
+kube-proxies (nftables mode, their default client settings: protobuf, qps 5 / burst 10), then
+N pyproxies, on the same loaded cluster; for each fleet, three phases:
+
+(a) start: all N started at once, until every one has made its first sync (the gauge
+    `kubeproxy_sync_proxy_rules_last_timestamp_seconds`, which both export, set);
+(b) churn: `--churn-rate` endpoint changes per second (20) for `--churn-seconds` (300);
+(c) restart: kube-apiserver killed (SIGKILL), `--downtime` seconds (5) down, started
+    again, then `--after-seconds` (180) watched.
+
+Measured, per phase: the API server's CPU seconds (/proc, its process; etcd's beside it),
+the bytes it sent to the proxies (the transmit counters of the control plane's end of each
+node's veth: everything the proxies received, TLS and TCP included), and from its /metrics
+the watch events it sent (`apiserver_watch_events_sizes`) and its requests by verb; per node
+process: RSS, peak RSS, and CPU with its children's (kube-proxy runs `nft` for every
+transaction). Every request of the proxies' two ServiceAccounts is in an audit log
+(metadata only), so the requests after the restart are counted per node (by its veth
+address): lists (a `watch` with sendInitialEvents is a streamed list and counted as one),
+watches, 410s, requests per second at the API server, and when each node's EndpointSlice
+watch was back.
+
+Before the fleets (`--no-baseline` skips it) the same churn and restart run with no proxy,
+so that what the API server spends on the writes themselves and on its own restart can be
+told apart from what it spends on the proxies: the per-change-per-node figures subtract it.
+
+kube-proxy writes conntrack sysctls and owns the ruleset of the namespace it runs in: it
+is only ever started in one of the lab's node namespaces, which is checked before (the
+namespace is neither this process's nor init's) and after (the process is in it) each start.
+
+Prints the table of both fleets and the ratios pyproxy / kube-proxy; the figures go to
+bench/results/fleet-SIZE-nN-COMMIT.json (`--json` elsewhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench.bench_vs_kube_proxy import (
+    CLUSTER_CIDRS,
+    MIN_SYNC,
+    Churn,
+    load,
+    proc_figures,
+    pyproxy_argv,
+)
+from bench.bytecode import compile_pyproxy
+from bench.synth import Cluster as Synth
+from testkit import controlplane
+from testkit.controlplane import ControlPlane, Kube
+from testkit.inproc import call_in_netns
+from testkit.netlab import Netns
+
+REPO = Path(__file__).resolve().parent.parent
+FLEETS = ("kube-proxy", "pyproxy")
+USERS = {"kube-proxy": "system:serviceaccount:kube-system:kube-proxy",
+         "pyproxy": "system:serviceaccount:kube-system:pyproxy"}
+# ControlPlane.attach gives each node a /30 of 192.168.200.0/24.
+MAX_NODES = 60
+# The API server's metric families kept at each sample (all of their series).
+METRICS = ("apiserver_request_total", "apiserver_watch_events_sizes_sum",
+           "apiserver_watch_events_sizes_count", "apiserver_response_sizes_sum",
+           "apiserver_longrunning_requests")
+SYNC_GAUGE = re.compile(rb"^kubeproxy_sync_proxy_rules_last_timestamp_seconds(?:\{[^}]*\})? "
+                        rb"(\S+)", re.M)
+SETTLE = 3.0  # after a phase, for the last events to reach every node
+
+
+# -- the audit log: every request of the proxies, metadata only -------------------------------
+
+
+def audit_args(folder: Path) -> tuple[tuple[str, ...], Path]:
+    """The API server's flags for an audit log of the proxies' requests, and its path."""
+    policy = folder / "audit-policy.yaml"
+    policy.write_text(yaml.safe_dump({
+        "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+        # A watch is logged when its response starts (and again when it ends): deduplicated
+        # by auditID, each request counts once at the time it was received.
+        "omitStages": ["RequestReceived"],
+        "rules": [{"level": "Metadata", "users": list(USERS.values())}, {"level": "None"}]}))
+    log = folder / "audit.log"
+    return (f"--audit-policy-file={policy}", f"--audit-log-path={log}",
+            "--audit-log-maxsize=0", "--audit-log-maxbackup=0"), log
+
+
+@dataclass(frozen=True)
+class Request:
+    received: float  # wall time
+    user: str
+    source: str
+    verb: str  # list (a streamed one too), watch, get, create…
+    resource: str
+    uri: str
+    code: int
+    lasted: float | None = None  # seconds to its response's end (None: never ended)
+
+
+def read_audit(path: Path) -> list[Request]:
+    events: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return []
+    with path.open() as fh:
+        for line in fh:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a SIGKILL
+            previous = events.get(event["auditID"])
+            # keep the last stage's status (a watch refused with 410 has only ResponseComplete)
+            if previous is None or event.get("stage") == "ResponseComplete":
+                events[event["auditID"]] = event
+    out = []
+    for event in events.values():
+        uri = event.get("requestURI", "")
+        verb = event.get("verb", "")
+        if verb == "watch" and "sendInitialEvents=true" in uri:
+            verb = "list"
+        received = datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp()
+        ended = (datetime.fromisoformat(event["stageTimestamp"]).timestamp()
+                 if event.get("stage") == "ResponseComplete" and "stageTimestamp" in event
+                 else None)
+        out.append(Request(
+            received=received,
+            user=event.get("user", {}).get("username", ""),
+            source=(event.get("sourceIPs") or [""])[0], verb=verb,
+            resource=(event.get("objectRef") or {}).get("resource", ""), uri=uri,
+            code=int((event.get("responseStatus") or {}).get("code") or 0),
+            lasted=None if ended is None else ended - received))
+    return sorted(out, key=lambda r: r.received)
+
+
+# -- the nodes ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    name: str
+    ns: Netns
+    address: str  # its end of the link: the API server sees its requests from there
+    cp_ifname: str  # the control plane's end: what it transmits is what the node received
+    proc: subprocess.Popen[str] | None = None
+    started_wall: float = 0.0
+    first_sync_s: float | None = None
+
+
+def netns_id(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def refuse_unless_node_netns(ns: Netns) -> None:
+    """A proxy starts only in a namespace of the lab: never this process's nor init's."""
+    target = netns_id(f"/run/netns/{ns.full}")
+    for other in ("/proc/self/ns/net", "/proc/1/ns/net"):
+        try:
+            same = netns_id(other) == target
+        except PermissionError:  # init of another PID namespace (a container's host)
+            continue
+        if same:
+            raise RuntimeError(f"{ns.full} is {other}: refusing to start a proxy there")
+
+
+def check_in_node_netns(node: Node, timeout: float = 10.0) -> None:
+    """Once `ip netns exec` has exec'd the proxy, the process is in the node's namespace
+    (else it is killed: it must not touch another namespace's sysctls or ruleset)."""
+    assert node.proc is not None
+    pid = node.proc.pid
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and node.proc.poll() is None:
+        try:
+            if Path(os.readlink(f"/proc/{pid}/exe")).name != "ip":
+                if netns_id(f"/proc/{pid}/ns/net") != netns_id(f"/run/netns/{node.ns.full}"):
+                    node.proc.kill()
+                    raise RuntimeError(f"the proxy of {node.name} is not in {node.ns.full}")
+                return
+        except FileNotFoundError:
+            break
+        time.sleep(0.01)
+    if node.proc.poll() is not None:
+        raise RuntimeError(f"the proxy of {node.name} exited ({node.proc.returncode})")
+    raise RuntimeError(f"the proxy of {node.name} not started within {timeout} s")
+
+
+def make_nodes(plane: ControlPlane, kube: Kube, count: int) -> list[Node]:
+    nodes = []
+    for i in range(count):
+        name = f"fleet-{i:02d}"
+        ns = plane.lab.add_ns(name)
+        attachment = plane.attach(ns)
+        link = next(lk for lk in plane.lab.links if lk.ns_b is ns)
+        kube.node(name, (attachment.address,), zone=f"zone-{1 + i % 2}", region="region-1")
+        nodes.append(Node(name, ns, attachment.address, link.if_a))
+    return nodes
+
+
+def last_sync(node: Node) -> float:
+    """The node's proxy's last sync (Unix time; 0 before the first), from its metrics."""
+    def get() -> bytes:
+        with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=2) as r:
+            return bytes(r.read())
+    try:
+        found = SYNC_GAUGE.search(call_in_netns(node.ns.full, get, timeout=5))
+    except (OSError, TimeoutError):
+        return 0.0
+    return float(found.group(1)) if found else 0.0
+
+
+def all_figures(pid: int) -> dict[str, float]:
+    """proc_figures with the CPU of the children it waited for (kube-proxy's `nft` runs)."""
+    figures = proc_figures(pid)
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    figures["children_cpu_s"] = (int(stat[13]) + int(stat[14])) / os.sysconf("SC_CLK_TCK")
+    figures["total_cpu_s"] = figures["cpu_s"] + figures["children_cpu_s"]
+    return figures
+
+
+# -- samples of the control plane and the nodes -------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def apiserver_metrics(plane: ControlPlane) -> dict[str, float]:
+    api = plane.admin_client()
+    try:
+        response = api.call_api("GET", f"{plane.url}/metrics", _request_timeout=30)
+        text = response.read().decode()
+    finally:
+        api.close()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(METRICS):
+            series, _, value = line.rpartition(" ")
+            out[series] = float(value)
+    return out
+
+
+@dataclass
+class Sample:
+    wall: float
+    apiserver_cpu: float
+    etcd_cpu: float
+    tx: dict[str, int]  # node name → bytes the control plane sent it
+    metrics: dict[str, float]
+    procs: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+def sample(plane: ControlPlane, nodes: list[Node]) -> Sample:
+    assert plane.apiserver is not None and plane.etcd is not None
+    links = json.loads(plane.lab.ip(plane.ns, "-j", "-s", "link", "show").stdout)
+    tx = {link["ifname"]: int(link["stats64"]["tx"]["bytes"]) for link in links}
+    procs = {n.name: all_figures(n.proc.pid) for n in nodes
+             if n.proc is not None and n.proc.poll() is None}
+    return Sample(time.time(), cpu_seconds(plane.apiserver.pid), cpu_seconds(plane.etcd.pid),
+                  {n.name: tx.get(n.cp_ifname, 0) for n in nodes}, apiserver_metrics(plane),
+                  procs)
+
+
+def delta(before: Sample, after: Sample, *, restarted: bool = False) -> dict[str, Any]:
+    """What one phase cost: the API server's CPU (a restarted one: all of the new
+    process's), etcd's, the bytes sent to the nodes, metric increments."""
+    def increments() -> dict[str, float]:
+        out = {}
+        for series, value in after.metrics.items():
+            if series.startswith("apiserver_longrunning_requests"):
+                continue
+            grown = value - (0.0 if restarted else before.metrics.get(series, 0.0))
+            if grown:
+                out[series] = grown
+        return out
+    sent = {name: after.tx[name] - before.tx.get(name, 0) for name in after.tx}
+    return {"seconds": round(after.wall - before.wall, 2),
+            "apiserver_cpu_s": round(after.apiserver_cpu
+                                     - (0.0 if restarted else before.apiserver_cpu), 3),
+            "etcd_cpu_s": round(after.etcd_cpu - before.etcd_cpu, 3),
+            "bytes_sent": sum(sent.values()), "bytes_sent_per_node": sent,
+            "watch_events": watch_events(increments()), "requests": requests(increments())}
+
+
+def watch_events(grown: dict[str, float]) -> dict[str, dict[str, float]]:
+    """resource → watch events sent and their bytes (as the API server serialized them)."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: {"events": 0.0, "bytes": 0.0})
+    for series, value in grown.items():
+        if series.startswith("apiserver_watch_events_sizes_"):
+            resource = _label(series, "resource")
+            out[resource]["bytes" if "_sum" in series else "events"] += value
+    return dict(out)
+
+
+def requests(grown: dict[str, float]) -> dict[str, float]:
+    """"VERB resource" → requests the API server answered (every client)."""
+    out: Counter[str] = Counter()
+    for series, value in grown.items():
+        if series.startswith("apiserver_request_total"):
+            out[f"{_label(series, 'verb')} {_label(series, 'resource')}"] += int(value)
+    return dict(out)
+
+
+def _label(series: str, name: str) -> str:
+    found = re.search(rf'[{{,]{name}="([^"]*)"', series)
+    return found.group(1) if found else ""
+
+
+# -- one fleet ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    plane: ControlPlane
+    kube: Kube
+    synth: Synth
+    nodes: list[Node]
+    args: argparse.Namespace
+    audit_log: Path
+    kubeconfigs: dict[str, Path]
+    generation: int = 0
+
+    def starter(self, fleet: str, node: Node) -> list[str]:
+        workdir = self.plane.lab.workdir
+        if fleet == "kube-proxy":
+            config = controlplane.kube_proxy_config(workdir / f"kube-proxy-{node.name}.yaml",
+                                       self.kubeconfigs[fleet], node.name, CLUSTER_CIDRS,
+                                       MIN_SYNC, "30s")
+            return [str(self.plane.bin / "kube-proxy"), f"--config={config}"]
+        return pyproxy_argv(self.kubeconfigs[fleet], node.name)
+
+    def start(self, fleet: str) -> dict[str, Any]:
+        """(a) every proxy started at once, until each has synced once."""
+        before = sample(self.plane, self.nodes)
+        for node in self.nodes:
+            refuse_unless_node_netns(node.ns)
+            node.first_sync_s = None
+            node.started_wall = time.time()
+            node.proc = self.plane.lab.popen(node.ns, self.starter(fleet, node),
+                                             log_name=f"{fleet}-{node.name}.log")
+        for node in self.nodes:
+            check_in_node_netns(node)
+        deadline = time.monotonic() + self.args.start_timeout
+        waiting = list(self.nodes)
+        with ThreadPoolExecutor(8) as pool:
+            while waiting and time.monotonic() < deadline:
+                for node, synced in zip(waiting, pool.map(last_sync, waiting), strict=True):
+                    if synced > 0:
+                        node.first_sync_s = round(synced - node.started_wall, 3)
+                    elif node.proc is not None and node.proc.poll() is not None:
+                        raise RuntimeError(f"{fleet} on {node.name} exited "
+                                           f"({node.proc.returncode}); see its log in "
+                                           f"{self.plane.lab.workdir}")
+                waiting = [n for n in waiting if n.first_sync_s is None]
+                time.sleep(0.5)
+        if waiting:
+            raise RuntimeError(f"{fleet}: {len(waiting)} nodes not synced within "
+                               f"{self.args.start_timeout} s")
+        time.sleep(SETTLE)
+        after = sample(self.plane, self.nodes)
+        syncs = sorted(n.first_sync_s or 0.0 for n in self.nodes)
+        return {**delta(before, after), "first_sync_s": {n.name: n.first_sync_s
+                                                          for n in self.nodes},
+                "first_sync_p50_s": statistics.median(syncs), "first_sync_max_s": syncs[-1],
+                "procs": after.procs,
+                "audit": audit_summary(read_audit(self.audit_log), USERS.get(fleet),
+                                       before.wall, after.wall, self.nodes)}
+
+    def churn(self, seconds: float) -> dict[str, Any]:
+        """(b) endpoint changes at --churn-rate for `seconds`."""
+        self.generation += 1
+        before = sample(self.plane, self.nodes)
+        with Churn(self.kube, self.synth, self.args.churn_rate, self.generation) as churn:
+            time.sleep(seconds)
+        changes = churn.done
+        time.sleep(SETTLE)
+        after = sample(self.plane, self.nodes)
+        return {**delta(before, after), "changes": changes,
+                "rate": round(changes / seconds, 2), "procs_before": before.procs,
+                "procs": after.procs}
+
+    def restart(self, fleet: str | None) -> dict[str, Any]:
+        """(c) kube-apiserver killed, down --downtime s, started, watched --after-seconds."""
+        before = sample(self.plane, self.nodes)
+        killed = time.time()
+        self.plane.kill_apiserver()
+        time.sleep(self.args.downtime)
+        started = time.time()
+        self.plane.start_apiserver()
+        ready = time.time()
+        time.sleep(self.args.after_seconds)
+        after = sample(self.plane, self.nodes)
+        # The proxies are answered as soon as it listens, before /readyz says ready.
+        summary = audit_summary(read_audit(self.audit_log), USERS.get(fleet or ""),
+                                killed, after.wall, self.nodes, back_from=started)
+        return {**delta(before, after, restarted=True), "started_after_kill_s":
+                round(started - killed, 2), "ready_after_start_s": round(ready - started, 2),
+                "procs_before": before.procs, "procs": after.procs, "audit": summary}
+
+    def stop(self) -> None:
+        running = [n for n in self.nodes if n.proc is not None]
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda n: self.plane.lab.stop_process(n.proc), running))
+        for node in self.nodes:
+            node.proc = None
+            # the node's own namespace (never the root's): the next fleet starts clean
+            self.plane.lab.run(node.ns, ["nft", "flush", "ruleset"])
+
+    def fleet(self, fleet: str) -> dict[str, Any]:
+        print(f"{fleet}: starting {len(self.nodes)}…", flush=True)
+        try:
+            result = {"start": self.start(fleet)}
+            print(f"  synced: p50 {result['start']['first_sync_p50_s']:.1f} s, "
+                  f"max {result['start']['first_sync_max_s']:.1f} s; churn "
+                  f"{self.args.churn_seconds:.0f} s…", flush=True)
+            result["churn"] = self.churn(self.args.churn_seconds)
+            print("  restarting the API server…", flush=True)
+            result["restart"] = self.restart(fleet)
+        finally:
+            self.stop()
+        return result
+
+    def baseline(self) -> dict[str, Any]:
+        print(f"baseline (no proxy): churn {self.args.baseline_seconds:.0f} s, restart…",
+              flush=True)
+        return {"churn": self.churn(self.args.baseline_seconds), "restart": self.restart(None)}
+
+
+def audit_summary(log: list[Request], user: str | None, since: float, until: float,
+                  nodes: list[Node], back_from: float | None = None) -> dict[str, Any]:
+    """The proxies' requests in [since, until]: per node, lists by resource, watches, 410s;
+    requests per second (from since); with `back_from` (the API server started again): when
+    each node's EndpointSlice watch was back."""
+    by_address = {n.address: n.name for n in nodes}
+    window = [r for r in log if since <= r.received <= until and r.user == user]
+    per_node: dict[str, dict[str, Any]] = {
+        n.name: {"lists": Counter(), "watches": 0, "gone_410": 0, "requests": 0,
+                 "slices_watch_back_s": None} for n in nodes}
+    for r in window:
+        node = per_node.get(by_address.get(r.source, ""))
+        if node is None:
+            continue
+        node["requests"] += 1
+        if r.code == 410:
+            node["gone_410"] += 1
+        if r.verb == "list":
+            node["lists"][r.resource] += 1
+        elif r.verb == "watch":
+            node["watches"] += 1
+            # back: a watch that stayed (one ended at once carried a 410 ERROR event)
+            if (back_from is not None and r.resource == "endpointslices" and r.code < 400
+                    and (r.lasted is None or r.lasted > 1.0)
+                    and node["slices_watch_back_s"] is None and r.received >= back_from):
+                node["slices_watch_back_s"] = round(r.received - back_from, 2)
+    per_second = Counter(int(r.received - since) for r in window)
+    lists = [sum(n["lists"].values()) for n in per_node.values()]
+    back = [n["slices_watch_back_s"] for n in per_node.values()]
+    return {"requests": len(window), "lists": sum(lists), "lists_max_per_node": max(lists),
+            "nodes_that_listed": sum(1 for n in lists if n),
+            "gone_410": sum(n["gone_410"] for n in per_node.values()),
+            "requests_per_second_max": max(per_second.values(), default=0),
+            "requests_per_second": [per_second.get(s, 0)
+                                    for s in range(int(until - since) + 1)],
+            "slices_watch_back_max_s": None if None in back or not back else max(back),
+            "per_node": {name: {**n, "lists": dict(n["lists"])}
+                         for name, n in per_node.items()}}
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+def per_change_per_node(phase: dict[str, Any], base: dict[str, Any] | None, key: str,
+                        nodes: int) -> float:
+    """A churn figure per change per node, the same churn without proxies subtracted (by
+    rate: the baseline may be shorter)."""
+    changes = max(1, int(phase["changes"]))
+    value = float(phase[key]) / changes
+    if base is not None and key == "apiserver_cpu_s":
+        value -= base[key] / max(1, base["changes"])
+    return value / nodes
+
+
+def node_stat(procs: dict[str, dict[str, float]], key: str, how: str = "p50") -> float:
+    values = sorted(p[key] for p in procs.values())
+    if not values:
+        return float("nan")
+    return values[-1] if how == "max" else statistics.median(values)
+
+
+def rows(result: dict[str, Any], base: dict[str, Any] | None,
+         nodes: int) -> list[tuple[str, float]]:
+    start, churn, restart = result["start"], result["churn"], result["restart"]
+    node_cpu_churn = [churn["procs"][name]["total_cpu_s"]
+                      - churn["procs_before"][name]["total_cpu_s"] for name in churn["procs"]]
+    return [
+        ("(a) start: API server CPU s", start["apiserver_cpu_s"]),
+        ("(a) start: bytes sent to the proxies, MiB", start["bytes_sent"] / 2**20),
+        ("(a) start → first sync, p50 / max of the nodes (s)", start["first_sync_p50_s"]),
+        ("", start["first_sync_max_s"]),
+        ("(a) node CPU s to the first sync incl. children, p50", node_stat(
+            start["procs"], "total_cpu_s")),
+        ("(a) node RSS after it, p50 (MiB)", node_stat(start["procs"], "rss_mib")),
+        ("(b) changes/s reached", churn["rate"]),
+        ("(b) API server CPU ms per change per node" + (" (writes subtracted)" if base else ""),
+         1000 * per_change_per_node(churn, base["churn"] if base else None,
+                                    "apiserver_cpu_s", nodes)),
+        ("(b) bytes sent per change per node", per_change_per_node(
+            churn, None, "bytes_sent", nodes)),
+        ("(b) node CPU ms per change, p50 (children incl.)",
+         1000 * statistics.median(node_cpu_churn) / max(1, churn["changes"])),
+        ("(c) API server CPU s, restart + window", restart["apiserver_cpu_s"]),
+        ("(c) the same above the restart without proxies", restart["apiserver_cpu_s"]
+         - (base["restart"]["apiserver_cpu_s"] if base else float("nan"))),
+        ("(c) bytes sent to the proxies, MiB", restart["bytes_sent"] / 2**20),
+        ("(c) lists after the restart, all nodes", restart["audit"]["lists"]),
+        ("(c) lists per node, max", restart["audit"]["lists_max_per_node"]),
+        ("(c) proxies' requests/s at the API server, max", restart["audit"][
+            "requests_per_second_max"]),
+        ("(c) last node's EndpointSlice watch back (s after the API server's start)",
+         restart["audit"]["slices_watch_back_max_s"] or float("nan")),
+        ("node RSS at the end, p50 / max (MiB)", node_stat(restart["procs"], "rss_mib")),
+        ("", node_stat(restart["procs"], "rss_mib", "max")),
+        ("node peak RSS, max (MiB)", node_stat(restart["procs"], "hwm_mib", "max")),
+    ]
+
+
+def table(report: dict[str, Any]) -> str:
+    fleets = report["fleets"]
+    n = report["nodes"]
+    base = report.get("baseline")
+    head = (f"| {report['services']} × {report['endpoints']}, N = {n} | pyproxy | kube-proxy "
+            "| pyproxy / kube-proxy |")
+    lines = [head, "|---|---:|---:|---:|"]
+    py = rows(fleets["pyproxy"], base, n) if "pyproxy" in fleets else None
+    kp = rows(fleets["kube-proxy"], base, n) if "kube-proxy" in fleets else None
+    for i, (label, _) in enumerate(py or kp or []):
+        ours = py[i][1] if py else float("nan")
+        theirs = kp[i][1] if kp else float("nan")
+        ratio = ours / theirs if theirs else float("nan")
+        lines.append(f"| {label or '…'} | {ours:.2f} | {theirs:.2f} | {ratio:.2f} |")
+    if sizes := report.get("wire_sizes"):
+        lines.append("\none EndpointSlice on the wire: " + ", ".join(
+            f"{k} {v:,} B" for k, v in sizes.items()))
+    if base:
+        lines.append(f"without proxies: churn {base['churn']['changes']} changes, API "
+                     f"server {base['churn']['apiserver_cpu_s']:.2f} CPU s; restart + window "
+                     f"{base['restart']['apiserver_cpu_s']:.2f} CPU s")
+    return "\n".join(lines)
+
+
+def wire_sizes(plane: ControlPlane, synth: Synth) -> dict[str, int]:
+    """One synthetic EndpointSlice as each client reads it: JSON (pyproxy), JSON without
+    its managedFields, protobuf (kube-proxy's default contentType); and a whole list."""
+    key = synth.key(0)
+    path = f"/apis/discovery.k8s.io/v1/namespaces/{key.namespace}/endpointslices"
+    name = synth.endpoint_slice(0, synth.initial_endpoints(0))["metadata"]["name"]
+    api = plane.admin_client()
+
+    def get(url: str, accept: str) -> bytes:
+        response = api.call_api("GET", f"{plane.url}{url}", header_params={"Accept": accept},
+                                _request_timeout=30)
+        return bytes(response.read())
+
+    try:
+        as_json = get(f"{path}/{name}", "application/json")
+        trimmed = json.loads(as_json)
+        trimmed["metadata"].pop("managedFields", None)
+        return {"slice_json": len(as_json),
+                "slice_json_without_managed_fields": len(json.dumps(
+                    trimmed, separators=(",", ":"))),
+                "slice_protobuf": len(get(f"{path}/{name}",
+                                          "application/vnd.kubernetes.protobuf")),
+                "slice_list_json": len(get("/apis/discovery.k8s.io/v1/endpointslices",
+                                           "application/json")),
+                "slice_list_protobuf": len(get("/apis/discovery.k8s.io/v1/endpointslices",
+                                               "application/vnd.kubernetes.protobuf"))}
+    finally:
+        api.close()
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=50,
+                        help=f"node processes per fleet (default %(default)s, at most "
+                             f"{MAX_NODES})")
+    parser.add_argument("--size", default="1000x10", help="SERVICESxENDPOINTS")
+    parser.add_argument("--churn-seconds", type=float, default=300.0)
+    parser.add_argument("--churn-rate", type=float, default=20.0, help="changes per second")
+    parser.add_argument("--baseline-seconds", type=float, default=60.0,
+                        help="the churn without proxies")
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--downtime", type=float, default=5.0,
+                        help="seconds the API server stays down")
+    parser.add_argument("--after-seconds", type=float, default=180.0,
+                        help="watched after the restarted API server answers")
+    parser.add_argument("--start-timeout", type=float, default=600.0)
+    parser.add_argument("--order", default=",".join(FLEETS),
+                        type=lambda s: [name for name in s.split(",") if name])
+    parser.add_argument("--json", help="default: bench/results/fleet-SIZE-nN-COMMIT.json")
+    parser.add_argument("--logs", help="copy the proxies' and the API server's logs here")
+    args = parser.parse_args()
+    if not 1 <= args.nodes <= MAX_NODES:
+        parser.error(f"--nodes: 1 to {MAX_NODES}")
+    if unknown := set(args.order) - set(FLEETS):
+        parser.error(f"--order: unknown {', '.join(sorted(unknown))}")
+    services, endpoints = (int(x) for x in args.size.split("x"))
+    bin_dir = controlplane.binaries_dir()
+    if controlplane.missing_binaries(bin_dir):
+        print(f"run `make k8s` first ({bin_dir})", file=sys.stderr)
+        return 2
+    compile_pyproxy()
+    report: dict[str, Any] = {"commit": commit(), "services": services,
+                              "endpoints": endpoints, "nodes": args.nodes,
+                              "args": vars(args), "fleets": {}}
+    with tempfile.TemporaryDirectory(prefix="ppx-fleet-") as tmp:
+        flags, audit_log = audit_args(Path(tmp))
+        with controlplane.running_control_plane(bin_dir, apiserver_args=flags) as plane:
+            kube = Kube(plane.admin_client())
+            controlplane.apply_manifests(kube)
+            synth = Synth(services, endpoints)
+            report["load_s"] = load(kube, synth, "192.168.0.10")
+            print(f"{services} services × {endpoints} endpoints loaded through the API in "
+                  f"{report['load_s']:.0f} s", flush=True)
+            report["wire_sizes"] = wire_sizes(plane, synth)
+            workdir = plane.lab.workdir
+            kubeconfigs = {
+                "kube-proxy": plane.node_kubeconfig(workdir / "kube-proxy.kubeconfig",
+                                                    controlplane.kube_proxy_token(kube)),
+                "pyproxy": plane.node_kubeconfig(workdir / "pyproxy.kubeconfig",
+                                                 controlplane.service_account_token(kube))}
+            nodes = make_nodes(plane, kube, args.nodes)
+            bench = Bench(plane, kube, synth, nodes, args, audit_log, kubeconfigs)
+            if not args.no_baseline:
+                report["baseline"] = bench.baseline()
+            for fleet in args.order:
+                report["fleets"][fleet] = bench.fleet(fleet)
+            if args.logs:
+                Path(args.logs).mkdir(parents=True, exist_ok=True)
+                for log in [*workdir.glob("*.log"), audit_log]:
+                    (Path(args.logs) / log.name).write_bytes(log.read_bytes())
+    out = Path(args.json) if args.json else (
+        REPO / "bench" / "results"
+        / f"fleet-{services}x{endpoints}-n{args.nodes}-{report['commit']}.json")
+    out.write_text(json.dumps(report, indent=1, default=str))
+    print("\n" + table(report), flush=True)
+    print(f"\nfigures: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

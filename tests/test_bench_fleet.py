@@ -1,0 +1,58 @@
+"""bench/bench_fleet.py's reading of the API server's audit log: each request once, a streamed
+list counted as a list, requests told apart by node (their veth address) and by fleet (their
+ServiceAccount), and when a node's EndpointSlice watch came back after a restart."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.bench_fleet import USERS, Node, audit_summary, read_audit
+
+KP = USERS["kube-proxy"]
+
+
+def event(audit_id: str, stage: str, verb: str, resource: str, source: str, at: str,
+          uri: str = "/x", code: int = 200, user: str = KP,
+          ended: str | None = None) -> dict[str, Any]:
+    return {"stageTimestamp": f"2026-01-01T00:00:{ended or at}Z", "auditID": audit_id,
+            "stage": stage, "verb": verb, "requestURI": uri,
+            "user": {"username": user}, "sourceIPs": [source],
+            "objectRef": {"resource": resource}, "responseStatus": {"code": code},
+            "requestReceivedTimestamp": f"2026-01-01T00:00:{at}Z"}
+
+
+def test_audit_requests_are_counted_once_per_node_and_fleet(tmp_path: Path) -> None:
+    log = tmp_path / "audit.log"
+    lines = [
+        event("1", "ResponseComplete", "list", "services", "10.0.0.2", "01.000000"),
+        # a watch: logged when its response starts and again when it ends
+        event("2", "ResponseStarted", "watch", "endpointslices", "10.0.0.2", "02.500000"),
+        event("2", "ResponseComplete", "watch", "endpointslices", "10.0.0.2", "02.500000",
+              ended="09.000000"),
+        # a watch that ended at once (a 410 ERROR event in it) is not "back"
+        event("6", "ResponseComplete", "watch", "endpointslices", "10.0.0.2", "02.000000"),
+        # a streamed list (watch-list) is a list
+        event("3", "ResponseStarted", "watch", "endpointslices", "10.0.0.6", "03.000000",
+              uri="/apis/discovery.k8s.io/v1/endpointslices?sendInitialEvents=true&watch=1"),
+        # the other fleet's request, and one before the window
+        event("4", "ResponseComplete", "list", "nodes", "10.0.0.6", "03.000000",
+              user=USERS["pyproxy"]),
+        event("5", "ResponseComplete", "list", "nodes", "10.0.0.6", "00.000000"),
+    ]
+    log.write_text("\n".join(json.dumps(e) for e in lines) + "\n{\"cut by a SIGK")
+    requests = read_audit(log)
+    assert len(requests) == 6
+    no_ns: Any = None  # the summary reads only names and addresses
+    nodes = [Node("a", no_ns, "10.0.0.2", "to-a"), Node("b", no_ns, "10.0.0.6", "to-b")]
+    since = requests[1].received - 0.5  # 00:00:00.5: the request at 00:00 is before
+    summary = audit_summary(requests, KP, since, since + 10, nodes, back_from=since + 1.0)
+    assert summary["requests"] == 4
+    assert summary["lists"] == 2 and summary["nodes_that_listed"] == 2
+    assert summary["per_node"]["a"]["lists"] == {"services": 1}
+    assert summary["per_node"]["a"]["watches"] == 2
+    assert summary["per_node"]["a"]["slices_watch_back_s"] == 1.0
+    assert summary["per_node"]["b"]["lists"] == {"endpointslices": 1}
+    assert summary["slices_watch_back_max_s"] is None  # b's watch never came back
+    assert summary["requests_per_second"][:3] == [1, 1, 2]
