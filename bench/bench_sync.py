@@ -160,6 +160,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.cluster.watch import SLICE_CODEC
     from pyproxy.core.model import IPFamily
+    from pyproxy.core.plan import Cause, Scope, SyncPlan
     from pyproxy.kernel.nft import LibNftables, SyncResult
     from pyproxy.render.objects import TABLE
     from pyproxy.render.ruleset import Change as RChange
@@ -339,7 +340,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     g0 = gcc.mark()
     t0 = time.perf_counter()
     with prof.phase("resync"):
-        r = proxier.sync(state, full=True)
+        r = proxier.sync(state, plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     t1 = time.perf_counter()
     g1 = gcc.mark()
     res["resync"] = {"total_s": t1 - t0, "render_s": render_of(r), "diff_s": r.diff_seconds,

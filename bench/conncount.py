@@ -213,6 +213,7 @@ def syncs_with_elements(proxier: Any, state: Any, cluster: Any, seed: int) -> di
     """One-service changes and a full resync with the counting sets full: libnftables must
     not read their elements before each transaction (it would cost seconds at this size)."""
     from bench.synth import apply_change, plan_changes
+    from pyproxy.core.plan import Cause, Scope, SyncPlan
 
     changes: dict[str, list[float]] = {}
     for change in plan_changes(cluster, CHANGES_WITH_ELEMENTS, seed=seed + 1):
@@ -222,7 +223,7 @@ def syncs_with_elements(proxier: Any, state: Any, cluster: Any, seed: int) -> di
         changes.setdefault(change.op, []).append((time.perf_counter() - t0) * 1e3)
         state = new_state
     t0 = time.perf_counter()
-    proxier.sync(state, full=True)
+    proxier.sync(state, plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     return {"changes_ms": changes, "resync_s": time.perf_counter() - t0}
 
 

@@ -21,8 +21,8 @@ from drills.harness import (
     write_snapshot,
 )
 from drills.tamper import TAMPERS
+from pyproxy.core.plan import Cause
 from pyproxy.kernel.nft import STALE_CHAIN_GRACE
-from pyproxy.sync.node import REPAIR_REASON
 from testkit.builders import make_node
 
 
@@ -106,7 +106,7 @@ def kernel_faults(env: Env, sync_period: float = 2.0, hold: float | None = None,
         # period, which must not pass for tampering (no repair sync, `diff` clean).
         time.sleep(STALE_CHAIN_GRACE + sync_period + 0.3)
         spurious = [h for h in daemon.history() if h["started"] >= queued_wall
-                    and h["reason"] == REPAIR_REASON]
+                    and h["cause"] == Cause.REPAIR.name.lower()]
         r.check(not spurious, "our own stale-chain deletion was taken for tampering")
         r.check(daemon.diff_clean(), "pyproxy diff not clean after the faults")
         probe.finish()
@@ -145,7 +145,7 @@ def _repair_refused(r: Result, env: Env, daemon: Daemon, sync_period: float) -> 
         r.check(all(x.healthz == 503 and x.node_port == 503 for x in held),
                 "/healthz or the health-check node port back to 200 while still broken")
         reasons = {x.reason for x in held} | {x.node_port_reason for x in held}
-        r.check(all(REPAIR_REASON in why for why in reasons),
+        r.check(all(Cause.REPAIR.value in why for why in reasons),
                 f"503 without the reason: {sorted(reasons)[:3]}")
         r.check(any("the repair failed" in why for why in reasons),
                 f"the refused repair never named: {sorted(reasons)[:3]}")
@@ -159,7 +159,7 @@ def _repair_refused(r: Result, env: Env, daemon: Daemon, sync_period: float) -> 
     early = [x for x in samples if x.livez != 200 and x.at - tampered < 2 * sync_period - 0.05]
     r.check(not early, f"/livez {early[0].livez} {early[0].at - tampered:.2f} s after the "
             "tamper" if early else "")
-    r.check(all(REPAIR_REASON not in x.livez_reason for x in samples),
+    r.check(all(Cause.REPAIR.value not in x.livez_reason for x in samples),
             "/livez failed because of the damage")
 
 

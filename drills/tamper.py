@@ -24,8 +24,8 @@ from drills.harness import (
     snapshot_bench,
     until,
 )
+from pyproxy.core.plan import Cause
 from pyproxy.kernel.nft import STALE_CHAIN_GRACE
-from pyproxy.sync.node import REPAIR_REASON
 from testkit.builders import ep, make_service, make_slice
 from testkit.netlab import ConnResult
 
@@ -89,7 +89,7 @@ def tamper(env: Env, sync_period: float = 1.0, which: Iterable[str] = tuple(TAMP
         _count_probe(r, probe, windows)
         repairs = daemon.metric("pyproxy_table_repairs_total") - repairs_before
         r.check(repairs >= len(which), f"pyproxy_table_repairs_total counted {repairs}")
-        history = [h for h in daemon.history() if h["reason"] == REPAIR_REASON]
+        history = [h for h in daemon.history() if h["cause"] == Cause.REPAIR.name.lower()]
         r.check(len(history) >= len(which), f"only {len(history)} repair syncs in history")
         left = until_value(lambda: not_dnated_entries(env, (WEB, LB, HELD4, HELD6)), 3.0)
         r.check(not left, f"conntrack entries never DNATed outlived the repairs: {left[:3]}")
@@ -128,7 +128,7 @@ def _one_tamper(env: Env, b: SnapshotBench, r: Result, label: str,
 
     until(repaired, daemon.sync_period * 3 + 10, f"repair of {label}")
     samples = watch.finish()
-    repair = next((h for h in daemon.history() if h["reason"] == REPAIR_REASON
+    repair = next((h for h in daemon.history() if h["cause"] == Cause.REPAIR.name.lower()
                    and h["started"] >= tampered_wall - 0.01), None)
     if not r.check(repair is not None, f"{label}: no repair sync in the history"):
         return None
@@ -140,7 +140,7 @@ def _one_tamper(env: Env, b: SnapshotBench, r: Result, label: str,
     bad = [x for x in samples if x.healthz != 200]
     unhealthy[label] = max((x.at for x in bad), default=tampered) - tampered
     r.check(all(x.livez == 200 for x in samples), f"{label}: /livez not 200")
-    r.check(all(REPAIR_REASON in x.reason for x in bad),
+    r.check(all(Cause.REPAIR.value in x.reason for x in bad),
             f"{label}: /healthz 503 for another reason: {[x.reason for x in bad][:3]}")
     after = daemon.health()
     r.check(after.healthz == 200 and after.node_port == 200,

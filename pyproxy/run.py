@@ -39,6 +39,7 @@ from pyproxy.core.model import (
     ip_family,
     override_ips,
 )
+from pyproxy.core.plan import Cause
 from pyproxy.core.topology import PortSelection
 from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.kernel.conntrack import (
@@ -64,7 +65,7 @@ from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, Servi
 from pyproxy.serve.live import counting_context, handlers
 from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import Metrics, RejectedPackets
-from pyproxy.sync.node import REPAIR_REASON, NodeProxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -161,7 +162,7 @@ class DaemonObserver:
         self.health.updated()
         self.health.set_node(proxier.cache.node)
         m = self.metrics
-        if record.reason == REPAIR_REASON:
+        if record.cause is Cause.REPAIR:
             m.table_repairs.inc()
             self._after_repair(state)
         failures = sum(p.applier.cleanup_failures for p in proxier.proxiers)
@@ -322,16 +323,17 @@ class NodeTracker:
     node: Callable[[], Node | None]
     on_change: list[Callable[[NodeConfig], None]] = field(default_factory=list)
 
-    def __call__(self) -> str | None:
+    def __call__(self) -> bool:
+        """Whether the configuration changed."""
         wanted = node_config_for(self.config, self.node_name, self.node(), self.interface_ips)
         if wanted == self.current:
-            return None
+            return False
         log.info("node_config_from_node", node_ips=list(wanted.node_ips),
                  was=list(self.current.node_ips), pod_cidrs=list(wanted.node_cidrs))
         self.current = wanted
         for hook in self.on_change:
             hook(wanted)
-        return "node IPs changed"
+        return True
 
 
 def _hcnp_addresses(node_config: NodeConfig) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.plan import SyncPlan
 from pyproxy.kernel.nft import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.sync.proxier import FamilyProxier
@@ -42,7 +43,7 @@ class NodeProxy:
         nft = libnft_in(netns)
         self.proxiers = [FamilyProxier(f, config, nft) for f in families]
 
-    def apply(self, objects: list[dict[str, Any]], full: bool = False) -> list[Any]:
+    def apply(self, objects: list[dict[str, Any]], plan: SyncPlan | None = None) -> list[Any]:
         state = build_state(objects)
         assert not [s for s in state.skipped if s.invalid], state.skipped
-        return [p.sync(state, full=full) for p in self.proxiers]
+        return [p.sync(state, plan=plan) for p in self.proxiers]

@@ -10,9 +10,10 @@ import pytest
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
 from pyproxy.serve.live import trace_in
-from pyproxy.sync.node import REPAIR_REASON, NodeProxier
+from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice
 from testkit.fakes import FakeKernel, FakeNft
@@ -106,7 +107,7 @@ def test_someone_elses_change_to_the_structure_is_found_and_repaired(tamper: str
     assert any(reported in line for line in applier(proxier).diff()), applier(proxier).diff()
     proxier.table_changed(f"ip pyproxy: {tamper.strip()}")
     proxier.sync()
-    assert proxier.history[-1].reason == REPAIR_REASON and proxier.history[-1].full
+    assert proxier.history[-1].cause is Cause.REPAIR and proxier.history[-1].full
     assert applier(proxier).structure_intact() and applier(proxier).diff() == []
     assert proxier.damage() is None
 
@@ -118,7 +119,7 @@ def test_a_deleted_element_shows_in_diff_and_a_full_sync_puts_it_back() -> None:
     assert applier(proxier).diff() == [f"set cluster-ips: missing element {VIP}"]
     nft.run("add element ip pyproxy cluster-ips { 10.96.0.99 }\n")
     assert "set cluster-ips: unexpected element 10.96.0.99" in applier(proxier).diff()
-    proxier.proxiers[0].sync(proxier.cache.state(), full=True)
+    proxier.proxiers[0].sync(proxier.cache.state(), plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     assert applier(proxier).diff() == []
 
 
@@ -142,7 +143,7 @@ def test_the_stale_chain_of_a_removed_service_is_deleted_after_the_grace() -> No
     assert "cluster-tcp-1" in nft.list_names("ip")[0]  # flushed, kept for the grace
     assert applier(proxier).structure_intact() and applier(proxier).diff() == []
     now[0] += 2
-    proxier.proxiers[0].sync(proxier.cache.state(), full=True)
+    proxier.proxiers[0].sync(proxier.cache.state(), plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     assert "cluster-tcp-1" not in nft.list_names("ip")[0]
     assert applier(proxier).structure_intact() and applier(proxier).diff() == []
 

@@ -11,10 +11,11 @@ from structlog.testing import capture_logs
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.plan import Cause
 from pyproxy.kernel.nft import Applier, NftError
 from pyproxy.render.objects import Fragment, Item, Kind
 from pyproxy.render.ruleset import Shape
-from pyproxy.sync.node import REPAIR_REASON, NodeProxier
+from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -185,7 +186,7 @@ def test_updates_failing_half_way_force_a_full_sync() -> None:
     nft = FakeNft()
     applier = Applier("ip", nft)
     applier.sync({"declared": _CLUSTER_IPS, "a": _elements("10.96.0.1")})
-    assert not applier.need_full
+    assert applier.in_step
 
     def broken() -> Iterator[tuple[Hashable, Fragment]]:
         yield "a", _elements("10.96.0.2")
@@ -194,7 +195,7 @@ def test_updates_failing_half_way_force_a_full_sync() -> None:
     scripts = len(nft.scripts)
     with pytest.raises(RuntimeError):
         applier.sync(broken())
-    assert len(nft.scripts) == scripts and applier.need_full
+    assert len(nft.scripts) == scripts and not applier.in_step
     result = applier.sync({"b": _elements("10.96.0.3")})
     assert result.full and "10.96.0.2" in nft.last and "10.96.0.3" in nft.last
 
@@ -267,7 +268,7 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     stop = threading.Event()
     clock.at(1.75, stop.set)
     runner.loop(stop)
-    assert [(r.started, r.reason) for r in proxier.history] == [(1.25, "start")]
+    assert [(r.started, r.cause) for r in proxier.history] == [(1.25, Cause.START)]
     assert runner.stats().runs == 2  # the declined one at t=1, then the sync
     assert len(nft.scripts) == 1
 
@@ -319,7 +320,7 @@ def test_someone_elses_change_is_repaired_at_once_and_is_damage_until_then() -> 
                                 "deleted")
     proxier.sync()
     record = proxier.history[-1]
-    assert record.full and record.reason == REPAIR_REASON and record.error is None
+    assert record.full and record.cause is Cause.REPAIR and record.error is None
     assert "add table ip pyproxy" in nft.last
     assert proxier.damage() is None
 
@@ -365,7 +366,7 @@ def test_a_change_reported_during_a_sync_is_repaired_by_the_next_one() -> None:
     proxier.sync()  # repairs the first change; the second happened after it started
     assert proxier.damage() == "table changed by someone else: ip pyproxy: table deleted"
     proxier.sync()
-    assert [r.reason for r in list(proxier.history)[-2:]] == [REPAIR_REASON, REPAIR_REASON]
+    assert [r.cause for r in list(proxier.history)[-2:]] == [Cause.REPAIR, Cause.REPAIR]
     assert proxier.damage() is None
 
 
@@ -376,7 +377,7 @@ def test_a_change_before_the_first_sync_is_not_damage() -> None:
     for source in ("Service", "EndpointSlice"):
         proxier.source_synced(source)
     proxier.sync()
-    assert proxier.history[-1].reason == "start"
+    assert proxier.history[-1].cause is Cause.START
 
 
 class KernelListing(FakeNft):
@@ -438,7 +439,7 @@ def test_the_structure_is_read_at_the_periodic_check_not_after_our_own_commits()
     now[0] += 30  # the periodic check: one read, no repair
     proxier.sync()
     assert nft.reads == reads + 1
-    assert proxier.history[-1].reason == "changes" and proxier.damage() is None
+    assert proxier.history[-1].cause is Cause.CHANGES and proxier.damage() is None
 
 
 def test_the_periodic_check_finds_tampering_after_our_own_structure_changes() -> None:
@@ -451,7 +452,7 @@ def test_the_periodic_check_finds_tampering_after_our_own_structure_changes() ->
     assert proxier.proxiers[0].applier.diff()[0].startswith("chain services: ")
     now[0] += 30
     proxier.sync()
-    assert proxier.history[-1].reason == REPAIR_REASON
+    assert proxier.history[-1].cause is Cause.REPAIR
 
 
 def test_lost_events_check_the_structure_at_the_next_sync_even_with_changes() -> None:
@@ -461,7 +462,7 @@ def test_lost_events_check_the_structure_at_the_next_sync_even_with_changes() ->
     proxier.on_slice(("ns", "web-1"), eps("10.244.1.3", slice_name="web-1"))  # pending
     now[0] += 1  # well within verify_period
     proxier.sync()
-    assert proxier.history[-1].reason == REPAIR_REASON
+    assert proxier.history[-1].cause is Cause.REPAIR
     assert proxier.history[-1].full and "10.244.1.3" in nft.last
 
 

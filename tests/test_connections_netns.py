@@ -14,6 +14,7 @@ import pytest
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import NodeConfig
+from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.connection_keys import endpoint_part
@@ -155,7 +156,7 @@ def test_connections_add_up_and_split_as_they_landed(cluster: Cluster, node: Nod
     # a full sync (hourly, after a failure) keeps the kernel's counters
     counted = node.raw()
     assert sum(counted.values()) == 2 * N
-    node.proxy.apply(node.objects, full=True)
+    node.proxy.apply(node.objects, plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     assert node.raw() == counted
 
 

@@ -386,8 +386,8 @@ def test_failed_transaction_leaves_rules_intact(cluster: Cluster, proxy: NodePro
     broken = Fragment((Item(Kind.CHAIN, "broken", "", "this is not nft"),))
     with pytest.raises(NftError):
         applier.sync({"bad": broken})
-    assert applier.need_full
+    assert not applier.in_step
     assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=3)) == {"pod-a": 3}
     applier.sync({"bad": Fragment()})  # the next (full) sync repairs everything
-    assert not applier.need_full
+    assert applier.in_step
     assert tally(cluster.lab.connect(cluster.client, VIP, 80, count=3)) == {"pod-a": 3}

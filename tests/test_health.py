@@ -20,6 +20,7 @@ import pytest
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.convert import convert_node
 from pyproxy.core.model import IPFamily, Node, NodeConfig, ServiceKey
+from pyproxy.core.plan import Cause, Scope
 from pyproxy.run import DaemonObserver
 from pyproxy.serve.health import (
     HealthServer,
@@ -712,9 +713,10 @@ def test_a_sync_marks_the_proxy_updated_and_records_the_node() -> None:
     assert code == 503
     # A failed sync does not count as programmed; the next good one does.
     proxy.queued()
-    observer.failed(SyncRecord(START, True, "changes", 0, 0, 0.0, 0.0, 0.0, 0, error="boom"))
+    observer.failed(SyncRecord(START, Scope.CHANGED, Cause.CHANGES, 0, 0, 0.0, 0.0, 0.0, 0,
+                               error="boom"))
     mono.now += TIMEOUT
     assert not proxy.healthy()
-    observer.synced(SyncRecord(START, True, "start or after a failure", 0, 0, 0.0, 0.0, 0.0, 0),
+    observer.synced(SyncRecord(START, Scope.FULL, Cause.AFTER_FAILURE, 0, 0, 0.0, 0.0, 0.0, 0),
                     Checkout(frozenset(), False, 0, 0))
     assert proxy.healthy()

@@ -39,9 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # watch → cache → sync → topology → render → ruleset: the stages that only compute.
-PURE = ("core.model", "core.convert", "cluster.cache", "core.topology", "core.balancing",
-        "core.coexistence", "core.explain", "render", "render.connection_keys", "render.ruleset",
-        "render.staging", "render.trace")
+PURE = ("core.model", "core.convert", "core.plan", "cluster.cache", "core.topology",
+        "core.balancing", "core.coexistence", "core.explain", "render", "render.connection_keys",
+        "render.ruleset", "render.staging", "render.trace")
 FORBIDDEN = ("kubernetes", "nftables", "pyroute2", "yaml", "threading", "socketserver",
              "subprocess", "http", "urllib", "asyncio", "selectors", "concurrent")
 # The socket module's address conversions are computation, not I/O (convert.py uses them).

@@ -88,7 +88,7 @@ def test_status_and_history(env: tuple[Cluster, str, Path]) -> None:
     status = cli_json(sock, "status")
     assert status["healthy"] and status["initialized"]
     assert status["node"] == "node-a" and status["services"] == 4
-    assert status["lastFullSync"]["reason"] == "start"
+    assert status["lastFullSync"]["cause"] == "start"
     assert status["source"]["loads"] == 1
     code, text = cli(sock, "status")
     assert code == 0 and "healthy:           yes" in text
@@ -181,7 +181,7 @@ def test_diff_and_tampering_repaired(env: tuple[Cluster, str, Path]) -> None:
           "the dispatch chain repaired", interval=0.3)
     assert cli(sock, "diff")[0] == 0
     history = cli_json(sock, "history")
-    assert any(r["reason"] == "table changed by someone else" for r in history)
+    assert any(r["cause"] == "repair" for r in history)
     metrics = c.lab.exec_python(c.node, "import urllib.request;print(urllib.request.urlopen("
                                 "'http://127.0.0.1:10249/metrics').read().decode())").stdout
     assert "pyproxy_table_repairs_total 2.0" in metrics  # the element, the chain

@@ -443,11 +443,11 @@ def test_a_restart_with_localhost_added_stops_rejecting_tcp(cluster: Cluster) ->
     ns = lab.add_ns("restart")
     try:
         state = build_state(nodeport_objects())
-        FamilyProxier(V4, node("primary"), libnft_in(ns.full)).sync(state, full=True)
+        FamilyProxier(V4, node("primary"), libnft_in(ns.full)).sync(state)  # full: a start
         listed = ns.run(["nft", "list", "table", "ip", "pyproxy"]).stdout
         assert "tcp . 30080 : goto localhost-nodeport-reject-tcp" in listed
         proxier = FamilyProxier(V4, node("primary", *LOOPBACK), libnft_in(ns.full))
-        proxier.sync(state, full=True)
+        proxier.sync(state)
         listed = ns.run(["nft", "list", "table", "ip", "pyproxy"]).stdout
         assert "tcp . 30080 : goto localhost-nodeport-reject-tcp" not in listed
         assert "chain localhost-nodeport-reject-tcp {\n\t}" in listed

@@ -15,6 +15,7 @@ from prometheus_client import generate_latest
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.plan import Cause, Scope
 from pyproxy.core.topology import PortSelection
 from pyproxy.kernel.nft import NftError
 from pyproxy.run import DaemonObserver, current_selections
@@ -79,7 +80,8 @@ def initialized(proxier: NodeProxier) -> NodeProxier:
 
 def record(full: bool, render: float = 0.0, diff: float = 0.0, kernel: float = 0.0,
            started: float = START, error: str | None = None) -> SyncRecord:
-    return SyncRecord(started=started, full=full, reason="start" if full else "changes",
+    return SyncRecord(started=started, scope=Scope.FULL if full else Scope.CHANGED,
+                      cause=Cause.START if full else Cause.CHANGES,
                       services_changed=0, endpoints_changed=0, render_seconds=render,
                       diff_seconds=diff, kernel_seconds=kernel, commands=1, error=error)
 

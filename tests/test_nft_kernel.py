@@ -20,6 +20,7 @@ from structlog.testing import capture_logs
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
 from pyproxy.kernel.nft import LibNftables, NftError, OwnSockets, listing_shape
@@ -295,7 +296,7 @@ def test_tampering_after_our_own_structure_change_is_found(ns: Netns) -> None:
     ns.run(["nft", "flush", "chain", "ip", "pyproxy", "cluster-tcp-2"])
     assert not proxier.applier.structure_intact()
     assert proxier.applier.diff()[:1] == ["chain cluster-tcp-2: 0 rule(s), expected 2"]
-    proxier.sync(build_state(objs), full=True)
+    proxier.sync(build_state(objs), plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     proxier.applier.adopt_structure()
     ns.run(["nft", "add", "chain", "ip", "pyproxy", "intruder"])
     assert not proxier.applier.structure_intact()  # the exact comparison, as before
@@ -327,7 +328,7 @@ def raw_elements(netns: str, family: IPFamily, name: str) -> list[bytes]:
 def loads_of(proxier: FamilyProxier) -> list[tuple[str, str, tuple[str, ...]]]:
     """Each static set of the proxier's store with its elements (what a staged sync loads)."""
     chunks = [t for t in staging.transactions(proxier.family.nft_family, proxier.state,
-                                              proxier.applier._commands(None, True), False,
+                                              proxier.applier._commands(None), False,
                                               chunk=10**9)
               if isinstance(t, ElementChunk)]
     return [load for chunk in chunks for load in chunk.loads]

@@ -15,6 +15,7 @@ from pyproxy.cluster.cache import ClusterCache
 from pyproxy.config import ProxyConfig
 from pyproxy.core.convert import convert_node
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
+from pyproxy.core.plan import Cause
 from pyproxy.kernel.nft import Applier
 from pyproxy.render.services import render_config
 from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
@@ -183,7 +184,7 @@ def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() 
     daemon.proxier.sync()
     first = daemon.nfts[IPFamily.IPv4].last
     assert "nodeport-ips { 192.168.50.100 }" in first and "192.168.50.1 " not in first
-    assert daemon.proxier.history[-1].reason == "start"
+    assert daemon.proxier.history[-1].cause is Cause.START
 
     # kubelet reports another address: the next sync is a full one with it
     requested = daemon.requests
@@ -191,7 +192,7 @@ def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() 
     assert daemon.requests > requested
     daemon.proxier.sync()
     record = daemon.proxier.history[-1]
-    assert record.full and record.reason == "node IPs changed"
+    assert record.full and record.cause is Cause.RECONFIGURED
     assert "nodeport-ips { 192.168.50.1 }" in daemon.nfts[IPFamily.IPv4].last
     assert daemon.observer.node_ips == ("192.168.50.1",)
 
@@ -200,7 +201,7 @@ def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() 
     relabelled["metadata"]["labels"]["team"] = "a"
     daemon.proxier.on_node(("", "node-a"), relabelled)
     daemon.proxier.sync()
-    assert daemon.proxier.history[-1].reason != "node IPs changed"
+    assert daemon.proxier.history[-1].cause is not Cause.RECONFIGURED
 
 
 def test_a_family_the_node_gains_gets_its_table() -> None:
@@ -214,6 +215,7 @@ def test_a_family_the_node_gains_gets_its_table() -> None:
                                                      ("InternalIP", "fd00:50::1")))
     daemon.proxier.sync()
     assert [p.family for p in daemon.proxier.proxiers] == [IPFamily.IPv4, IPFamily.IPv6]
+    assert daemon.proxier.history[-1].cause is Cause.RECONFIGURED  # not "after a failure"
     assert "add table ip6 pyproxy" in daemon.nfts[IPFamily.IPv6].last
     assert "nodeport-ips { fd00:50::1 }" in daemon.nfts[IPFamily.IPv6].last
     assert daemon.health.families == (IPFamily.IPv4, IPFamily.IPv6)

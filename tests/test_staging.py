@@ -12,6 +12,7 @@ import pytest
 from bench.synth import Cluster as Synthetic
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.render import staging
 from pyproxy.render.objects import BASE_CHAINS
 from pyproxy.render.ruleset import full_commands
@@ -20,6 +21,7 @@ from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab
 
+RESYNC = SyncPlan(Scope.FULL, Cause.PERIODIC)  # a full sync of a table already written
 VIP = "10.96.0.10"  # synth's ClusterIPs start at 10.96.0.16
 CONFIG = NodeConfig(node_name="node-a", node_ips=("192.168.50.1",),
                     cluster_cidrs=("10.244.0.0/16",))
@@ -204,7 +206,7 @@ def test_staged_syncs_are_all_old_or_all_new_for_packets(tmp_path: Path) -> None
         (tmp_path / "2").mkdir()
         time.sleep(1.0)
         started = time.monotonic()
-        [result] = node.apply(objects(cluster, ["pod-c"], others), full=True)
+        [result] = node.apply(objects(cluster, ["pod-c"], others), plan=RESYNC)
         took = time.monotonic() - started
         time.sleep(1.0)
         seen = probe.finish()
@@ -238,6 +240,6 @@ def test_full_sync_after_a_stale_chain_is_due(chunk: int) -> None:
         node.apply(cluster(7))
         node.apply(cluster(8))
         time.sleep(1.2)  # nft.STALE_CHAIN_GRACE
-        [result] = node.apply(cluster(8), full=True)
+        [result] = node.apply(cluster(8), plan=RESYNC)
         assert result.full
         assert "cluster-tcp-7" not in lab.nft_list("node")

@@ -339,7 +339,7 @@ def _cmd_apply(args: argparse.Namespace) -> int:
     config = _node_config(args, state)
     _report_input(state, conflicts(state, config))
     for family in node_families(state, config):
-        result = FamilyProxier(family, config).sync(state, full=True)
+        result = FamilyProxier(family, config).sync(state)  # a first, full sync
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
               f"{result.kernel_seconds * 1000:.0f} ms")
     return EXIT_OK

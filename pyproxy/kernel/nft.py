@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import structlog
 
+from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel import nlelements
 from pyproxy.render import staging
 from pyproxy.render.objects import TABLE, Fragment
@@ -527,7 +528,7 @@ def _first_lines(text: str, limit: int = 20) -> str:
 
 @dataclass
 class SyncResult:
-    full: bool
+    plan: SyncPlan
     commands: int
     slots_changed: int
     diff_seconds: float
@@ -535,6 +536,10 @@ class SyncResult:
     script_bytes: int
     render_seconds: float = 0.0  # selection + rendering, filled in by the caller
     select_seconds: float = 0.0  # the part of render_seconds spent selecting endpoints
+
+    @property
+    def full(self) -> bool:
+        return self.plan.full
 
 
 @dataclass
@@ -548,8 +553,11 @@ class Applier:
     nft: Kernel = field(default_factory=LibNftables)
     clock: Callable[[], float] = time.monotonic
     state: DesiredState = field(default_factory=DesiredState)
-    need_full: bool = True
-    started: bool = False
+    # The kernel holds what the store says. False before the first full sync and from the
+    # start of every sync until it has committed: after a failure only a full one makes them
+    # agree again. The one "the next sync must be full" state: the node proxier's plans read it.
+    in_step: bool = False
+    started: bool = False  # a full sync has succeeded (this process has written the table)
     stale_chains: dict[str, float] = field(default_factory=dict)
     last_script: str = ""
     # The terse listing of our table as last read while it held what we had committed: what
@@ -565,41 +573,43 @@ class Applier:
     # transaction was twice the daemon's steady size.
     stage_chunk: int = staging.DEFAULT_CHUNK
 
+    def own_plan(self) -> SyncPlan:
+        """The plan of a sync nobody else planned (a standalone applier, the one-shot
+        `apply`, tests): a full one until the kernel is known to hold the store."""
+        return plan_sync(SyncFacts(synced=self.started, in_step=self.in_step))
+
     def sync(self, updates: Mapping[Hashable, Fragment] | Iterable[tuple[Hashable, Fragment]],
-             full: bool = False) -> SyncResult:
+             plan: SyncPlan | None = None) -> SyncResult:
         """`updates`: owner → fragment, or (owner, fragment) pairs produced as they are
-        consumed (the proxier renders while the store takes them in)."""
+        consumed (the proxier renders while the store takes them in). `plan`: full or not,
+        and why (None: `own_plan()`); a partial one only while the table is in step."""
+        plan = plan or self.own_plan()
+        if not plan.full and not self.in_step:
+            raise ValueError(f"a partial sync ({plan.cause.value}) of a table not in step")
+        # Until this sync has committed, the kernel is not known to hold the store: a failure
+        # anywhere below (fragments produced while the store takes them, a listing, the
+        # commit) leaves only a full sync to make them agree again.
+        self.in_step = False
         t0 = self.clock()
-        full = full or self.need_full
         # A full sync rewrites everything from the store: no need to track what changed.
-        change = None if full else Change()
+        change = None if plan.full else Change()
         pairs = updates.items() if isinstance(updates, Mapping) else updates
-        try:
-            for owner, fragment in pairs:
-                self.state.set(owner, fragment, change)
-        except Exception:
-            # The fragments are produced while the store takes them: a failure half-way
-            # leaves the store ahead of the kernel. Only a full sync makes them agree again.
-            self.need_full = True
-            raise
+        for owner, fragment in pairs:
+            self.state.set(owner, fragment, change)
         # Before the commands are made: a full sync lists the kernel's chains and flushes
         # those nobody wants, so a chain deleted after the listing failed the whole sync.
         self._delete_stale_chains(t0)
-        cmds = self._commands(change, full)
-        if cmds.needs_full_sync:
-            full = True
-            cmds = self._commands(change, True)
-        if full:
+        cmds = self._commands(change)
+        if change is None:
             # the listing found every chain nobody wants; keep their first-seen times
             self.stale_chains = {n: self.stale_chains.get(n, t0) for n in cmds.stale_chains}
         else:
-            assert change is not None
             for name in cmds.stale_chains:
                 self.stale_chains.setdefault(name, t0)
             for (kind, name, _), value in change.after.items():
                 if kind == "chain" and value is not None:
                     self.stale_chains.pop(name, None)
-        names = self.nft.list_names(self.family) if full and len(self.state) > \
+        names = self.nft.list_names(self.family) if plan.full and len(self.state) > \
             self.stage_chunk else None
         staged = names is not None and staging.worth_staging(self.state, names[1],
                                                              self.stage_chunk)
@@ -612,25 +622,23 @@ class Applier:
             elif script:
                 self.nft.run(script)
         except NftError:
-            # The kernel state is now unknown relative to the mirror: rewrite everything
-            # next time, and forget stale chains (a full sync finds them again).
-            self.need_full = True
+            # Forget stale chains: the next (full) sync finds them again.
             self.stale_chains.clear()
             raise
         finally:
             self.last_script = script
         t2 = self.clock()
-        if full:
-            self.need_full = False
+        if plan.full:
             self.started = True
             self.nft.renew()
+        self.in_step = True
         if change is None or any(slot[0] != "element" and change.before.get(slot) != value
                                  for slot, value in change.after.items()):
             # only when a chain or a declaration really changed: a service moving to an
             # existing shared pick chain touches the chain's slot but not its value
             self.structure_changed = True
         touched = len(self.state) if change is None else change.touched()
-        return SyncResult(full, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
+        return SyncResult(plan, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
 
     def _run_staged(self, cmds: Commands, table_exists: bool) -> str:
         """The full sync as bounded transactions, each through a fresh context (one that
@@ -655,8 +663,9 @@ class Applier:
         self.nft.renew()
         return count + 1, transaction
 
-    def _commands(self, change: Change | None, full: bool) -> Commands:
-        if not full and change is not None:
+    def _commands(self, change: Change | None) -> Commands:
+        """The commands that apply `change`; None: every command of a full sync."""
+        if change is not None:
             return incremental_commands(self.family, change)
         chains, sets = self.nft.list_names(self.family)
         return full_commands(self.family, self.state, chains, sets,
@@ -755,6 +764,6 @@ class Applier:
         with contextlib.suppress(NftError):  # no table: nothing to remove
             self.nft.run(f"delete table {self.family} {TABLE}")
         self.state.clear()
-        self.need_full = True
+        self.in_step = False
         self.stale_chains.clear()
         self.committed_structure, self.structure_changed = None, False

@@ -327,7 +327,6 @@ class Commands:
     add_elements: list[str] = field(default_factory=list)
     delete_sets: list[str] = field(default_factory=list)
     stale_chains: list[str] = field(default_factory=list)  # flushed now, deleted later
-    needs_full_sync: bool = False
 
     def text(self) -> str:
         lines = [*self.declare, *self.flush, *self.rules, *self.delete_elements,
@@ -380,9 +379,10 @@ def incremental_commands(family: str, change: Change) -> Commands:
                 cmds.delete_sets.append(f"delete {before.split(' ', 1)[0]} "
                                         f"{_where(family, container)}")
             else:
-                # A declaration cannot change in place; only the skeleton's can (a new
-                # configuration), and that takes a full sync.
-                cmds.needs_full_sync = True
+                # Names are chosen so that no declaration changes in place (an affinity
+                # set's timeout is in its name; the skeleton's depend on the family only):
+                # nft refuses to redeclare a set (EEXIST), in a full sync's transaction too.
+                raise ValueError(f"{container}: a set's declaration cannot change in place")
         elif kind is Kind.CHAIN:
             if before is None:
                 cmds.declare.append(f"add chain {_where(family, container)}")

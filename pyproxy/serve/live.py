@@ -33,7 +33,10 @@ def record_dict(record: SyncRecord | None) -> dict[str, Any] | None:
     if record is None:
         return None
     out = dataclasses.asdict(record)
-    out["seconds"] = record.seconds
+    # `cause` by its name (what a script compares), `reason` as history prints it
+    out.update(scope=record.scope.name.lower(), full=record.full,
+               cause=record.cause.name.lower(), reason=record.cause.value,
+               seconds=record.seconds)
     return out
 
 

@@ -19,20 +19,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import structlog
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.model import Node, ObjectKey, ServiceKey, ServicePort, Skipped
+from pyproxy.core.plan import Cause, Scope, SyncFacts, SyncPeriods, SyncPlan, plan_sync
 from pyproxy.core.wire import SliceDoc
 from pyproxy.kernel.nft import NftError, SyncResult
 from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.repairs import Repairs
 
 log = structlog.get_logger(__name__)
-
-REPAIR_REASON = "table changed by someone else"
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class SyncRecord:
     """One sync, for logs, metrics and `pyproxy history`."""
 
     started: float  # wall clock
-    full: bool
-    reason: str
+    scope: Scope
+    cause: Cause
     services_changed: int
     endpoints_changed: int
     render_seconds: float
@@ -52,6 +52,10 @@ class SyncRecord:
     # Wall clock when the sync returned: its kernel work answered and its housekeeping done
     # (0: not known). `seconds` counts the three parts only; this ends everything.
     finished: float = 0.0
+
+    @property
+    def full(self) -> bool:
+        return self.scope is Scope.FULL
 
     @property
     def seconds(self) -> float:
@@ -89,20 +93,22 @@ def _warn_ignored_annotations(before: tuple[ServicePort, ...],
 @dataclass
 class NodeProxier:
     """The node's proxier: the cluster cache, one `FamilyProxier` per IP family, the sync
-    history and the repair state. `FamilyProxier` keeps one family's table; this decides
-    what each sync covers and when it must be a full one."""
+    history and the repair state. `FamilyProxier` keeps one family's table; this gathers
+    what the next sync is planned from (`plan_sync`) and carries the plan out."""
 
     cache: ClusterCache
     proxiers: list[FamilyProxier]
     full_sync_period: float = 3600.0
+    # How often the table's structure is checked against what we committed (tampering).
+    verify_period: float = 30.0
     clock: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     observers: list[SyncObserver] = field(default_factory=list)
     request_sync: Callable[[], None] = lambda: None
     # Called first in every sync, under the lock: brings this node's own configuration (its
-    # IPs, from its Node object) up to date, and says why the sync must be a full one (None:
-    # nothing changed).
-    reconfigure: Callable[[], str | None] = lambda: None
+    # IPs, from its Node object) up to date, and says whether it changed (the sync is then a
+    # full one).
+    reconfigure: Callable[[], bool] = lambda: False
     on_invalid: list[Callable[[Skipped], None]] = field(default_factory=list)
     # Told this node's Node object at every event about it, without waiting for a sync:
     # /healthz answers for the node's eligibility at once (a ToBeDeletedByClusterAutoscaler
@@ -112,22 +118,11 @@ class NodeProxier:
     lock: threading.RLock = field(default_factory=threading.RLock)
     history: deque[SyncRecord] = field(default_factory=lambda: deque(maxlen=100))
     skipped_total: dict[str, int] = field(default_factory=dict)
+    repairs: Repairs = field(default_factory=Repairs)
     _sources: dict[str, bool] = field(default_factory=dict)
-    # How often the table's structure is checked against what we committed (tampering).
-    verify_period: float = 30.0
-    _need_full: bool = True
-    _last_full: float = float("-inf")
-    _last_verify: float = float("-inf")
-    # Reports of someone else's changes to our tables, and how many of them a successful full
-    # sync has repaired. Kept out of `lock`: a sync holds it for seconds at 10k services,
-    # and a report must reach /healthz at once.
-    _repairs_wanted: int = 0
-    _repairs_done: int = 0
-    _damage: str = ""  # what was changed
-    _repair_error: str = ""  # why the last repair failed
-    _verify_now: bool = False
-    _synced_once: bool = False
-    _report_lock: threading.Lock = field(default_factory=threading.Lock)
+    _last_full: float | None = None  # None: no sync has succeeded yet
+    _last_check: float = float("-inf")
+    _check_asked: bool = False
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -195,39 +190,30 @@ class NodeProxier:
         """Someone else changed one of our tables (an nftables change event): repair it with
         the next sync, which is asked for now. Before our first sync there is nothing of ours
         to repair (that sync rewrites everything anyway)."""
-        if not self._synced_once:
+        if not self.synced:
             log.info("table_changed_before_first_sync", change=what)
             return
         log.warning("table_changed_by_someone_else_repairing", change=what)
-        self._report_damage(f"{REPAIR_REASON}: {what}")
+        self.repairs.report(what)
         self.request_sync()
 
     def events_lost(self) -> None:
         """Change events were lost: whether someone changed our tables meanwhile is unknown,
         so the next sync compares their structure, and is asked for now."""
-        self._verify_now = True
+        self._check_asked = True
         self.request_sync()
-
-    def _report_damage(self, reason: str) -> None:
-        with self._report_lock:
-            self._damage, self._repair_error = reason, ""
-            self._repairs_wanted += 1
 
     def damage(self) -> str | None:
         """Why the kernel does not hold what was last committed (someone else changed our
         tables and the repair has not succeeded yet), or None."""
-        with self._report_lock:
-            if self._repairs_wanted == self._repairs_done:
-                return None
-            failed = f"; the repair failed: {self._repair_error}" if self._repair_error else ""
-            return self._damage + failed
+        return self.repairs.damage()
 
     # -- syncing -----------------------------------------------------------------------------
 
-    def force_full_sync(self) -> None:
-        with self.lock:
-            self._need_full = True
-        self.request_sync()
+    @property
+    def synced(self) -> bool:
+        """A sync has succeeded (the first one is full: every sync since had a table)."""
+        return self._last_full is not None
 
     def sync(self) -> bool:
         """One sync (the runner's function). Raises on failure so the runner retries; the
@@ -238,74 +224,64 @@ class NodeProxier:
                 log.debug("sync_skipped_waiting_for_initial_lists", sources=self._sources)
                 return False
             now = self.clock()
-            full, reason = self._full_reason(now)
             reconfigured = self.reconfigure()
-            if reconfigured is not None and not full:
-                full, reason = True, reconfigured
             checkout = self.cache.checkout()
-            with self._report_lock:
-                repairs = self._repairs_wanted
-            if repairs != self._repairs_done and reason != "start":
-                full, reason = True, REPAIR_REASON
-            elif not full and self._verify_due(now, checkout):
-                self._last_verify, self._verify_now = now, False
+            reported = self.repairs.reported()
+            facts = SyncFacts(
+                synced=self.synced,
+                in_step=all(p.applier.in_step for p in self.proxiers),
+                repair_wanted=self.repairs.wanted(reported),
+                reconfigured=reconfigured,
+                topology_changed=checkout.topology_changed,
+                idle=not checkout.services,
+                since_full=now - (self._last_full if self._last_full is not None else now),
+                since_check=now - self._last_check,
+                check_asked=self._check_asked)
+            periods = SyncPeriods(self.full_sync_period, self.verify_period)
+            plan = plan_sync(facts, periods)
+            if plan.check_structure:
+                self._last_check, self._check_asked = now, False
                 if not all(p.applier.structure_intact() for p in self.proxiers):
                     log.warning("table_changed_by_someone_else_repairing",
                                 change="found by the structure check")
-                    self._report_damage(f"{REPAIR_REASON}: found by the structure check")
-                    repairs += 1
-                    full, reason = True, REPAIR_REASON
-            changed = None if (full or checkout.topology_changed) else checkout.services
-            if checkout.topology_changed and not full:
-                reason = "node labels changed"
-            started = self.wall_clock()
-            results: list[SyncResult] = []
-            try:
-                state = self.cache.state()
-                for proxier in self.proxiers:
-                    results.append(proxier.sync(state, changed, full=full))
-            except NftError as err:
-                self._need_full = True
-                if repairs != self._repairs_done:
-                    with self._report_lock:
-                        self._repair_error = _first_line(str(err))
-                record = self._record_sync(started, full, reason, checkout, results, str(err))
-                for observer in self.observers:
-                    observer.failed(record)
-                raise
-            if full:
-                self._need_full = False
-                self._last_full = now
-                if reason == REPAIR_REASON:
-                    # Were the store's idea of the table's shape ever to differ from nft's
-                    # listing, the next check would otherwise "repair" again and again.
-                    for proxier in self.proxiers:
-                        proxier.applier.adopt_structure()
-                with self._report_lock:
-                    self._repairs_done = repairs
-            self._synced_once = True
-            record = self._record_sync(started, full, reason, checkout, results, None)
-            for observer in self.observers:
-                observer.synced(record, checkout)
+                    reported = self.repairs.report("found by the structure check")
+                    plan = plan_sync(replace(facts, repair_wanted=True), periods)
+            self._carry_out(plan, checkout, now, reported)
             return True
 
-    def _verify_due(self, now: float, checkout: Checkout) -> bool:
-        """Time for the periodic structure check (on a sync with nothing else to do, so that
-        changes are not held up by it), or events were lost."""
-        idle = not checkout.services and not checkout.topology_changed
-        return self._verify_now or (idle and now - self._last_verify >= self.verify_period)
+    def _carry_out(self, plan: SyncPlan, checkout: Checkout, now: float,
+                   reported: int) -> None:
+        """Sync every family as planned; `reported`: the changes by someone else a full sync
+        repairs."""
+        started = self.wall_clock()
+        results: list[SyncResult] = []
+        changed = checkout.services if plan.scope is Scope.CHANGED else None
+        try:
+            state = self.cache.state()
+            for proxier in self.proxiers:
+                results.append(proxier.sync(state, changed, plan))
+        except NftError as err:
+            self.repairs.failed(_first_line(str(err)))
+            record = self._record_sync(started, plan, checkout, results, str(err))
+            for observer in self.observers:
+                observer.failed(record)
+            raise
+        if plan.full:
+            self._last_full = now
+            if plan.cause is Cause.REPAIR:
+                # Were the store's idea of the table's shape ever to differ from nft's
+                # listing, the next check would otherwise "repair" again and again.
+                for proxier in self.proxiers:
+                    proxier.applier.adopt_structure()
+            self.repairs.repaired(reported)
+        record = self._record_sync(started, plan, checkout, results, None)
+        for observer in self.observers:
+            observer.synced(record, checkout)
 
-    def _full_reason(self, now: float) -> tuple[bool, str]:
-        if self._need_full:
-            return True, "start or after a failure" if self.history else "start"
-        if now - self._last_full >= self.full_sync_period:
-            return True, "periodic full sync"
-        return False, "changes"
-
-    def _record_sync(self, started: float, full: bool, reason: str, checkout: Checkout,
+    def _record_sync(self, started: float, plan: SyncPlan, checkout: Checkout,
                      results: list[SyncResult], error: str | None) -> SyncRecord:
         record = SyncRecord(
-            started=started, full=full, reason=reason,
+            started=started, scope=plan.scope, cause=plan.cause,
             services_changed=checkout.service_changes,
             endpoints_changed=checkout.endpoint_changes,
             render_seconds=sum(r.render_seconds for r in results),
@@ -316,10 +292,11 @@ class NodeProxier:
             finished=self.wall_clock(),
         )
         self.history.append(record)
+        reason = plan.cause.value
         if error:
-            log.error("nft_sync_failed", full=full, reason=reason, error=error)
-        elif full or record.commands:
-            log.info("synced", full=full, reason=reason,
+            log.error("nft_sync_failed", full=plan.full, reason=reason, error=error)
+        elif plan.full or record.commands:
+            log.info("synced", full=plan.full, reason=reason,
                      services_changed=record.services_changed,
                      endpoints_changed=record.endpoints_changed, commands=record.commands,
                      duration_ms=round(record.seconds * 1000, 1),

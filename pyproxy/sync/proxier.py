@@ -19,6 +19,7 @@ from pyproxy.core.model import (
     ServicePortName,
     ip_family,
 )
+from pyproxy.core.plan import Scope, SyncPlan
 from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.memory import gc_paused, trim_heap
 from pyproxy.render.objects import Fragment
@@ -196,9 +197,12 @@ class FamilyProxier:
         self.slot_orders: SlotOrders = {}
 
     def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
-             full: bool = False) -> SyncResult:
+             plan: SyncPlan | None = None) -> SyncResult:
+        """Bring the table to `state` as `plan` says (None: the applier's own plan). A plan
+        of the changed services renders `changed` again (None: every service)."""
         with gc_paused() as pause:
-            result = self._sync(state, changed, full)
+            plan = plan or self.applier.own_plan()
+            result = self._sync(state, changed if plan.scope is Scope.CHANGED else None, plan)
             # The store and the selections live until the next full sync: frozen, the
             # cyclic GC does not walk them again and again (it was most of a 10k-service
             # sync), nor at its first collection after the pause (~0.1 s at 10k services).
@@ -208,9 +212,9 @@ class FamilyProxier:
         return result
 
     def _sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None,
-              full: bool) -> SyncResult:
-        """Bring the table to `state`. With `changed`, only those services are selected and
-        rendered again (a partial sync); otherwise every service is."""
+              plan: SyncPlan) -> SyncResult:
+        """With `changed`, only those services are selected and rendered again; otherwise
+        every service is."""
         if changed is None:
             services: set[ServiceKey] = set(self._owners) | set(state.ports_by_service)
         else:
@@ -233,7 +237,7 @@ class FamilyProxier:
             rendered(state, self.config, self.family, None if changed is None else services,
                      selections, spent, self.slot_orders, self.selections),
             removed)
-        result = self.applier.sync(updates, full=full)
+        result = self.applier.sync(updates, plan)
         self.selections.update(selections)
         select_seconds, rendering = spent
         render_seconds = select_seconds + rendering
