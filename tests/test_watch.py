@@ -115,6 +115,58 @@ def test_relist_after_410_reconciles_deletes(emu: ApiEmulator,
     assert refl.status.lists >= 2
 
 
+def test_a_broken_stream_resumes_after_the_last_event_it_delivered(
+        emu: ApiEmulator, reflector: tuple[Reflector, Recorder]) -> None:
+    """Not from where that watch started: with a restarted API server (its watch cache
+    starts at its own list) or a history the server has compacted since, that position is
+    gone and every dropped connection would cost a full relist."""
+    refl, rec = reflector
+    assert rec.synced.wait(5)
+    emu.wait_for_watches(1, "services")
+    for name in ("one", "two", "three"):
+        emu.create("services", service(name))
+    wait(lambda: {"one", "two", "three"} <= rec.names())
+    delivered = refl.status.resource_version
+    emu.compact()  # the watch's start is history now; the last event is not
+    watches = emu.count("watch", "services")
+    emu.drop_connections()
+    emu.wait_for_requests(watches + 1, "watch", "services")
+    resumed = [r for r in emu.requests if r.verb == "watch"][-1]
+    assert resumed.query.get("resourceVersion") == delivered
+    emu.create("services", service("after"))
+    wait(lambda: "after" in rec.names())
+    assert refl.status.lists == 1
+
+
+def test_a_410_relists_after_a_jittered_pause(emu: ApiEmulator) -> None:
+    """client-go's first backoff step before a relist: nodes that a restarted API server
+    answers with 410 at once list spread over 0.8 s, not all in the same instant."""
+    recorder, stop = Recorder(), threading.Event()
+    refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
+                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0)
+    refl._backoff.initial, refl._backoff.cap = 0.05, 0.2
+    refl.relist_pause = (0.5, 0.5)
+    thread = threading.Thread(target=refl.run, daemon=True)
+    thread.start()
+    try:
+        assert recorder.synced.wait(5)
+        emu.wait_for_watches(1, "services")
+        emu.stall_watches(True)
+        emu.create("services", service("meanwhile"))
+        emu.compact()
+        emu.stall_watches(False)
+        emu.drop_connections()  # resumes from before the compaction: 410
+        emu.wait_for_requests(1, "watch", "services", timeout=5)
+        gone = time.monotonic()
+        wait(lambda: emu.count_lists("services") == 2)
+        assert time.monotonic() - gone >= 0.4
+        wait(lambda: "meanwhile" in recorder.names())
+    finally:
+        stop.set()
+        emu.drop_connections()
+        thread.join(5)
+
+
 def test_api_away_and_back(emu: ApiEmulator, reflector: tuple[Reflector, Recorder]) -> None:
     refl, rec = reflector
     assert rec.synced.wait(5)

@@ -9,8 +9,11 @@ Behaviour, as a Kubernetes informer's:
 - list, hand every object to the handler, report "synced" once;
 - watch from the list's resourceVersion with bookmarks; every event moves the position on;
 - a stream that ends (server timeout, dropped connection, nothing read for read_timeout) is
-  resumed from the last position: only 410 Gone (history compacted) lists again, and
-  reconciles (objects gone meanwhile are reported deleted). A real API server sends a
+  resumed from the last position it delivered (an event's or a bookmark's, not the one the
+  watch started from): only 410 Gone (history compacted, or an API server restarted since)
+  lists again, after a jittered pause (client-go's first backoff step, 0.8 to 1.6 s: the
+  nodes a restarted API server answers at once do not all list at once), and reconciles
+  (objects gone meanwhile are reported deleted). A real API server sends a
   bookmark on a quiet watch only "roughly every minute", so the client's read timeout
   (150 s) sits well above that; the server ends each watch after timeoutSeconds, drawn
   between 5 and 10 minutes as client-go does so that many nodes do not reconnect in step;
@@ -46,6 +49,9 @@ log = structlog.get_logger(__name__)
 LIST_PAGE_SIZE = 500
 # client-go's reflector asks for timeoutSeconds = minWatchTimeout × (1 + rand), 5 to 10 min.
 MIN_WATCH_TIMEOUT = 300
+# After a 410 Gone, the pause before listing again: client-go's reflector backoff (0.8 s,
+# jitter 1.0) before its relist.
+RELIST_PAUSE = (0.8, 1.6)
 # The API server sends a bookmark on a quiet watch about once a minute (not exactly: the
 # timer is checked when the cacher dispatches); a stream silent for 2.5 such intervals is
 # stalled. client-go has HTTP/2 pings for this; urllib3 speaks HTTP/1.1 and has only this.
@@ -256,6 +262,9 @@ class Reflector:
         self.status = WatchStatus(resource.kind)
         self._known: set[ObjectKey] = set()
         self._backoff = Backoff()
+        # The last position a watch delivered: where a broken stream resumes.
+        self._position = ""
+        self.relist_pause = RELIST_PAUSE
 
     def run(self) -> None:
         """The reflector's thread: until stop is set. Lists once, then watches from the last
@@ -269,9 +278,12 @@ class Reflector:
                 version = self._watch(version)
             except Expired as err:
                 log.info("watch_expired_listing_again", kind=self.resource.kind,
-                         version=version, reason=str(err)[:200])
+                         version=self._position or version, reason=str(err)[:200])
                 version = None
+                self.stop.wait(random.uniform(*self.relist_pause))
             except Exception as err:  # connection refused, timeouts, HTTP errors…
+                if version is not None:  # resume after the last event the stream delivered
+                    version = self._position or version
                 self.status.connected = False
                 self.status.errors += 1
                 self.status.last_error = f"{type(err).__name__}: {err}"[:300]
@@ -454,6 +466,7 @@ class Reflector:
         return meta, items, waited, decoded
 
     def _watch(self, version: str) -> str:
+        self._position = version
         try:
             response = self._call(
                 watch=True, resource_version=version, allow_watch_bookmarks=True,
@@ -472,7 +485,7 @@ class Reflector:
         try:
             for line in _lines(response, self.stop):
                 kind, obj = self.resource.codec.event(line)
-                version = self._handle(kind, obj, version)
+                version = self._position = self._handle(kind, obj, version)
         finally:
             response.release_conn()
         return version
