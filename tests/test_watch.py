@@ -250,6 +250,20 @@ def test_lists_are_read_in_pages(emu: ApiEmulator) -> None:
         assert rec.events == 6
 
 
+def test_a_big_list_page_comes_gzipped_and_is_read_as_it_was(emu: ApiEmulator) -> None:
+    """pyproxy accepts gzip, as kube-proxy does: the API server compresses a response above
+    128 KiB (a list page of 500 Services is ~0.75 MB of JSON)."""
+    for n in range(1200):
+        emu.create("services", {**service(f"s{n}"), "metadata": {
+            "name": f"s{n}", "namespace": "ns", "annotations": {"pad": "x" * 120}}})
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced, page_size=500, watch_list=False):
+        assert rec.synced.wait(10)
+    assert len(rec.objects) == 1200
+    assert rec.objects[("ns", "s7")]["metadata"]["annotations"]["pad"] == "x" * 120
+    assert emu.gzipped_responses >= 2
+
+
 def test_a_small_list_is_one_request(emu: ApiEmulator) -> None:
     for i in range(5):
         emu.create("services", service(f"svc-{i}"))

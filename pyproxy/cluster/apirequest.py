@@ -50,7 +50,10 @@ def request(api_client: Any, method: str, path: str, *, query: Mapping[str, Any]
     reads it and releases the connection). A non-2xx answer raises ApiException."""
     from kubernetes.client.exceptions import ApiException
 
-    headers = {"Accept": "application/json"}
+    # gzip: the API server compresses a response above 128 KiB (a list page: 500 Services
+    # are ~0.75 MB of JSON, about a tenth of that gzipped) and a streamed list's events
+    # (watch-list), as it does for kube-proxy; urllib3 decompresses as it reads.
+    headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
     if body is not None:
         headers["Content-Type"] = "application/json"
     params = api_client.param_serialize(

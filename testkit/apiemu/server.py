@@ -8,6 +8,7 @@ connection's thread for the life of the stream and writes one JSON event per chu
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import queue
@@ -38,6 +39,7 @@ __all__ = ["ApiEmulator", "RequestRecord", "UnavailableMode"]
 Obj = dict[str, Any]
 UnavailableMode = Literal["503", "reset", "refuse"]
 _TRUE = {"1", "t", "T", "true", "TRUE", "True"}  # Go's strconv.ParseBool
+GZIP_THRESHOLD = 128 * 1024  # kube-apiserver's defaultGzipThresholdBytes
 _VERSION = {
     "major": "1",
     "minor": "34",
@@ -217,9 +219,18 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, code: int, body: Any, extra: Mapping[str, str] | None = None) -> None:
         data = json.dumps(body, separators=(",", ":")).encode()
+        # As kube-apiserver (APIResponseCompression): a response above 128 KiB is gzipped
+        # (level 1) for a client that accepts it.
+        gzipped = (len(data) > GZIP_THRESHOLD
+                   and "gzip" in (self.headers.get("Accept-Encoding") or ""))
+        if gzipped:
+            data = gzip.compress(data, compresslevel=1)
+            self.emu._gzipped += 1
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Cache-Control", "no-cache, private")
+        if gzipped:
+            self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(data)))
         for key, value in (extra or {}).items():
             self.send_header(key, value)
@@ -736,6 +747,7 @@ class ApiEmulator:
         self._stalled = False
         self._unavailable_mode: UnavailableMode | None = None
         self._rejected = 0
+        self._gzipped = 0  # responses sent gzipped (the client asked, and they were big)
         self.errors: list[str] = []  # tracebacks of emulator bugs (tests may assert it is empty)
 
     # --- lifecycle
@@ -859,6 +871,11 @@ class ApiEmulator:
     def rejected_connections(self) -> int:
         """Connections reset while unavailable in "reset" mode."""
         return self._rejected
+
+    @property
+    def gzipped_responses(self) -> int:
+        """Responses sent gzipped (above 128 KiB, to a client that accepts gzip)."""
+        return self._gzipped
 
     # --- request accounting
 
