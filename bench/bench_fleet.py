@@ -39,6 +39,7 @@ bench/results/fleet-SIZE-nN-COMMIT.json (`--json` elsewhere).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -114,6 +115,7 @@ class Request:
     uri: str
     code: int
     lasted: float | None = None  # seconds to its response's end (None: never ended)
+    streamed: bool = False  # a watch with sendInitialEvents: a list, then the watch
 
 
 def read_audit(path: Path) -> list[Request]:
@@ -134,7 +136,8 @@ def read_audit(path: Path) -> list[Request]:
     for event in events.values():
         uri = event.get("requestURI", "")
         verb = event.get("verb", "")
-        if verb == "watch" and "sendInitialEvents=true" in uri:
+        streamed = verb == "watch" and "sendInitialEvents=true" in uri
+        if streamed:
             verb = "list"
         received = datetime.fromisoformat(event["requestReceivedTimestamp"]).timestamp()
         ended = (datetime.fromisoformat(event["stageTimestamp"]).timestamp()
@@ -146,7 +149,7 @@ def read_audit(path: Path) -> list[Request]:
             source=(event.get("sourceIPs") or [""])[0], verb=verb,
             resource=(event.get("objectRef") or {}).get("resource", ""), uri=uri,
             code=int((event.get("responseStatus") or {}).get("code") or 0),
-            lasted=None if ended is None else ended - received))
+            lasted=None if ended is None else ended - received, streamed=streamed))
     return sorted(out, key=lambda r: r.received)
 
 
@@ -393,9 +396,13 @@ class Bench:
         changes = churn.done
         time.sleep(SETTLE)
         after = sample(self.plane, self.nodes)
+        # Watches started meanwhile: a streamed list's stream (gzipped) ended, a plain one
+        # (not gzipped) took over.
+        watches = Counter(r.source for r in read_audit(self.audit_log)
+                          if before.wall <= r.received <= after.wall and r.verb == "watch")
         return {**delta(before, after), "changes": changes,
                 "rate": round(changes / seconds, 2), "procs_before": before.procs,
-                "procs": after.procs}
+                "procs": after.procs, "nodes_whose_watches_rolled_over": len(watches)}
 
     def restart(self, fleet: str | None) -> dict[str, Any]:
         """(c) kube-apiserver killed, down --downtime s, started, watched --after-seconds."""
@@ -463,13 +470,15 @@ def audit_summary(log: list[Request], user: str | None, since: float, until: flo
             node["gone_410"] += 1
         if r.verb == "list":
             node["lists"][r.resource] += 1
-        elif r.verb == "watch":
-            node["watches"] += 1
-            # back: a watch that stayed (one ended at once carried a 410 ERROR event)
-            if (back_from is not None and r.resource == "endpointslices" and r.code < 400
-                    and (r.lasted is None or r.lasted > 1.0)
-                    and node["slices_watch_back_s"] is None and r.received >= back_from):
-                node["slices_watch_back_s"] = round(r.received - back_from, 2)
+        else:
+            node["watches"] += r.verb == "watch"
+        # back: a watch (a streamed list is one) that stayed; one that ended at once
+        # carried a 410 ERROR event
+        if ((r.verb == "watch" or r.streamed) and back_from is not None
+                and r.resource == "endpointslices" and r.code < 400
+                and (r.lasted is None or r.lasted > 1.0)
+                and node["slices_watch_back_s"] is None and r.received >= back_from):
+            node["slices_watch_back_s"] = round(r.received - back_from, 2)
     per_second = Counter(int(r.received - since) for r in window)
     lists = [sum(n["lists"].values()) for n in per_node.values()]
     back = [n["slices_watch_back_s"] for n in per_node.values()]
@@ -524,6 +533,8 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
                                     "apiserver_cpu_s", nodes)),
         ("(b) bytes sent per change per node", per_change_per_node(
             churn, None, "bytes_sent", nodes)),
+        ("(b) nodes whose watches were started again meanwhile (gzip ended)",
+         churn["nodes_whose_watches_rolled_over"]),
         ("(b) node CPU ms per change, p50 (children incl.)",
          1000 * statistics.median(node_cpu_churn) / max(1, churn["changes"])),
         ("(c) API server CPU s, restart + window", restart["apiserver_cpu_s"]),
@@ -566,13 +577,15 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def wire_sizes(plane: ControlPlane, synth: Synth) -> dict[str, int]:
-    """One synthetic EndpointSlice as each client reads it: JSON (pyproxy), JSON without
-    its managedFields, protobuf (kube-proxy's default contentType); and a whole list."""
+def wire_sizes(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, int]:
+    """One endpoint change of a synthetic EndpointSlice as each client reads it off a watch:
+    JSON (pyproxy), protobuf (kube-proxy's default contentType); the object alone in JSON
+    with and without its managedFields; and the whole list in both."""
     key = synth.key(0)
     path = f"/apis/discovery.k8s.io/v1/namespaces/{key.namespace}/endpointslices"
     name = synth.endpoint_slice(0, synth.initial_endpoints(0))["metadata"]["name"]
     api = plane.admin_client()
+    json_type, proto_type = "application/json", "application/vnd.kubernetes.protobuf"
 
     def get(url: str, accept: str) -> bytes:
         response = api.call_api("GET", f"{plane.url}{url}", header_params={"Accept": accept},
@@ -580,18 +593,32 @@ def wire_sizes(plane: ControlPlane, synth: Synth) -> dict[str, int]:
         return bytes(response.read())
 
     try:
-        as_json = get(f"{path}/{name}", "application/json")
-        trimmed = json.loads(as_json)
-        trimmed["metadata"].pop("managedFields", None)
-        return {"slice_json": len(as_json),
+        as_json = get(f"{path}/{name}", json_type)
+        obj = json.loads(as_json)
+        version = obj["metadata"]["resourceVersion"]
+        endpoints = obj["endpoints"]
+        endpoints[0]["addresses"] = ["10.255.0.1"]
+        kube.discovery.patch_namespaced_endpoint_slice(name, key.namespace,
+                                                       {"endpoints": endpoints})
+        # the watch from before the change replays it, then ends after a second
+        watch = (f"{path}?watch=true&resourceVersion={version}&timeoutSeconds=1"
+                 f"&fieldSelector=metadata.name%3D{name}")
+        obj["metadata"].pop("managedFields", None)
+        event_json, event_proto = get(watch, json_type), get(watch, proto_type)
+        # A streamed list's stream (watch-list, kube-proxy's first watch of each resource
+        # until it ends after 5 to 10 minutes) is gzipped by the server event by event, for
+        # a client that accepts gzip (level 1, one gzip member per flush): as compressed here.
+        return {"watch_event_json": len(event_json),
+                "watch_event_protobuf": len(event_proto),
+                "watch_event_json_gzip": len(gzip.compress(event_json, compresslevel=1)),
+                "watch_event_protobuf_gzip": len(gzip.compress(event_proto, compresslevel=1)),
+                "slice_json": len(as_json),
                 "slice_json_without_managed_fields": len(json.dumps(
-                    trimmed, separators=(",", ":"))),
-                "slice_protobuf": len(get(f"{path}/{name}",
-                                          "application/vnd.kubernetes.protobuf")),
+                    obj, separators=(",", ":"))),
                 "slice_list_json": len(get("/apis/discovery.k8s.io/v1/endpointslices",
-                                           "application/json")),
+                                           json_type)),
                 "slice_list_protobuf": len(get("/apis/discovery.k8s.io/v1/endpointslices",
-                                               "application/vnd.kubernetes.protobuf"))}
+                                               proto_type))}
     finally:
         api.close()
 
@@ -645,7 +672,7 @@ def main() -> int:
             report["load_s"] = load(kube, synth, "192.168.0.10")
             print(f"{services} services × {endpoints} endpoints loaded through the API in "
                   f"{report['load_s']:.0f} s", flush=True)
-            report["wire_sizes"] = wire_sizes(plane, synth)
+            report["wire_sizes"] = wire_sizes(plane, kube, synth)
             workdir = plane.lab.workdir
             kubeconfigs = {
                 "kube-proxy": plane.node_kubeconfig(workdir / "kube-proxy.kubeconfig",

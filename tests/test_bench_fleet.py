@@ -54,5 +54,7 @@ def test_audit_requests_are_counted_once_per_node_and_fleet(tmp_path: Path) -> N
     assert summary["per_node"]["a"]["watches"] == 2
     assert summary["per_node"]["a"]["slices_watch_back_s"] == 1.0
     assert summary["per_node"]["b"]["lists"] == {"endpointslices": 1}
-    assert summary["slices_watch_back_max_s"] is None  # b's watch never came back
+    # b's streamed list is its watch too (it never ended here)
+    assert summary["per_node"]["b"]["slices_watch_back_s"] == 1.5
+    assert summary["slices_watch_back_max_s"] == 1.5
     assert summary["requests_per_second"][:3] == [1, 1, 2]
