@@ -162,7 +162,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.core.model import IPFamily
     from pyproxy.core.plan import Cause, Scope, SyncPlan
     from pyproxy.kernel.nft import LibNftables, SyncResult
-    from pyproxy.render.objects import TABLE
+    from pyproxy.render.objects import TABLE, Kind
     from pyproxy.render.ruleset import Change as RChange
     from pyproxy.render.ruleset import DesiredState
     from pyproxy.sync.proxier import FamilyProxier
@@ -322,7 +322,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
         proxier.state.slots())
     del fresh
     want = sum(1 for (kind, container, _k), _v in proxier.state.slots()
-               if kind == "element" and container == "service-ips")
+               if kind is Kind.ELEMENT and container == "service-ips")
     nft._nft.set_json_output(True)
     try:
         rc, out, _err = nft._nft.cmd(f"list map ip {TABLE} service-ips")

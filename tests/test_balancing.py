@@ -69,12 +69,12 @@ def port(annotations: dict[str, str]) -> ServicePort:
 def test_annotations() -> None:
     p = port({"service.pyproxy.io/balancing": "maglev",
               "service.pyproxy.io/endpoint-weights": "10.244.1.2=3, 10.244.2.2=0"})
-    assert p.balancing == "maglev" and p.balancing_note is None
+    assert p.balancing is Algorithm.MAGLEV and p.balancing_note is None
     weights, _ = effective_weights(p, eps(3))
     assert weights == [3, 0, 1]
     bad = port({"service.pyproxy.io/balancing": "fastest",
                 "service.pyproxy.io/endpoint-weights": "nonsense"})
-    assert bad.balancing == "random"
+    assert bad.balancing is Algorithm.RANDOM
     assert "fastest" in str(bad.balancing_note) and "IP=WEIGHT" in str(bad.balancing_note)
     _, note = effective_weights(port({"service.pyproxy.io/endpoint-weights":
                                       "10.244.1.2=0"}), eps(1))

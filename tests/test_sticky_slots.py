@@ -158,13 +158,13 @@ def test_a_big_lists_unchanged_slots_keep_their_rendered_elements(
     Endpoint object in the same slot), and the whole render equals a fresh one."""
     from pyproxy.render import services
 
-    monkeypatch.setattr(services, "_BIG_SLOTS", {})
+    monkeypatch.setattr(services, "_BIG_LIST_ELEMENTS", {})
     port, sel, cfg = _big_render(1200)
     first = services.render_service(port, sel, cfg).items
     assert sel.cluster is not None
     changed = (*sel.cluster[:7], Endpoint("10.250.0.1", 8080), *sel.cluster[8:])
     again = services.render_service(port, replace(sel, cluster=changed), cfg).items
-    monkeypatch.setattr(services, "_BIG_SLOTS", {})
+    monkeypatch.setattr(services, "_BIG_LIST_ELEMENTS", {})
     fresh = services.render_service(port, replace(sel, cluster=changed), cfg).items
     assert again == fresh
     slots = {item.key: item for item in first if item.key.startswith("10.96.0.50 . 80 . ")}
@@ -177,10 +177,10 @@ def test_a_big_lists_unchanged_slots_keep_their_rendered_elements(
 def test_the_kept_big_lists_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     from pyproxy.render import services
 
-    monkeypatch.setattr(services, "_BIG_SLOTS", {})
-    monkeypatch.setattr(services, "BIG_SLOTS_KEPT", 2000)
+    monkeypatch.setattr(services, "_BIG_LIST_ELEMENTS", {})
+    monkeypatch.setattr(services, "BIG_LIST_ELEMENTS_KEPT", 2000)
     port, sel, cfg = _big_render(1200)
     services.render_service(port, sel, cfg)
     other = replace(port, cluster_ips=("10.96.0.51",))
     services.render_service(other, sel, cfg)  # 2,400 elements: the first list goes
-    assert [key[1] for key in services._BIG_SLOTS] == ["10.96.0.51 . 80"]
+    assert [key[1] for key in services._BIG_LIST_ELEMENTS] == ["10.96.0.51 . 80"]

@@ -35,7 +35,7 @@ class Balancing:
 
 
 def balancing_of(port: ServicePort) -> Balancing:
-    return Balancing(Algorithm(port.balancing), port.hash_seed)
+    return Balancing(port.balancing, port.hash_seed)
 
 
 def effective_weights(port: ServicePort,

@@ -38,6 +38,7 @@ from pyproxy.core.model import (
     MAX_WEIGHT,
     TAINT_TO_BE_DELETED,
     TOPOLOGY_KEY_ANY,
+    Algorithm,
     Endpoint,
     IPFamily,
     LoadBalancerIngress,
@@ -585,21 +586,20 @@ def _at(prefix: str, err: Invalid) -> Invalid:
     return Invalid(f"{prefix}{'' if text.startswith(':') else '.'}{text}")
 
 
-_ALGORITHMS = ("random", "round-robin", "source-hash", "maglev")
-
-
 def _balancing(
     annotations: Mapping[str, str],
-) -> tuple[str, int, tuple[tuple[str, int], ...], str | None]:
+) -> tuple[Algorithm, int, tuple[tuple[str, int], ...], str | None]:
     """pyproxy's balancing annotations. Unlike other fields, a bad value here does not skip
     the service: it keeps working with kube-proxy's behaviour (random, equal weights) and
     the note says why."""
     notes: list[str] = []
-    algorithm = annotations.get(ANNOTATION_BALANCING, "random").strip().lower() or "random"
-    if algorithm not in _ALGORITHMS:
-        notes.append(f"{ANNOTATION_BALANCING}={algorithm[:40]!r} is not one of "
-                     f"{', '.join(_ALGORITHMS)}: using random")
-        algorithm = "random"
+    text = annotations.get(ANNOTATION_BALANCING, "").strip().lower()
+    try:
+        algorithm = Algorithm(text or Algorithm.RANDOM)
+    except ValueError:
+        notes.append(f"{ANNOTATION_BALANCING}={text[:40]!r} is not one of "
+                     f"{', '.join(Algorithm)}: using random")
+        algorithm = Algorithm.RANDOM
     seed = DEFAULT_HASH_SEED
     if ANNOTATION_HASH_SEED in annotations:
         try:

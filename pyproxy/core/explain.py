@@ -86,7 +86,7 @@ def port_entry(ps: PortSelection) -> dict[str, Any]:
         "clusterEndpoints": _endpoint_list(sel.cluster),
         "localEndpoints": _endpoint_list(sel.local),
         "hasEndpoints": sel.has_any_endpoints,
-        "balancing": port.balancing,
+        "balancing": port.balancing.value,
         "weights": _weights(port, sel),
         "reasons": list(sel.reasons) + _balancing_reasons(port, sel),
     }
@@ -103,7 +103,7 @@ def _balancing_reasons(port: ServicePort, sel: Selection) -> list[str]:
     out = []
     if port.balancing_note:
         out.append(f"balancing: {port.balancing_note}")
-    algorithm = Algorithm(port.balancing)
+    algorithm = port.balancing
     if port.session_affinity and algorithm is not Algorithm.RANDOM:
         out.append(f"balancing: {algorithm} with session affinity: new clients are placed by "
                    "weight, returning clients keep their endpoint")

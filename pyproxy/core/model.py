@@ -36,6 +36,15 @@ class TrafficPolicy(StrEnum):
     LOCAL = "Local"
 
 
+class Algorithm(StrEnum):
+    """How a service spreads new connections (service.pyproxy.io/balancing; balancing.py)."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round-robin"
+    SOURCE_HASH = "source-hash"
+    MAGLEV = "maglev"
+
+
 # Well-known label and annotation keys.
 LABEL_ZONE = "topology.kubernetes.io/zone"
 LABEL_REGION = "topology.kubernetes.io/region"
@@ -146,7 +155,7 @@ class ServicePort:
     topology_note: str | None = None
     # pyproxy's balancing annotations (see balancing.py). An unusable value is reported in
     # `balancing_note` and the service falls back to random.
-    balancing: str = "random"
+    balancing: Algorithm = Algorithm.RANDOM
     hash_seed: int = DEFAULT_HASH_SEED
     endpoint_weights: tuple[tuple[str, int], ...] = ()
     balancing_note: str | None = None
@@ -379,13 +388,6 @@ class LocalMode(StrEnum):
     NODE_CIDR = "NodeCIDR"
     BRIDGE_INTERFACE = "BridgeInterface"
     INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"
-
-
-class Algorithm(StrEnum):
-    RANDOM = "random"
-    ROUND_ROBIN = "round-robin"
-    SOURCE_HASH = "source-hash"
-    MAGLEV = "maglev"
 
 
 # ---------------------------------------------------------------------------------------------

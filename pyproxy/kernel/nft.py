@@ -21,7 +21,7 @@ import structlog
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel import nlelements
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, Fragment
+from pyproxy.render.objects import TABLE, Fragment, Kind
 from pyproxy.render.ruleset import (
     Change,
     Commands,
@@ -607,7 +607,7 @@ class Applier:
             for name in cmds.stale_chains:
                 self.stale_chains.setdefault(name, t0)
             for (kind, name, _), value in change.after.items():
-                if kind == "chain" and value is not None:
+                if kind is Kind.CHAIN and value is not None:
                     self.stale_chains.pop(name, None)
         names = self.nft.list_names(self.family) if plan.full and len(self.state) > \
             self.stage_chunk else None
@@ -632,7 +632,7 @@ class Applier:
             self.started = True
             self.nft.renew()
         self.in_step = True
-        if change is None or any(slot[0] != "element" and change.before.get(slot) != value
+        if change is None or any(slot[0] is not Kind.ELEMENT and change.before.get(slot) != value
                                  for slot, value in change.after.items()):
             # only when a chain or a declaration really changed: a service moving to an
             # existing shared pick chain touches the chain's slot but not its value
@@ -753,9 +753,9 @@ class Applier:
         declared: dict[str, str] = {}
         elements: dict[str, set[str]] = {}
         for (kind, container, key), value in self.state.slots():
-            if kind == "set" and "dynamic" not in value:
+            if kind is Kind.SET and "dynamic" not in value:
                 declared[container] = value.split(" ", 1)[0]
-            elif kind == "element":
+            elif kind is Kind.ELEMENT:
                 elements.setdefault(container, set()).add(" ".join((key + value).split()))
         return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]
 

@@ -208,21 +208,20 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
     """The static part: sets and maps, and the chains every ruleset has. `service_cidrs`
     (of any family; from the ServiceCIDR objects) fill `service-cidrs`."""
     ip, addr = cfg.ip, cfg.addr_type
-    key3 = f"{addr} . inet_proto . inet_service"
+    destination = f"{addr} . inet_proto . inet_service"  # the type of `destination()`
     items = [
         _set(CLUSTER_IPS_SET, f"type {addr}; comment \"Active ClusterIPs\";"),
         _set(HAIRPIN_SET, f"type {addr} . {addr}; comment \"endpoint . itself, for hairpin\";"),
         _set(SERVICE_CIDRS_SET, f"type {addr}; flags interval; comment \"ServiceCIDRs\";"),
-        _set(FIREWALL_IPS_SET, f"type {key3}; comment \"destinations with source ranges\";"),
-        _set(
-            FIREWALL_ALLOW_SET,
-            f"type {key3} . {addr}; flags interval; comment \"allowed sources per destination\";",
-        ),
-        _set(SERVICE_IPS_MAP, f"type {key3} : verdict; comment \"ClusterIP, ExternalIP and "
+        _set(FIREWALL_IPS_SET,
+             f"type {destination}; comment \"destinations with source ranges\";"),
+        _set(FIREWALL_ALLOW_SET, f"type {destination} . {addr}; flags interval; "
+             "comment \"allowed sources per destination\";"),
+        _set(SERVICE_IPS_MAP, f"type {destination} : verdict; comment \"ClusterIP, ExternalIP and "
              "LoadBalancer IP traffic\";", is_map=True),
         _set(SERVICE_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
              "comment \"NodePort traffic\";", is_map=True),
-        _set(NO_ENDPOINT_SERVICES_MAP, f"type {key3} : verdict; comment \"services without "
+        _set(NO_ENDPOINT_SERVICES_MAP, f"type {destination} : verdict; comment \"services without "
              "usable endpoints: reject or drop\";", is_map=True),
         _set(NO_ENDPOINT_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
              "comment \"nodeports without usable endpoints: reject or drop\";", is_map=True),
@@ -354,7 +353,9 @@ class _ServiceRender:
     def comment(self) -> str:
         return self._comment
 
-    def key3(self, addr: str) -> str:
+    def destination(self, addr: str) -> str:
+        """The key of a destination (address . protocol . port) in the service-ips,
+        no-endpoint-services and firewall sets."""
         return f"{addr} . {self.proto} . {self.port.port}"
 
     def externals(self) -> tuple[str, ...]:
@@ -395,9 +396,9 @@ class _ServiceRender:
                       f" : goto {localhost_nodeport_reject_chain(self.proto)}")]
 
     def all_entries(self) -> Iterator[tuple[str, str]]:
-        yield NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip)
+        yield NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip)
         for addr in self.externals():
-            yield NO_ENDPOINT_SERVICES_MAP, self.key3(addr)
+            yield NO_ENDPOINT_SERVICES_MAP, self.destination(addr)
         if self.port.node_port:
             yield NO_ENDPOINT_NODEPORTS_MAP, f"{self.proto} . {self.port.node_port}"
 
@@ -421,58 +422,59 @@ class _ServiceRender:
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
         """The endpoints map's slots for a list: weights and the algorithm decide how often
         each endpoint appears (Maglev: its consistent-hashing table)."""
-        if (self.port.balancing != Algorithm.MAGLEV and not self.port.endpoint_weights
+        if (self.port.balancing is not Algorithm.MAGLEV and not self.port.endpoint_weights
                 and all(ep.weight is None for ep in endpoints)):
             return tuple(endpoints)  # the common case: one slot per endpoint
         weights, _ = effective_weights(self.port, endpoints)
-        return slots(endpoints, weights, Algorithm(self.port.balancing))
+        return slots(endpoints, weights, self.port.balancing)
 
     def cluster_ip(self) -> list[Item]:
         endpoints = self.weighted(self.internal_list())
         if not endpoints:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
-            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.key3(self.cip),
+            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip),
                           f"{self.comment()} : drop")]
-        suffix, own = self.own_map(len(endpoints), nodeport=False)
+        suffix, declared = self.own_map(len(endpoints), nodeport=False)
         if suffix:
             chain = _build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
         else:
             chain = _cluster_pick_chain(self.picker(), len(endpoints))
-        return [*own, chain,
-                _elem(SERVICE_IPS_MAP, self.key3(self.cip),
+        return [*declared, chain,
+                _elem(SERVICE_IPS_MAP, self.destination(self.cip),
                       f"{self.comment()} : goto {chain.container}"),
-                *self.slots(_own(endpoints_map(self.proto), suffix),
-                            f"{self.cip} . {self.port.port}", endpoints)]
+                *self.slot_elements(_own_name(endpoints_map(self.proto), suffix),
+                                    f"{self.cip} . {self.port.port}", endpoints)]
 
-    def own_map(self, slots: int, nodeport: bool) -> tuple[str, list[Item]]:
+    def own_map(self, slot_count: int, nodeport: bool) -> tuple[str, list[Item]]:
         """For a service port with OWN_MAP_SLOTS slots or more: the suffix of its own
         endpoints map (and pick chains), and the map's declaration (the ClusterIP and the
         external paths may both declare it: a Fragment keeps an item once). ("", []) for
         every other one: the shared maps."""
-        if slots < OWN_MAP_SLOTS:
+        if slot_count < OWN_MAP_SLOTS:
             return "", []
         suffix = _hash8(str(self.port.name))
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
-            name = _own(nodeport_endpoints_map(proto), suffix)
+            name = _own_name(nodeport_endpoints_map(proto), suffix)
             body = _nodeport_endpoints_map_body(ip, proto)
         else:
-            name, body = _own(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
+            name, body = _own_name(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
         return suffix, [_set(name, body, is_map=True)]
 
-    def slots(self, container: str, prefix: str, endpoints: Sequence[Endpoint],
-              offset: int = 0) -> Sequence[Item]:
-        # the bulk of a full render: one element per endpoint and list
-        if len(endpoints) >= OWN_MAP_SLOTS:
-            return _big_slots(container, prefix, endpoints, offset)
+    def slot_elements(self, container: str, prefix: str, slots: Sequence[Endpoint],
+                      offset: int = 0) -> Sequence[Item]:
+        """The endpoints map's element of each slot, from index `offset` on."""
+        # the bulk of a full render: one element per slot
+        if len(slots) >= OWN_MAP_SLOTS:
+            return _big_list_elements(container, prefix, slots, offset)
         return [_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                   f" : {ep.ip} . {ep.port}"))
-                for i, ep in enumerate(endpoints, offset)]
+                for i, ep in enumerate(slots, offset)]
 
     def external(self) -> Iterator[Item]:
         for addr in self.externals():
             yield from self.external_entry(
-                SERVICE_IPS_MAP, self.key3(addr), NO_ENDPOINT_SERVICES_MAP,
+                SERVICE_IPS_MAP, self.destination(addr), NO_ENDPOINT_SERVICES_MAP,
                 endpoints_map(self.proto), f"{addr} . {self.port.port}", nodeport=False)
 
     def node_port(self) -> Iterator[Item]:
@@ -482,8 +484,9 @@ class _ServiceRender:
                 SERVICE_NODEPORTS_MAP, key, NO_ENDPOINT_NODEPORTS_MAP,
                 nodeport_endpoints_map(self.proto), str(self.port.node_port), nodeport=True)
 
-    def external_entry(self, dispatch: str, key: str, no_endpoints: str, slots: str,
+    def external_entry(self, dispatch: str, key: str, no_endpoints: str, container: str,
                        prefix: str, nodeport: bool) -> Iterator[Item]:
+        """`container`: the shared endpoints map the slots go in (or the service's own)."""
         cluster = self.weighted(self.sel.cluster or ())
         if not self.external_is_local():
             if not cluster:
@@ -492,27 +495,27 @@ class _ServiceRender:
                 # service has no endpoints.
                 yield _elem(no_endpoints, key, f"{self.comment()} : goto {REJECT_CHAIN}")
                 return
-            suffix, own = self.own_map(len(cluster), nodeport)
-            yield from own
+            suffix, declared = self.own_map(len(cluster), nodeport)
+            yield from declared
             chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport,
                                          suffix)
             yield chain
             yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
-            yield from self.slots(_own(slots, suffix), prefix, cluster)
+            yield from self.slot_elements(_own_name(container, suffix), prefix, cluster)
             return
         local = self.weighted(self.sel.local or ())
         if not cluster and not local:
             yield _elem(no_endpoints, key, f"{self.comment()} : drop")
             return
-        suffix, own = self.own_map(len(cluster) + len(local), nodeport)
-        yield from own
-        slots = _own(slots, suffix)
+        suffix, declared = self.own_map(len(cluster) + len(local), nodeport)
+        yield from declared
+        container = _own_name(container, suffix)
         chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport,
                                      suffix)
         yield chain
         yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
-        yield from self.slots(slots, prefix, local)
-        yield from self.slots(slots, prefix, cluster, offset=len(local))
+        yield from self.slot_elements(container, prefix, local)
+        yield from self.slot_elements(container, prefix, cluster, offset=len(local))
         if not local:
             # Traffic from outside falls through the chain un-DNATed and is dropped here;
             # pod and host traffic was short-circuited to the cluster list before.
@@ -535,13 +538,13 @@ class _ServiceRender:
             # an overlapping interval the kernel refuses
             allowed = list(_collapsed([*ranges, *vips]))
         for vip in vips:
-            yield _elem(FIREWALL_IPS_SET, self.key3(vip))
+            yield _elem(FIREWALL_IPS_SET, self.destination(vip))
             for source in allowed:
-                yield _elem(FIREWALL_ALLOW_SET, f"{self.key3(vip)} . {source}")
+                yield _elem(FIREWALL_ALLOW_SET, f"{self.destination(vip)} . {source}")
 
 
 # The slot elements last rendered for each big list (OWN_MAP_SLOTS or more), by (container,
-# prefix, offset): the list's endpoints and its elements. A change of one endpoint of a
+# prefix, offset): the list's slots and their elements. A change of one endpoint of a
 # 5,000-endpoint service leaves almost every slot holding the very Endpoint object it held
 # (the cache keeps the objects of the slices that did not change, keep_slots their slots),
 # and such a slot's element is the one rendered before: reused, not formatted again (two
@@ -553,18 +556,18 @@ class _ServiceRender:
 # The live CLI's handlers render too, in their own threads: the bookkeeping is single dict
 # operations (each atomic under the GIL) on snapshots, so no lock is needed (nor allowed in
 # this pure module).
-_BIG_SLOTS: dict[tuple[str, str, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
-BIG_SLOTS_KEPT = 100_000
+_BIG_LIST_ELEMENTS: dict[tuple[str, str, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
+BIG_LIST_ELEMENTS_KEPT = 100_000
 
 
-def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
-               offset: int) -> tuple[Item, ...]:
+def _big_list_elements(container: str, prefix: str, slots: Sequence[Endpoint],
+                       offset: int) -> tuple[Item, ...]:
     key = (container, prefix, offset)
-    last = _BIG_SLOTS.get(key)
+    last = _BIG_LIST_ELEMENTS.get(key)
     if last is None:
         items = tuple([_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                          f" : {ep.ip} . {ep.port}"))
-                       for i, ep in enumerate(endpoints, offset)])
+                       for i, ep in enumerate(slots, offset)])
     else:
         before, rendered = last
         size = len(before)
@@ -572,16 +575,16 @@ def _big_slots(container: str, prefix: str, endpoints: Sequence[Endpoint],
             rendered[i - offset] if i - offset < size and before[i - offset] is ep
             else _new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
                                    f" : {ep.ip} . {ep.port}"))
-            for i, ep in enumerate(endpoints, offset)])
-    if len(items) <= BIG_SLOTS_KEPT:
-        _BIG_SLOTS.pop(key, None)
-        _BIG_SLOTS[key] = (endpoints, items)  # (re)inserted last: the newest
-        entries = list(_BIG_SLOTS.items())  # oldest first
+            for i, ep in enumerate(slots, offset)])
+    if len(items) <= BIG_LIST_ELEMENTS_KEPT:
+        _BIG_LIST_ELEMENTS.pop(key, None)
+        _BIG_LIST_ELEMENTS[key] = (slots, items)  # (re)inserted last: the newest
+        entries = list(_BIG_LIST_ELEMENTS.items())  # oldest first
         kept = sum(len(entry[1]) for _, entry in entries)
         for old, (_, dropped) in entries:
-            if kept <= BIG_SLOTS_KEPT:
+            if kept <= BIG_LIST_ELEMENTS_KEPT:
                 break
-            _BIG_SLOTS.pop(old, None)
+            _BIG_LIST_ELEMENTS.pop(old, None)
             kept -= len(dropped)
     return items
 
@@ -620,14 +623,14 @@ class _Picker:
             return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
         return f"numgen random mod {count}{off}"
 
-    def dnat(self, count: int, offset: int, nodeport: bool, own: str = "") -> str:
-        """`own`: the suffix of the service's own endpoints map (OWN_MAP_SLOTS)."""
+    def dnat(self, count: int, offset: int, nodeport: bool, suffix: str = "") -> str:
+        """`suffix`: that of the service's own endpoints map (OWN_MAP_SLOTS)."""
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
             key, container = f"{proto} dport", nodeport_endpoints_map(proto)
         else:
             key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
-        container = _own(container, own)
+        container = _own_name(container, suffix)
         return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
 
     def chain_name(self, base: str) -> str:
@@ -657,10 +660,10 @@ def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balanci
     return _build_cluster_pick_chain(_Picker(cfg, proto, balancing, None), count)
 
 
-def _build_cluster_pick_chain(picker: _Picker, count: int, own: str = "") -> Item:
-    """`own`: the suffix of the service's own endpoints map: the chain is its own too."""
+def _build_cluster_pick_chain(picker: _Picker, count: int, suffix: str = "") -> Item:
+    """`suffix`: that of the service's own endpoints map: the chain is its own too."""
     cfg, proto = picker.cfg, picker.proto
-    name = picker.chain_name(_own(f"cluster-{proto}-{count}", own))
+    name = picker.chain_name(_own_name(f"cluster-{proto}-{count}", suffix))
     rules = []
     if cfg.masquerade_all:
         rules.append(_masquerade(cfg))
@@ -670,27 +673,27 @@ def _build_cluster_pick_chain(picker: _Picker, count: int, own: str = "") -> Ite
         not_local = cfg.local_match(negate=True)
         if not_local:
             rules.append(f"{not_local} {_masquerade(cfg)}")
-    rules.append(picker.dnat(count, 0, nodeport=False, own=own))
+    rules.append(picker.dnat(count, 0, nodeport=False, suffix=suffix))
     return _chain(name, rules)
 
 
-def _own(name: str, suffix: str) -> str:
+def _own_name(name: str, suffix: str) -> str:
     """A shared map's or pick chain's name, or that of a service's own (OWN_MAP_SLOTS)."""
     return f"{name}-{suffix}" if suffix else name
 
 
 def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bool,
-                         nodeport: bool, own: str = "") -> Item:
-    """`own`: the suffix of the service's own endpoints map: the chain is its own too."""
+                         nodeport: bool, suffix: str = "") -> Item:
+    """`suffix`: that of the service's own endpoints map: the chain is its own too."""
     cfg, proto = picker.cfg, picker.proto
     kind = "nodeport" if nodeport else "external"
     if not is_local:
         # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
-        return _chain(picker.chain_name(_own(f"{kind}-{proto}-{cluster}", own)),
-                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport, own)))
+        return _chain(picker.chain_name(_own_name(f"{kind}-{proto}-{cluster}", suffix)),
+                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport, suffix)))
     rules = []
     if cluster:
-        to_cluster = picker.dnat(cluster, local, nodeport, own)
+        to_cluster = picker.dnat(cluster, local, nodeport, suffix)
         local_pods = cfg.local_match()
         if local_pods:
             # Pod traffic to an external address behaves as if it left and came back:
@@ -699,9 +702,9 @@ def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bo
         # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
         rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
     if local:
-        rules.append(picker.dnat(local, 0, nodeport, own))
-    return _chain(picker.chain_name(_own(f"{kind}-local-{proto}-{local}-{cluster}", own)),
-                  rules)
+        rules.append(picker.dnat(local, 0, nodeport, suffix))
+    name = _own_name(f"{kind}-local-{proto}-{local}-{cluster}", suffix)
+    return _chain(picker.chain_name(name), rules)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -759,17 +762,21 @@ class _AffinityRender:
             yield from self.policy_chain(self.chain("local"), svc.sel.local,
                                          internal == self.chain("local"))
         if svc.internal_list():
-            yield _elem(SERVICE_IPS_MAP, svc.key3(svc.cip), f"{svc.comment()} : goto {internal}")
+            yield _elem(SERVICE_IPS_MAP, svc.destination(svc.cip),
+                        f"{svc.comment()} : goto {internal}")
         else:
-            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(svc.cip), f"{svc.comment()} : drop")
+            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(svc.cip),
+                        f"{svc.comment()} : drop")
         if not svc.externals() and not svc.port.node_port:
             return
         external = self.chain("external")
         yield _chain(external, self.external_rules())
         for addr in svc.externals():
-            yield _elem(SERVICE_IPS_MAP, svc.key3(addr), f"{svc.comment()} : goto {external}")
+            yield _elem(SERVICE_IPS_MAP, svc.destination(addr),
+                        f"{svc.comment()} : goto {external}")
             if svc.external_is_local() and not svc.sel.local:
-                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.key3(addr), f"{svc.comment()} : drop")
+                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(addr),
+                            f"{svc.comment()} : drop")
         if svc.port.node_port:
             key = f"{svc.proto} . {svc.port.node_port}"
             yield _elem(SERVICE_NODEPORTS_MAP, key, f"{svc.comment()} : goto {external}")

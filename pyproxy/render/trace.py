@@ -97,7 +97,8 @@ class _Walker:
             self.out.consulted.append((container, " ".join((key + value).split())))
         return value
 
-    def key3(self) -> str:
+    def destination(self) -> str:
+        """The packet's destination as the service-ips and firewall sets key it."""
         return f"{self.out.dst} . {self.out.protocol} . {self.out.port}"
 
     def note(self, text: str) -> None:
@@ -111,9 +112,9 @@ class _Walker:
     # -- filter prerouting / output: LoadBalancer source ranges -------------------------------
 
     def firewall_drops(self) -> bool:
-        if self.element(FIREWALL_IPS_SET, self.key3()) is None:
+        if self.element(FIREWALL_IPS_SET, self.destination()) is None:
             return False
-        prefix = f"{self.key3()} . "
+        prefix = f"{self.destination()} . "
         allowed = [key[len(prefix):] for (kind, container, key), _ in self.state.slots()
                    if kind is Kind.ELEMENT and container == FIREWALL_ALLOW_SET
                    and key.startswith(prefix)]
@@ -128,10 +129,10 @@ class _Walker:
     # -- nat: services ---------------------------------------------------------------------------
 
     def dispatch(self) -> str | None:
-        value = self.element(SERVICE_IPS_MAP, self.key3())
+        value = self.element(SERVICE_IPS_MAP, self.destination())
         if value is not None:
             self.set_service(value)
-            self.note(f"services: {self.key3()} in @{SERVICE_IPS_MAP}{value}")
+            self.note(f"services: {self.destination()} in @{SERVICE_IPS_MAP}{value}")
             return value.rsplit(": ", 1)[1]
         if self.is_nodeport_address():
             key = f"{self.out.protocol} . {self.out.port}"
@@ -302,7 +303,7 @@ class _Walker:
     # -- filter: no endpoints, invalid ports ------------------------------------------------------
 
     def no_dnat(self) -> None:
-        value = self.element(NO_ENDPOINT_SERVICES_MAP, self.key3())
+        value = self.element(NO_ENDPOINT_SERVICES_MAP, self.destination())
         if value is None and self.is_nodeport_address():
             value = self.element(NO_ENDPOINT_NODEPORTS_MAP,
                                  f"{self.out.protocol} . {self.out.port}")

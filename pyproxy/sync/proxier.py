@@ -108,7 +108,7 @@ def _sticky(orders: SlotOrders, previous: Mapping[ServicePortName, PortSelection
     table from the endpoints: left as it is). Only an order that differs from the
     selection's is remembered: almost every service keeps its sorted one."""
     sel, name = ps.selection, ps.port.name
-    if ps.port.balancing == Algorithm.MAGLEV:
+    if ps.port.balancing is Algorithm.MAGLEV:
         return sel
     before = orders.get(name)
     if before is None and (last := previous.get(name)) is not None:
