@@ -554,7 +554,7 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
 
 
 def table(report: dict[str, Any]) -> str:
-    fleets = report["fleets"]
+    fleets = {name: fleet for name, fleet in report["fleets"].items() if "error" not in fleet}
     n = report["nodes"]
     base = report.get("baseline")
     head = (f"| {report['services']} × {report['endpoints']}, N = {n} | pyproxy | kube-proxy "
@@ -683,12 +683,18 @@ def main() -> int:
             bench = Bench(plane, kube, synth, nodes, args, audit_log, kubeconfigs)
             if not args.no_baseline:
                 report["baseline"] = bench.baseline()
-            for fleet in args.order:
-                report["fleets"][fleet] = bench.fleet(fleet)
-            if args.logs:
-                Path(args.logs).mkdir(parents=True, exist_ok=True)
-                for log in [*workdir.glob("*.log"), audit_log]:
-                    (Path(args.logs) / log.name).write_bytes(log.read_bytes())
+            try:
+                for fleet in args.order:
+                    try:
+                        report["fleets"][fleet] = bench.fleet(fleet)
+                    except Exception as err:  # the other fleet is still measured
+                        print(f"  {fleet} failed: {err}", flush=True)
+                        report["fleets"][fleet] = {"error": f"{type(err).__name__}: {err}"}
+            finally:
+                if args.logs:
+                    Path(args.logs).mkdir(parents=True, exist_ok=True)
+                    for log in [*workdir.glob("*.log"), audit_log]:
+                        (Path(args.logs) / log.name).write_bytes(log.read_bytes())
     out = Path(args.json) if args.json else (
         REPO / "bench" / "results"
         / f"fleet-{services}x{endpoints}-n{args.nodes}-{report['commit']}.json")
