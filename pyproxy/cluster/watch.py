@@ -264,6 +264,8 @@ class Reflector:
         self._backoff = Backoff()
         # The last position a watch delivered: where a broken stream resumes.
         self._position = ""
+        # A streamed list's stream after its initial events: the next watch reads it on.
+        self._held: tuple[Any, Iterator[bytes]] | None = None
         self.relist_pause = RELIST_PAUSE
 
     def run(self) -> None:
@@ -306,10 +308,15 @@ class Reflector:
         small_list objects is that one request; a bigger one is streamed through one watch
         (the server's watch-list) where it is served, otherwise read in pages."""
         if self.watch_list:
-            try:
-                return self._paged_list(stream_beyond_first_page=True)
-            except _Bigger as bigger:
-                first_page: dict[ObjectKey, str] = bigger.seen
+            first_page: dict[ObjectKey, str] = {}
+            if not self.status.synced:
+                try:
+                    return self._paged_list(stream_beyond_first_page=True)
+                except _Bigger as bigger:
+                    first_page = bigger.seen
+            # A relist (after a 410: a restarted API server answers every node so) is
+            # streamed whatever its size: one request that goes on as the watch, its events
+            # gzipped by the server, as client-go's; no start is waiting for it.
             try:
                 return self._stream_list(first_page)
             except WatchListRefused as err:
@@ -347,10 +354,11 @@ class Reflector:
         seen: set[ObjectKey] = set()
         version: str | None = None
         handling = 0.0
+        lines = _lines(response, self.stop)
         try:
             # as for a page: conversion makes many objects without cycles, kept in the cache
             with gc_paused(keep=True):
-                for line in _lines(response, self.stop):
+                for line in lines:
                     kind, obj = self.resource.codec.event(line)
                     meta = metadata(obj)
                     if kind == "BOOKMARK":
@@ -372,9 +380,15 @@ class Reflector:
                         seen.add(key)
                         self.handler(key, obj)
                     handling += time.monotonic() - began
+            if version is not None and not self.stop.is_set():
+                # The stream goes on as the watch from the end bookmark's version (client-go
+                # reads it on too): no second request, and the server keeps gzipping its
+                # events, a change a third of its JSON (docs/fleet.md).
+                self._held = (response, lines)
         finally:
-            response.close()  # not drained: the connection cannot go back to the pool
-            response.release_conn()
+            if self._held is None:
+                response.close()  # not drained: the connection cannot go back to the pool
+                response.release_conn()
         if version is None:
             if self.stop.is_set():
                 return ""
@@ -467,23 +481,28 @@ class Reflector:
 
     def _watch(self, version: str) -> str:
         self._position = version
-        try:
-            response = self._call(
-                watch=True, resource_version=version, allow_watch_bookmarks=True,
-                timeout_seconds=int(self.watch_timeout * (1 + random.random())),
-                _request_timeout=(10, self.read_timeout),
-            )
-        except Exception as err:
-            # A server whose watch cache starts after our position (restarted, or history
-            # compacted) refuses the watch itself with 410 instead of sending an ERROR event.
-            if getattr(err, "status", None) == 410:
-                raise Expired(str(err)) from err
-            raise
+        held, self._held = self._held, None
+        if held is not None:  # a streamed list's stream, read on from its end bookmark
+            response, lines = held
+        else:
+            try:
+                response = self._call(
+                    watch=True, resource_version=version, allow_watch_bookmarks=True,
+                    timeout_seconds=int(self.watch_timeout * (1 + random.random())),
+                    _request_timeout=(10, self.read_timeout),
+                )
+            except Exception as err:
+                # A server whose watch cache starts after our position (restarted, or
+                # history compacted) refuses the watch with 410 instead of an ERROR event.
+                if getattr(err, "status", None) == 410:
+                    raise Expired(str(err)) from err
+                raise
+            lines = _lines(response, self.stop)
         self.status.watches += 1
         self.status.connected = True
         self._backoff.reset()
         try:
-            for line in _lines(response, self.stop):
+            for line in lines:
                 kind, obj = self.resource.codec.event(line)
                 version = self._position = self._handle(kind, obj, version)
         finally:
