@@ -553,10 +553,11 @@ def _agnhost_binary() -> Path:
 
 
 # What upstream's agnhost image adds to its base (Alpine's bind-tools, curl, netcat-openbsd,
-# iproute2, iperf, bash), from Debian: the e2e tests exec these in agnhost pods, with flags
-# busybox's applets lack (`nc -v -t -w 2`, `curl -g -q -s`, `dig +short`).
+# iproute2, iperf, bash, util-linux-misc, socat), from Debian: the e2e tests exec these in
+# agnhost pods, with flags busybox's applets lack (`nc -v -t -w 2`, `curl -g -q -s`,
+# `dig +short`).
 AGNHOST_PACKAGES = ("bash", "ca-certificates", "curl", "dnsutils", "iperf", "iproute2",
-                    "netcat-openbsd", "procps", "wget")
+                    "netcat-openbsd", "procps", "socat", "util-linux", "wget")
 
 
 def _member(tar: Path, name: str) -> bytes:
@@ -592,6 +593,10 @@ def _build_agnhost(out: Path) -> None:
               b"group-defined-in-image:x:50000:user-defined-in-image\n")
     tree.dir("/home/user-defined-in-image", uid=1000, gid=1000)
     tree.file("/agnhost", _agnhost_binary(), 0o755)
+    # Upstream unpacks a CoreDNS release at /coredns: the DNS tests run it in agnhost pods
+    # (`command: [/coredns]`, "should support configurable pod resolv.conf"). The cluster's.
+    tree.file("/coredns", _coredns_binary(), 0o755)
+    tree.symlink("/usr/local/bin/iperf", "/usr/bin/iperf")
     # entrypoint-tester tests override the entrypoint with agnhost-2.
     tree.symlink("/agnhost-2", "agnhost")
     tree.dir("/uploads")  # netexec's
