@@ -62,7 +62,8 @@ SPECS: tuple[MetricSpec, ...] = (
                "time per sync, full or partial (render, diff, kernel); kube-proxy's name"),
     MetricSpec("kubeproxy_sync_full_proxy_rules_duration_seconds", "histogram",
                "SyncProxyRules latency in seconds for full resyncs",
-               "time per full sync (start, after a failure, every --full-sync-period)"),
+               "time per full sync (start, after a failure, a repair, a node configuration "
+               "change, every --full-sync-period)"),
     MetricSpec("kubeproxy_sync_partial_proxy_rules_duration_seconds", "histogram",
                "SyncProxyRules latency in seconds for partial resyncs",
                "time per partial sync (only what changed)"),
