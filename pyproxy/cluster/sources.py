@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import structlog
 
-from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
 from pyproxy.cluster.watch import (
     MIN_WATCH_TIMEOUT,
@@ -37,9 +36,12 @@ class ClusterHandler(Protocol):
     and a sync asked for. Declared here, below the sync layer that implements it
     (`sync.node.NodeProxier`), so that the sources do not import upwards."""
 
-    # Its cache, where a snapshot's items that carry no event (earlier copies of an object,
-    # other kinds) are recorded as they are read: they change no rules, so ask for no sync.
-    cache: ClusterCache
+    def snapshot_skipped(self, skipped: tuple[Skipped, ...],
+                         fresh: tuple[Skipped, ...]) -> None:
+        """A snapshot's items that carry no event (earlier copies of an object, other kinds,
+        objects without a name): all of them as now read, and those not skipped at the last
+        reading. They change no rules, so ask for no sync."""
+        ...
 
     def expect(self, source: str) -> None: ...
 
@@ -126,12 +128,9 @@ class SnapshotSource:
         """The items as offline commands read them (`snapshot_items`); what changed since the
         last reading as events, the rest recorded in the cache."""
         items = snapshot_items(objects)
-        for skipped in items.skipped:
-            if skipped.invalid and skipped not in self._skipped:
-                log.warning("invalid_object_skipped", object=skipped.object,
-                            reason=skipped.reason)
+        fresh = tuple(s for s in items.skipped if s not in self._skipped)
         self._skipped = items.skipped
-        self.proxier.cache.set_snapshot_skipped(items.skipped)
+        self.proxier.snapshot_skipped(items.skipped, fresh)
         handlers: dict[str, Callable[[ObjectKey, Any], None]] = {
             "Service": self.proxier.on_service,
             "EndpointSlice": self.proxier.on_slice,

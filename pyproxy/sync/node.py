@@ -172,12 +172,25 @@ class NodeProxier:
         with self.lock:
             self._record(self.cache.set_service_cidr(key[1], obj))
 
-    def _record(self, skipped: Skipped | None) -> None:
+    def snapshot_skipped(self, skipped: tuple[Skipped, ...],
+                         fresh: tuple[Skipped, ...]) -> None:
+        """A snapshot's items that never reach the cache as objects: listed in its state, and
+        the invalid among those newly read counted and logged as an invalid update is (a
+        Service without a name is bad input whichever way it came)."""
+        with self.lock:
+            self.cache.set_snapshot_skipped(skipped)
+            for item in fresh:
+                self._count_invalid(item)
+
+    def _count_invalid(self, skipped: Skipped | None) -> None:
         if skipped is not None and skipped.invalid:
             self.skipped_total[skipped.kind] = self.skipped_total.get(skipped.kind, 0) + 1
             for hook in self.on_invalid:
                 hook(skipped)
             log.warning("invalid_object_skipped", object=skipped.object, reason=skipped.reason)
+
+    def _record(self, skipped: Skipped | None) -> None:
+        self._count_invalid(skipped)
         if self.cache.has_pending():
             for observer in self.observers:
                 observer.queued()
