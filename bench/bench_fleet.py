@@ -11,7 +11,9 @@ N pyproxies, on the same loaded cluster; for each fleet, three phases:
     `kubeproxy_sync_proxy_rules_last_timestamp_seconds`, which both export, set);
 (b) churn: `--churn-rate` endpoint changes per second (20) for `--churn-seconds` (300);
 (c) restart: kube-apiserver killed (SIGKILL), `--downtime` seconds (5) down, started
-    again, then `--after-seconds` (180) watched.
+    again, then `--after-seconds` (180) watched;
+(d) the churn again for `--after-churn-seconds` (60): what a change costs on the watches
+    the restart made.
 
 Measured, per phase: the API server's CPU seconds (/proc, its process; etcd's beside it),
 the bytes it sent to the proxies (the transmit counters of the control plane's end of each
@@ -441,6 +443,10 @@ class Bench:
             result["churn"] = self.churn(self.args.churn_seconds)
             print("  restarting the API server…", flush=True)
             result["restart"] = self.restart(fleet)
+            if self.args.after_churn_seconds:
+                # the watches the restart made: streamed lists read on as watches?
+                print(f"  churn {self.args.after_churn_seconds:.0f} s…", flush=True)
+                result["churn_after_restart"] = self.churn(self.args.after_churn_seconds)
         finally:
             self.stop()
         return result
@@ -547,6 +553,9 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
             "requests_per_second_max"]),
         ("(c) last node's EndpointSlice watch back (s after the API server's start)",
          restart["audit"]["slices_watch_back_max_s"] or float("nan")),
+        ("(d) after it: bytes sent per change per node", per_change_per_node(
+            result["churn_after_restart"], None, "bytes_sent", nodes)
+         if "churn_after_restart" in result else float("nan")),
         ("node RSS at the end, p50 / max (MiB)", node_stat(restart["procs"], "rss_mib")),
         ("", node_stat(restart["procs"], "rss_mib", "max")),
         ("node peak RSS, max (MiB)", node_stat(restart["procs"], "hwm_mib", "max")),
@@ -644,6 +653,8 @@ def main() -> int:
                         help="seconds the API server stays down")
     parser.add_argument("--after-seconds", type=float, default=180.0,
                         help="watched after the restarted API server answers")
+    parser.add_argument("--after-churn-seconds", type=float, default=60.0,
+                        help="(d) the churn again after the restart (0: skipped)")
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--order", default=",".join(FLEETS),
                         type=lambda s: [name for name in s.split(",") if name])
