@@ -93,6 +93,8 @@ def test_list_then_watch(emu: ApiEmulator, reflector: tuple[Reflector, Recorder]
     emu.create("services", service("added"))
     emu.create("services", service("other-proxy", **{
         "service.kubernetes.io/service-proxy-name": "x"}))
+    emu.create("services", {**service("headless"), "spec": {"clusterIP": "None", "ports": [
+        {"name": "http", "port": 80}]}})
     emu.delete("services", "before", "ns")
     wait(lambda: rec.names() == {"added"})
     # bookmarks move the position on without events

@@ -90,6 +90,9 @@ def services_resource() -> Resource:
         "Service", collection("/api/v1/services"),
         # Services another proxy handles are not ours (as kube-proxy's informer).
         label_selector="!service.kubernetes.io/service-proxy-name",
+        # Nor headless ones, which have no address to proxy: kube-proxy's informer leaves
+        # them on the server too, so their changes are never sent to the nodes.
+        field_selector="spec.clusterIP!=None",
     )
 
 
