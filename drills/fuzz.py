@@ -15,8 +15,15 @@ bugs still open (docs/drills.md, "Bugs found"), which the CI drill keeps away fr
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
+import json
+import os
+import pickle
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, given, seed, settings
@@ -26,6 +33,7 @@ from drills.inputs import Expectation
 from pyproxy.core.convert import parse_cidr_sloppy, parse_ip_sloppy
 
 Obj = dict[str, Any]
+ROOT = Path(__file__).resolve().parents[1]
 
 # What the API server accepts (fullmatch: no trailing newline).
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -96,6 +104,20 @@ BAD_TOPOLOGY_KEYS = ["*,kubernetes.io/hostname", ",".join(f"k{i}" for i in range
                      "kubernetes.io/hostname,kubernetes.io/hostname", "bad key", 'a"b',
                      "x/y/z", "-a", "a/", "/a", "a" * 64, "UPPER.example.com/a", "*,*",
                      "kubernetes.io/hostname;*", "kubernetes.io/hostname\\n*"]
+KEY_JUNK_CHARS = ['"', "'", "{", "}", ";", "#", " ", "%", "@", "$", "`", "é", "\\"]
+
+
+def junk_key(char: str, tail: str) -> str:
+    """A topology-keys annotation whose second key holds `char`. Whitespace is junk only
+    inside a key: the annotation is a comma-separated list and the whitespace around a key is
+    ignored (README), so "kubernetes.io/hostname,k " is the valid key "k". The oracle once
+    called it broken and pyproxy rightly programmed it (ns9/cache-0-604, `make chaos` run 4
+    of issue 31, docs/drills.md)."""
+    if char.isspace() and not tail:
+        tail = "x"
+    return f"kubernetes.io/hostname,k{char}{tail}"
+
+
 VALID_WORDS = {"TCP", "UDP", "SCTP", "ClusterIP", "NodePort", "LoadBalancer", "ExternalName",
                "None", "ClientIP", "Cluster", "Local", "IPv4", "IPv6", "FQDN"}
 
@@ -139,8 +161,7 @@ def _junk() -> dict[str, st.SearchStrategy[Any]]:
             "junk_timeout": st.one_of(st.integers(86401, 2**40), st.integers(-2**40, 0),
                                       st.sampled_from(["80", True, 80.0, [80]])),
             "junk_keys": st.sampled_from(BAD_TOPOLOGY_KEYS) | st.builds(
-                lambda a, b: f"kubernetes.io/hostname,k{a}{b}", st.sampled_from(
-                    ['"', "'", "{", "}", ";", "#", " ", "%", "@", "$", "`", "é", "\\"]),
+                junk_key, st.sampled_from(KEY_JUNK_CHARS),
                 st.from_regex(r"[a-z]{0,4}", fullmatch=True)),
             "junk_word": st.one_of(junk_text(re.compile(r"(?!)")),
                                    st.sampled_from(["tcp", "Tcp", "ICMP", "Cluster ", "local",
@@ -487,12 +508,10 @@ def _word(value: Any, fallback: str) -> Any:
     return value
 
 
-def generate(count: int, seed_value: int,
-             known_bugs: bool) -> tuple[list[Obj], Expectation, list[str | None]]:
-    """`count` objects (a Service and an EndpointSlice per case), the oracle, and per object
-    the kind that case broke (None: a valid case)."""
+def draw_shapes(wanted: int, seed_value: int, known_bugs: bool) -> list[dict[str, Any]]:
+    """`wanted` cases drawn by hypothesis in this process (generate() calls it in a fresh
+    interpreter, see there)."""
     shapes: list[dict[str, Any]] = []
-    wanted = (count + 1) // 2
     attempt = 0
     while len(shapes) < wanted and attempt < 20:
         @settings(max_examples=wanted - len(shapes), database=None, deadline=None,
@@ -504,6 +523,38 @@ def generate(count: int, seed_value: int,
 
         collect()
         attempt += 1
+    return shapes[:wanted]
+
+
+def _fresh_draw(wanted: int, seed_value: int, known_bugs: bool) -> list[dict[str, Any]]:
+    """draw_shapes in a fresh interpreter that loads only this module and what it imports.
+
+    Hypothesis mixes into its draws constants read from the source of every local module
+    loaded in the process ("local constants", checked with hypothesis 6.170), so one seed
+    drew other cases under `make chaos` (drills.chaos as __main__, the migration drill,
+    pyproxy.cluster.watch loaded by an earlier drill) than in a shell or under pytest, and a
+    failing case could not be regenerated (issue 31: seed 69048). In a fresh interpreter a
+    seed names the same objects wherever it runs, at a given commit (the constants are the
+    code's)."""
+    code = ("import pickle, sys\n"
+            "from drills.fuzz import draw_shapes\n"
+            f"sys.stdout.buffer.write(pickle.dumps(draw_shapes({wanted}, {seed_value}, "
+            f"{known_bugs})))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          env={**os.environ, "PYTHONHASHSEED": "0"}, check=False)
+    if done.returncode:
+        raise RuntimeError(f"drawing the cases failed: {done.stderr.decode()[-2000:]}")
+    shapes: list[dict[str, Any]] = pickle.loads(done.stdout)  # our own child's output
+    return shapes
+
+
+def generate(count: int, seed_value: int,
+             known_bugs: bool) -> tuple[list[Obj], Expectation, list[str | None]]:
+    """`count` objects (a Service and an EndpointSlice per case), the oracle, and per object
+    the kind that case broke (None: a valid case). The same for a seed in any process
+    (_fresh_draw): `python -m drills.fuzz --seed N --count N --show ns/name` regenerates."""
+    wanted = (count + 1) // 2
+    shapes = _fresh_draw(wanted, seed_value, known_bugs)
     ids = _Ids()
     objects: list[Obj] = []
     broken_kinds: list[str | None] = []
@@ -546,3 +597,34 @@ def disagreements(objects: list[Obj], broken: list[str | None]) -> list[tuple[st
             why = result.reason if isinstance(result, Skipped) else "accepted"
             out.append((why, obj))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Regenerates the bad-input drill's objects of a seed (its figures name the seed), e.g.
+    `python -m drills.fuzz --seed 69048 --show ns9/cache-0-604`, from the repository root."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--count", type=int, default=10000, help="as `make chaos` (10000)")
+    parser.add_argument("--known-bugs", action="store_true")
+    parser.add_argument("--show", action="append", default=[], metavar="NAMESPACE/NAME",
+                        help="print this Service and its EndpointSlice (repeatable)")
+    parser.add_argument("--disagreements", action="store_true",
+                        help="print the objects the oracle and pyproxy's converter disagree on")
+    args = parser.parse_args(argv)
+    objects, expect, broken = generate(args.count, args.seed, args.known_bugs)
+    print(f"seed {args.seed}: {len(expect.valid_services)} valid services, invalid "
+          f"{dict(expect.invalid)}")
+    for obj, kind in zip(objects, broken, strict=True):
+        meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+        labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+        owner = labels.get("kubernetes.io/service-name", meta.get("name"))
+        if f"{meta.get('namespace')}/{owner}" in args.show:
+            print(f"{obj['kind']} (case broken: {kind}): {json.dumps(obj)}")
+    wrong = disagreements(objects, broken) if args.disagreements else []
+    for why, obj in wrong:
+        print(f"disagreement ({why}): {json.dumps(obj)}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

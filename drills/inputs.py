@@ -98,8 +98,8 @@ def check_programmed(r: Result, env: Env, daemon: Daemon, path: Path, expect: Ex
     r.check(not missing, f"{len(missing)} valid services not programmed: {sorted(missing)[:5]}")
     if not r.check(not extra, f"{len(extra)} invalid services programmed: "
                               f"{[repr(x) for x in sorted(extra)[:5]]}"):
-        # The generator is not reproducible across processes (seed 69048 gave other cases
-        # offline): the object itself is the only evidence left once the lab is gone.
+        # The object itself, as evidence; `python -m drills.fuzz --seed N --show NS/NAME`
+        # regenerates it too (a seed draws the same objects in any process).
         r.notes += [f"programmed though broken: {json.dumps(obj)[:1500]}"
                     for obj in snapshot_services(path, extra)[:5]]
     skipped = [s for s in offline["skipped"] if s["invalid"]]
