@@ -54,9 +54,9 @@ from pyproxy.kernel.conntrack import (
     withdrawn,
 )
 from pyproxy.kernel.host import MIN_KERNEL, Outcome, apply_host_settings, kernel_below_supported
-from pyproxy.kernel.nft import OWN_SOCKETS, rule_packets
+from pyproxy.kernel.nft import OWN_SOCKETS
 from pyproxy.kernel.nftevents import NftMonitor
-from pyproxy.kernel.nlsets import KernelCounters
+from pyproxy.kernel.nlsets import KernelCounters, rule_packets
 from pyproxy.logs import setup_logging
 from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import nftables
 import pytest
 import yaml
 
@@ -25,7 +24,8 @@ from pyproxy.config import ProxyConfig
 from pyproxy.core.localhost import NodePortSpec, nodeport_specs
 from pyproxy.core.model import IPFamily, LocalhostNodePorts, NodeConfig, Protocol, ServicePortName
 from pyproxy.core.topology import select_all
-from pyproxy.kernel.nft import rule_packets
+from pyproxy.kernel.nlelements import netlink_socket
+from pyproxy.kernel.nlsets import rule_packets
 from pyproxy.render.services import render_config, skeleton
 from pyproxy.render.trace import trace
 from pyproxy.serve.localhost import LocalhostListeners
@@ -456,8 +456,16 @@ def test_a_restart_with_localhost_added_stops_rejecting_tcp(cluster: Cluster) ->
         # without counter values).
         proxier.applier.adopt_structure()
         assert lab.connect(ns, "127.0.0.1", 30053, "udp")[0].rejected
-        assert rule_packets("ip", "localhost-nodeport-reject-udp",
-                            lambda: call_in_netns(ns.full, nftables.Nftables)) == 1
+        def sockets() -> socket.socket:
+            return call_in_netns(ns.full, netlink_socket)
+        assert rule_packets("ip", "localhost-nodeport-reject-udp", sockets) == 1
+        # libnftables reads the same
+        listed = ns.run(["nft", "list", "chain", "ip", "pyproxy",
+                         "localhost-nodeport-reject-udp"]).stdout
+        assert "counter packets 1 " in listed
+        assert rule_packets("ip", "localhost-nodeport-reject-tcp", sockets) == 0  # flushed
+        assert rule_packets("ip", "no-such-chain", sockets) is None
+        assert rule_packets("ip6", "localhost-nodeport-reject-udp", sockets) is None
         assert proxier.applier.structure_intact()
     finally:
         lab.del_ns(ns)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import json
 import os
 import socket
 import threading
@@ -436,20 +435,6 @@ class LibNftables:
                 elif words[0] in ("set", "map"):
                     sets.append(words[1])
         return chains, sets
-
-
-def rule_packets(family: str, chain: str,
-                 factory: Callable[[], Any] = _new_context) -> int | None:
-    """The packets the counters in the rules of one of our chains have counted (None: no
-    such chain). A read-only libnftables context of its own."""
-    ctx = factory()
-    ctx.set_json_output(True)
-    rc, out, _ = ctx.cmd(f"list chain {family} {TABLE} {chain}")
-    if rc != 0:
-        return None
-    return sum(int(expr["counter"]["packets"])
-               for obj in json.loads(str(out))["nftables"] if "rule" in obj
-               for expr in obj["rule"]["expr"] if isinstance(expr, dict) and "counter" in expr)
 
 
 def table_block(ruleset: str, family: str) -> str | None:
