@@ -276,15 +276,16 @@ class Daemon:
         return self.http("/healthz")[0]
 
     def health(self) -> Health:
-        """/healthz, /livez and the health-check node port of `lb` (`lb_local`), at once
-        (`at`: when /healthz was asked)."""
+        """/healthz, /livez and the health-check node port of `lb` (`lb_local`), one after
+        the other (`at`: when /healthz was asked; `livez_at`: when /livez answered)."""
         asked = time.monotonic()
         code, _, body = self.http("/healthz")
         livez, _, livez_body = self.http("/livez")
+        livez_at = time.monotonic()
         node_port, _, port_body = self.http("/", f"{self.env.cluster.node_ip4}:{LB_HEALTH_PORT}")
         return Health(asked, code, json.loads(body).get("reason", ""), livez,
                       json.loads(livez_body).get("reason", ""), node_port,
-                      json.loads(port_body or b"{}").get("reason", ""))
+                      json.loads(port_body or b"{}").get("reason", ""), livez_at)
 
     def metrics(self) -> str:
         return self.http("/metrics", METRICS)[2].decode()
@@ -310,6 +311,9 @@ class Health:
     livez_reason: str
     node_port: int  # the health-check node port's
     node_port_reason: str
+    # When /livez's answer arrived: the latest its verdict can have been made (/healthz's
+    # round trip comes first, under load 0.1 s and more after `at`).
+    livez_at: float = 0.0
 
 
 class HealthWatch:
