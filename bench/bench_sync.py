@@ -161,7 +161,8 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.cluster.watch import SLICE_CODEC
     from pyproxy.core.model import IPFamily
     from pyproxy.core.plan import Cause, Scope, SyncPlan
-    from pyproxy.kernel.nft import LibNftables, SyncResult
+    from pyproxy.kernel.libnftables import LibNftables
+    from pyproxy.kernel.nft import SyncResult
     from pyproxy.render.objects import TABLE, Kind
     from pyproxy.render.ruleset import Change as RChange
     from pyproxy.render.ruleset import DesiredState

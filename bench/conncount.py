@@ -90,7 +90,7 @@ def with_and_without(cluster: Any, node_config: Any, seed: int) -> dict[str, Any
     from bench.synth import apply_change, plan_changes
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.model import IPFamily
-    from pyproxy.kernel.nft import LibNftables
+    from pyproxy.kernel.libnftables import LibNftables
     from pyproxy.render.objects import TABLE
     from pyproxy.sync.proxier import FamilyProxier
 

@@ -54,7 +54,7 @@ from pyproxy.kernel.conntrack import (
     withdrawn,
 )
 from pyproxy.kernel.host import MIN_KERNEL, Outcome, apply_host_settings, kernel_below_supported
-from pyproxy.kernel.nft import OWN_SOCKETS
+from pyproxy.kernel.libnftables import OWN_SOCKETS
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.nlsets import KernelCounters, rule_packets
 from pyproxy.logs import setup_logging

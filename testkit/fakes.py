@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.kernel.nft import NftError, parse_elements, split_top_level, table_block
+from pyproxy.kernel.libnftables import NftError, parse_elements, split_top_level, table_block
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier

@@ -13,7 +13,7 @@ from typing import Any
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.core.plan import SyncPlan
-from pyproxy.kernel.nft import OWN_SOCKETS, LibNftables, OwnSockets
+from pyproxy.kernel.libnftables import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.inproc import call_in_netns

@@ -11,7 +11,8 @@ import pytest
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
-from pyproxy.kernel.nft import Applier, FaultyKernel, NftError, inject_faults, pending_faults
+from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.nft import Applier, FaultyKernel, inject_faults, pending_faults
 from pyproxy.serve.live import trace_in
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier

@@ -12,7 +12,8 @@ from structlog.testing import capture_logs
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause
-from pyproxy.kernel.nft import Applier, NftError
+from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.nft import Applier
 from pyproxy.render.objects import Fragment, Item, Kind
 from pyproxy.render.ruleset import Shape
 from pyproxy.sync.node import NodeProxier

@@ -164,7 +164,8 @@ def test_the_layer_check_refuses_an_import_that_does_not_point_down(
 
 def test_the_pure_stages_do_not_import_the_shells() -> None:
     """Nothing pure reaches the file reader, the kernel, the watches or the daemon."""
-    shells = {"cluster.snapshot", "kernel.nft", "kernel.netlink", "kernel.conntrack",
+    shells = {"cluster.snapshot", "kernel.nft", "kernel.libnftables", "kernel.netlink",
+              "kernel.conntrack",
               "cluster.watch", "cluster.sources", "sync.node", "run", "cli", "config",
               "serve.health", "serve.metrics", "serve.debug", "serve.live", "sync.proxier",
               "sync.runner"}

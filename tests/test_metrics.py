@@ -17,7 +17,7 @@ from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause, Scope
 from pyproxy.core.topology import PortSelection
-from pyproxy.kernel.nft import NftError
+from pyproxy.kernel.libnftables import NftError
 from pyproxy.run import DaemonObserver, current_selections
 from pyproxy.serve.health import ProxyHealth, ServiceHealth
 from pyproxy.serve.metrics import Metrics

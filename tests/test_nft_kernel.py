@@ -23,7 +23,7 @@ from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
-from pyproxy.kernel.nft import LibNftables, NftError, OwnSockets, listing_shape
+from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets, listing_shape
 from pyproxy.render import staging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.staging import ElementChunk

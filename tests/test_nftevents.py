@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pyproxy.kernel.nft import OwnSockets
+from pyproxy.kernel.libnftables import OwnSockets
 from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
     BPF_LD_W_ABS,

@@ -16,7 +16,8 @@ from pyproxy.core.plan import (
     SyncPlan,
     plan_sync,
 )
-from pyproxy.kernel.nft import Applier, NftError
+from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.nft import Applier
 from pyproxy.render.objects import Fragment, Item, Kind
 from testkit.fakes import FakeNft
 

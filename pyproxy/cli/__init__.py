@@ -24,7 +24,8 @@ from pyproxy.config import (
 )
 from pyproxy.core.explain import conflict_text, explain_report, format_table
 from pyproxy.core.model import ClusterState, IPFamily, NodeConfig, ServiceKey, override_ips
-from pyproxy.kernel.nft import Applier, NftError
+from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.nft import Applier
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.services import render_config

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pyproxy.kernel.nft import LibNftables, NftError
+from pyproxy.kernel.libnftables import LibNftables, NftError
 
 KUBE_PROXY_TABLE = "kube-proxy"
 NFT_FAMILIES = ("ip", "ip6")

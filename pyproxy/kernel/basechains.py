@@ -30,7 +30,7 @@ from pyproxy.core.coexistence import (
     findings,
 )
 from pyproxy.core.model import IPFamily
-from pyproxy.kernel.nft import _new_context
+from pyproxy.kernel.libnftables import _new_context
 
 log = structlog.get_logger(__name__)
 

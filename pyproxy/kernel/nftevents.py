@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
-from pyproxy.kernel.nft import OwnSockets
+from pyproxy.kernel.libnftables import OwnSockets
 from pyproxy.kernel.nlelements import (
     HEADER,
     NETLINK_NETFILTER,

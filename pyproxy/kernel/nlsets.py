@@ -24,7 +24,7 @@ from typing import Any
 
 from pyproxy.core.model import IPFamily
 from pyproxy.kernel import nlelements
-from pyproxy.kernel.nft import LibNftables, NftError
+from pyproxy.kernel.libnftables import LibNftables, NftError
 from pyproxy.kernel.nlelements import (
     ATTR,
     HEADER,

@@ -28,7 +28,8 @@ from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.model import Node, ObjectKey, ServiceKey, ServicePort, Skipped
 from pyproxy.core.plan import Cause, Scope, SyncFacts, SyncPeriods, SyncPlan, plan_sync
 from pyproxy.core.wire import SliceDoc
-from pyproxy.kernel.nft import NftError, SyncResult
+from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.nft import SyncResult
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
 

@@ -182,7 +182,9 @@ class FamilyProxier:
     tests, and the base the daemon's incremental sync builds on)."""
 
     def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None) -> None:
-        from pyproxy.kernel.nft import Applier, LibNftables  # the I/O shell, imported where used
+        # the I/O shell and its applier, imported where used
+        from pyproxy.kernel.libnftables import LibNftables
+        from pyproxy.kernel.nft import Applier
 
         self.family = family
         self.config = config
