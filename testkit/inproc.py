@@ -145,8 +145,12 @@ def http_probe(netns: str, ip: str, port: int, count: int,
             pending[sock] = bytearray()
             sel.register(sock, selectors.EVENT_WRITE)
         deadline = time.monotonic() + timeout
-        while pending and (left := deadline - time.monotonic()) > 0:
-            for key, _ in sel.select(left):
+        # One look at the sockets after the deadline too (a select of 0 s): a thread that
+        # gets the GIL back only after it (the backends' threads share it) must still count
+        # what already came back, as testkit/netlab_client.py's stream_connect does.
+        while pending:
+            left = deadline - time.monotonic()
+            for key, _ in sel.select(max(0.0, left)):
                 conn = key.fileobj
                 assert isinstance(conn, socket.socket)
                 outcome = _step(sel, conn, pending[conn])
@@ -155,6 +159,8 @@ def http_probe(netns: str, ip: str, port: int, count: int,
                     sel.unregister(conn)
                     conn.close()
                     del pending[conn]
+            if left <= 0:
+                break
         for sock in pending:
             results["no answer"] += 1
             sock.close()
