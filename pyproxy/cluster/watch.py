@@ -504,11 +504,22 @@ class Reflector:
         self.status.watches += 1
         self.status.connected = True
         self._backoff.reset()
+        drained = False
         try:
             for line in lines:
                 kind, obj = self.resource.codec.event(line)
                 version = self._position = self._handle(kind, obj, version)
+            drained = not self.stop.is_set()  # _lines stops early once stop is set
         finally:
+            if not drained:
+                # Left before its end (a 410 ERROR event, a handler's error, stop): the rest
+                # of the response (at least the terminating chunk) is unread, so the
+                # connection must not go back to the pool. It did: the relist after a 410
+                # then took it while the server's terminating chunk was still on its way (a
+                # busy machine), read that chunk as its status line, and urllib3 sent the
+                # relist again on another connection: the server served two lists (a test
+                # counting relists saw three lists instead of two).
+                response.close()
             response.release_conn()
         return version
 
