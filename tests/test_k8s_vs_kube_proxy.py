@@ -269,17 +269,26 @@ def slices_settled(kube: Kube, svc: Svc, cluster: Cluster) -> bool:
     return all(seen[family] == want[family] for family in families)
 
 
-def synced_since(island: Island, moment: float) -> bool:
+def synced_since(island: Island, moment: float, seen: dict[str, Any] | None = None) -> bool:
     """The island's proxy (kube-proxy or pyproxy: both export kube-proxy's sync metrics on
     127.0.0.1:10249 in the node's namespace) finished a sync after `moment` and holds no
-    change it has not synced."""
+    change it has not synced. `seen` keeps the last samples (or the scrape's error) for the
+    message of a wait that runs out."""
     def scrape() -> str:
         with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=5) as answer:
             return str(answer.read().decode())
 
-    samples = [line.split() for line in call_in_netns(island.cluster.node.full,
-                                                       scrape).splitlines()
+    seen = {} if seen is None else seen
+    try:
+        text = call_in_netns(island.cluster.node.full, scrape)
+    except Exception as err:
+        seen["last"] = f"scrape failed: {err!r}"
+        raise
+    samples = [line.split() for line in text.splitlines()
                if line.startswith("kubeproxy_sync_proxy_rules_")]
+    seen["last"] = {"moment": moment, "samples": [" ".join(sample) for sample in samples
+                                                  if "timestamp" in sample[0]
+                                                  or "pending" in sample[0]]}
 
     def values(name: str) -> list[float]:
         """A metric's samples, of every label set (kube-proxy's are per IP family)."""
@@ -347,9 +356,15 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
                          f"the EndpointSlices of {svc.name}", interval=0.2)
             settled = time.time()
             for each in (kp, py):
-                wait_for(lambda i=each: synced_since(i, settled), 30,
-                         f"a sync of {each.lab.prefix}'s proxy with nothing pending",
-                         interval=0.2)
+                seen: dict[str, Any] = {}
+                try:
+                    wait_for(lambda i=each, s=seen: synced_since(i, settled, s), 30,
+                             f"a sync of {each.lab.prefix}'s proxy with nothing pending",
+                             interval=0.2)
+                except AssertionError as err:
+                    # Seen once under a load of 20 on 2 cores (kube-proxy's island, whose
+                    # syncPeriod is 5 s): what the metrics said, for the next time.
+                    raise AssertionError(f"{err}; last metrics: {seen.get('last')}") from err
                 wait_for(lambda i=each: both.run(FLOWS[0], i) == ("pod-a/masq", "pod-b/masq"),
                          60, "the proxy programmed the cluster", interval=0.5)
             yield both
