@@ -128,7 +128,8 @@ class SnapshotSource:
         """The items as offline commands read them (`snapshot_items`); what changed since the
         last reading as events, the rest recorded in the cache."""
         items = snapshot_items(objects)
-        fresh = tuple(s for s in items.skipped if s not in self._skipped)
+        before = set(self._skipped)  # a file of many broken items: no quadratic scan
+        fresh = tuple(s for s in items.skipped if s not in before)
         self._skipped = items.skipped
         self.proxier.snapshot_skipped(items.skipped, fresh)
         handlers: dict[str, Callable[[ObjectKey, Any], None]] = {
