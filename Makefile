@@ -240,7 +240,8 @@ cluster-drills: venv k8s images
 # Upstream's e2e suite (e2e.test and ginkgo of the pinned release, built by `make k8s`) on a
 # fresh real cluster, once with kube-proxy's DaemonSet (nftables mode, the control) and once
 # with pyproxy's; writes docs/conformance.md (testkit/conformance.py). CONFORMANCE_FLAGS e.g.
-# --services (the 15 Services [Conformance] tests only), --focus/--skip, --procs N, --nodes N.
+# --services (the 15 Services [Conformance] tests only), --focus/--skip, --procs N, --nodes N,
+# --report-dir DIR; a report of several selections' runs: --from-reports --part DIR --part DIR.
 .PHONY: conformance
 CONFORMANCE_FLAGS ?=
 conformance: venv k8s images

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import subprocess
@@ -24,7 +25,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from testkit.cluster import RealCluster, running_cluster
@@ -56,6 +57,7 @@ LAB_LIMITS = (
      "(kube-proxy's in this lab: the nodes share one kernel; pyproxy's by design, it runs "
      "unprivileged: docs/deploying.md), so the 1 h CLOSE_WAIT timeout it checks is not set"),
 )
+SELECTION_FILE = "selection.json"
 # ginkgo's own limit for a run; the process gets a little more to write its reports.
 RUN_LIMIT = 3 * 3600
 
@@ -87,10 +89,37 @@ def e2e_kubeconfig(cluster: RealCluster) -> Path:
                                        key=cluster.plane.pki.admin_key))
 
 
+@dataclass(frozen=True)
+class Selection:
+    """What one run of the suite asked for; saved beside its reports (selection.json) so that
+    a report can be written later from several runs, each with its own selection."""
+
+    focus: str
+    skip: str
+    procs: int
+    nodes: int
+
+    def save(self, report_dir: Path) -> None:
+        (report_dir / SELECTION_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, report_dir: Path) -> Selection:
+        return cls(**json.loads((report_dir / SELECTION_FILE).read_text()))
+
+
+@dataclass
+class Part:
+    """One selection's runs (one per proxy), read back from its report folder."""
+
+    selection: Selection
+    runs: list[Run]
+
+
 def run_suite(cluster: RealCluster, proxy: str, focus: str, skip: str, report_dir: Path,
               parallel: int = 2, timeout: float = RUN_LIMIT + 600) -> Run:
     bin_dir = binaries_dir()
     report_dir.mkdir(parents=True, exist_ok=True)
+    Selection(focus, skip, parallel, len(cluster.nodes)).save(report_dir)
     config = e2e_kubeconfig(cluster)
     argv = [str(bin_dir / "ginkgo"), f"--procs={parallel}", f"--focus={focus}",
             f"--skip={skip}", f"--timeout={RUN_LIMIT}s", "--no-color", "--junit-report",
@@ -168,36 +197,58 @@ def table(runs: Sequence[Run]) -> str:
     return "\n".join(rows)
 
 
-def report(runs: Sequence[Run], args: argparse.Namespace, seconds: float) -> str:
+def merged(parts: Sequence[Part]) -> list[Run]:
+    """Each proxy's runs over all parts as one: a test's result from the part that ran it
+    (a test two selections both ran: the first part's)."""
+    out = []
+    for proxy in ("kube-proxy", "pyproxy"):
+        runs = [run for part in parts for run in part.runs if run.proxy == proxy]
+        if not runs:
+            continue
+        cases: dict[str, Case] = {}
+        for run in runs:
+            for case in run.cases:
+                if case.name not in cases or cases[case.name].status == "skipped":
+                    cases[case.name] = case
+        out.append(Run(proxy, list(cases.values()), sum(r.seconds for r in runs)))
+    return out
+
+
+def report(parts: Sequence[Part], seconds: float, from_reports: bool) -> str:
     from testkit.images import RELEASE
 
+    nodes = sorted({part.selection.nodes for part in parts})
     lines = [
         "# Upstream's e2e tests: kube-proxy and pyproxy side by side",
         "",
         "Written by `make conformance` (testkit/conformance.py); do not edit by hand.",
         "",
         f"- release: k8s.io/kubernetes {RELEASE} (e2e.test and ginkgo built from it)",
-        f"- cluster: {args.nodes} worker nodes (kubelet, containerd, runc) on one machine, "
-        "testkit/cluster.py",
-        f"- focus: `{args.focus}`",
-        f"- skip: `{args.skip}`",
-        f"- ginkgo processes: {args.procs}; "
-        + (f"e2e time of the runs (their JUnit reports): {seconds / 60:.0f} min"
-           if args.from_reports else f"wall-clock time: {seconds / 60:.0f} min"),
-        "",
+        f"- cluster: {' or '.join(map(str, nodes))} worker nodes (kubelet, containerd, runc) "
+        "on one machine, testkit/cluster.py, a fresh one for each run",
+        (f"- e2e time of the runs (their JUnit reports): {seconds / 60:.0f} min"
+         if from_reports else f"- wall-clock time: {seconds / 60:.0f} min"),
     ]
-    for run in runs:
-        lines.append(f"- {run.proxy}: {run.count('passed')} passed, {run.count('failed')} "
-                     f"failed, {run.count('skipped')} skipped ({run.seconds / 60:.0f} min); "
-                     f"JUnit report {run.junit.name if run.junit else '-'}")
-    if args.skip == f"{SKIP}|{LAB_SKIP}" and args.focus == FOCUS:
+    for number, part in enumerate(parts, 1):
+        sel = part.selection
+        lines += ["", f"Selection {number}: focus `{sel.focus}`, skip `{sel.skip}`, "
+                  f"ginkgo processes {sel.procs}", ""]
+        for run in part.runs:
+            lines.append(f"- {run.proxy}: {run.count('passed')} passed, "
+                         f"{run.count('failed')} failed, {run.count('skipped')} skipped "
+                         f"({run.seconds / 60:.0f} min); JUnit report "
+                         f"{run.junit.name if run.junit else '-'}")
+    selections = {(part.selection.focus, part.selection.skip) for part in parts}
+    if selections == {(FOCUS, f"{SKIP}|{LAB_SKIP}")}:
         lines += ["", f"Upstream's nftables job (focus `{FOCUS}`, skip `{SKIP}`) with "
                   f"`{LAB_SKIP}` skipped too: this lab's CNI (ptp) enforces no NetworkPolicy, "
                   "so those tests fail with either proxy."]
-    elif (args.focus, args.skip) != (FOCUS, SKIP):
-        lines += ["", f"This selection is narrower than upstream's nftables job (focus `{FOCUS}`, "
-                  f"skip `{SKIP}`); `make conformance` runs that by default, with `{LAB_SKIP}` "
-                  "skipped too (this lab's CNI enforces no NetworkPolicy)."]
+    elif selections != {(FOCUS, SKIP)}:
+        lines += ["", f"Upstream's nftables job selects focus `{FOCUS}`, skip `{SKIP}`; "
+                  "`make conformance` runs that by default, with "
+                  f"`{LAB_SKIP}` skipped too (this lab's CNI enforces no NetworkPolicy). "
+                  "The selections above are parts of it."]
+    runs = merged(parts)
     lines += ["", *failures(runs), table(runs), ""]
     return "\n".join(lines)
 
@@ -237,35 +288,54 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--report-dir", default="/tmp/pyproxy-conformance")
     parser.add_argument("--markdown", help="write the report (docs/conformance.md) here")
     parser.add_argument("--from-reports", action="store_true",
-                        help="no run: the report from the JUnit files in --report-dir")
+                        help="no run: the report from the JUnit files in --report-dir, or in "
+                        "each --part")
+    parser.add_argument("--part", action="append", metavar="DIR",
+                        help="with --from-reports: a report folder of one selection's runs "
+                        "(its selection.json says which); repeat to report several together")
     args = parser.parse_args(argv)
     started = time.monotonic()
     proxies = ["kube-proxy", "pyproxy"] if args.proxy == "both" else [args.proxy]
-    runs = []
     if args.from_reports:
-        for proxy in proxies:
-            junit = Path(args.report_dir) / f"junit-{proxy}.xml"
-            runs.append(Run(proxy, read_junit(junit), junit_seconds(junit), junit))
-        proxies = []
-    for proxy in proxies:
-        with cluster_with(proxy, args.nodes) as cluster:
-            print(f"{proxy}: cluster up in {cluster.up_seconds:.0f} s; running e2e.test",
-                  flush=True)
-            run = run_suite(cluster, proxy, args.focus, args.skip, Path(args.report_dir),
-                            args.procs)
-        print(f"{proxy}: {run.count('passed')} passed, {run.count('failed')} failed, "
-              f"{run.count('skipped')} skipped in {run.seconds:.0f} s", flush=True)
-        for case in run.cases:
-            if case.status == "failed":
-                print(f"  FAILED {case.name}: {case.message}", flush=True)
-        runs.append(run)
+        parts = [read_part(Path(folder), proxies, args) for folder in args.part
+                 or [args.report_dir]]
+    else:
+        parts = [Part(Selection(args.focus, args.skip, args.procs, args.nodes),
+                      [run_with(proxy, args) for proxy in proxies])]
+    runs = merged(parts)
     print(table(runs))
     if args.markdown:
         seconds = (sum(run.seconds for run in runs) if args.from_reports
                    else time.monotonic() - started)
-        Path(args.markdown).write_text(report(runs, args, seconds))
+        Path(args.markdown).write_text(report(parts, seconds, args.from_reports))
     return 0 if all(r.count("failed") == 0 and r.cases for r in runs) else 1
 
+
+def run_with(proxy: str, args: argparse.Namespace) -> Run:
+    """The selection on a fresh cluster with this proxy, its failures printed."""
+    with cluster_with(proxy, args.nodes) as cluster:
+        print(f"{proxy}: cluster up in {cluster.up_seconds:.0f} s; running e2e.test",
+              flush=True)
+        run = run_suite(cluster, proxy, args.focus, args.skip, Path(args.report_dir),
+                        args.procs)
+    print(f"{proxy}: {run.count('passed')} passed, {run.count('failed')} failed, "
+          f"{run.count('skipped')} skipped in {run.seconds:.0f} s", flush=True)
+    for case in run.cases:
+        if case.status == "failed":
+            print(f"  FAILED {case.name}: {case.message}", flush=True)
+    return run
+
+
+def read_part(folder: Path, proxies: Sequence[str], args: argparse.Namespace) -> Part:
+    """A report folder's runs; its selection.json, or (a folder from before it was written)
+    the selection given on the command line."""
+    selection = (Selection.load(folder) if (folder / SELECTION_FILE).exists()
+                 else Selection(args.focus, args.skip, args.procs, args.nodes))
+    runs = []
+    for proxy in proxies:
+        junit = folder / f"junit-{proxy}.xml"
+        runs.append(Run(proxy, read_junit(junit), junit_seconds(junit), junit))
+    return Part(selection, runs)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,6 +5,7 @@ upstream's nftables job, with kube-proxy as the control, is `make conformance`."
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,11 @@ from testkit.conformance import (
     SKIP,
     Case,
     Run,
+    Selection,
     failures,
+    merged,
+    read_part,
+    report,
     run_suite,
 )
 from testkit.fixtures import requires_netns
@@ -58,3 +63,33 @@ def test_the_report_says_what_each_failure_means() -> None:
         "- fails with both: [It] something new — not explained yet",
         "- fails with kube-proxy only: [It] kube-proxy's bad day"]
     assert failures([run("kube-proxy"), run("pyproxy")]) == ["No test failed.", ""]
+
+
+def test_a_report_of_several_selections_counts_each_test_once(tmp_path: Path) -> None:
+    """Two selections' runs read back from their folders: each keeps its selection, and
+    the table holds every test a selection ran, with the result of the part that ran it."""
+    def junit(folder: Path, proxy: str, results: dict[str, str]) -> None:
+        cases = "".join(
+            f'<testcase name="{name}" status="{status}" time="2">'
+            + ('<failure message="boom"/>' if status == "failed" else "") + "</testcase>"
+            for name, status in results.items())
+        (folder / f"junit-{proxy}.xml").write_text(
+            f'<testsuites time="60"><testsuite>{cases}</testsuite></testsuites>')
+
+    first, second = tmp_path / "net", tmp_path / "serial"
+    for folder, results in ((first, {"[It] a": "passed", "[It] b": "skipped"}),
+                            (second, {"[It] a": "skipped", "[It] b": "failed"})):
+        folder.mkdir()
+        Selection(f"focus of {folder.name}", "skip", 3, 2).save(folder)
+        for proxy in ("kube-proxy", "pyproxy"):
+            junit(folder, proxy, results)
+    args = argparse.Namespace(focus="cli", skip="cli", procs=1, nodes=1)
+    parts = [read_part(folder, ["kube-proxy", "pyproxy"], args) for folder in (first, second)]
+    assert [p.selection.focus for p in parts] == ["focus of net", "focus of serial"]
+    runs = merged(parts)
+    assert {r.proxy: sorted((c.name, c.status) for c in r.cases) for r in runs} == {
+        proxy: [("[It] a", "passed"), ("[It] b", "failed")]
+        for proxy in ("kube-proxy", "pyproxy")}
+    text = report(parts, 120.0, from_reports=True)
+    assert "Selection 2: focus `focus of serial`" in text
+    assert "- fails with both: [It] b — not explained yet" in text
