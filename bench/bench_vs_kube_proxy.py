@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,9 +157,40 @@ def proc_figures(pid: int) -> dict[str, float]:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(stat[11]) + int(stat[12])) / ticks
+    # The children it waited for: kube-proxy runs `nft` for every transaction (pyproxy
+    # calls libnftables in-process, so its own figure holds that work already).
+    children = (int(stat[13]) + int(stat[14])) / ticks
     return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024,
             "hwm_mib": int(fields["VmHWM"].split()[0]) / 1024,
-            "cpu_s": (int(stat[11]) + int(stat[12])) / ticks}
+            "cpu_s": cpu, "children_cpu_s": children, "total_cpu_s": cpu + children}
+
+
+def start_timeline(log: Path, since: float) -> dict[str, float]:
+    """Where pyproxy's start went, from its own log (JSON lines, ISO timestamps), in seconds
+    after `since` (the wall-clock time it was started): `starting` (interpreter, imports,
+    configuration), each initial list completed, the first sync's end and its render and
+    kernel parts."""
+    out: dict[str, float] = {}
+    for line in log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp() - since
+        except (ValueError, KeyError, TypeError):
+            continue
+        if at < 0:
+            continue  # an earlier start's lines (the alternated cold starts)
+        name = event.get("event")
+        if name == "starting":
+            out.setdefault("starting", at)
+        elif name == "initial_list_completed":
+            out.setdefault(f"listed {event.get('source')}", at)
+        elif name == "synced" and "first_sync_end" not in out:
+            out["first_sync_end"] = at
+            out["first_sync_render"] = event.get("render_ms", 0) / 1000
+            out["first_sync_kernel"] = event.get("kernel_ms", 0) / 1000
+            out["first_sync_duration"] = event.get("duration_ms", 0) / 1000
+    return out
 
 
 class Prober:
@@ -271,8 +303,10 @@ def cold_start(name: str, start: Callable[[], Any], stop: Callable[[Any], None],
 
 def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
             stop: Callable[[Any], None], kube: Kube, synth: Synth, cluster: Cluster,
-            flips: int, churn_flips: int, memory_changes: int) -> Run:
+            flips: int, churn_flips: int, memory_changes: int,
+            log: Path | None = None) -> Run:
     run = Run(name)
+    wall_started = time.time()
     prober = Prober(cluster.client.full)
     pods = [cluster.pods["pod-a"].ip4, cluster.pods["pod-b"].ip4]
     names = ["pod-a", "pod-b"]
@@ -281,6 +315,8 @@ def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
     pid = pid_of(handle)
     time.sleep(2.0)  # let the first sync's allocations settle
     run.figures["after_first_sync"] = proc_figures(pid)
+    if log is not None:
+        run.figures["start_timeline"] = start_timeline(log, wall_started)
 
     def flip_series(count: int, spacing: float) -> list[float]:
         samples = []
@@ -394,7 +430,9 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
             print(f"  {name}…", flush=True)
             runs[name] = measure(name, starters[name], lambda p: int(p.pid), stop, kube,
                                  synth, cluster, args.flips, args.churn_flips,
-                                 args.memory_changes).figures
+                                 args.memory_changes,
+                                 lab.workdir / "pyproxy.log" if name == "pyproxy"
+                                 else None).figures
             print(f"  {name}: {json.dumps(runs[name])}", flush=True)
         if args.logs:  # each proxy's own log, for where its time went
             Path(args.logs).mkdir(parents=True, exist_ok=True)
@@ -433,6 +471,8 @@ def table(result: dict[str, Any]) -> str:
         ("peak RSS, VmHWM, after the first sync (MiB)",
          lambda r: r["after_first_sync"]["hwm_mib"]),
         ("CPU seconds to the first sync", lambda r: r["after_first_sync"]["cpu_s"]),
+        ("the same with its children's (kube-proxy's nft)",
+         lambda r: r["after_first_sync"].get("total_cpu_s", float("nan"))),
         ("NPL p50 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p50"]),
         ("NPL p90 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p90"]),
         ("NPL p99 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p99"]),
@@ -495,6 +535,10 @@ def main() -> int:
     for result in results:
         if set(result["runs"]) == set(PROXIES):
             print(table(result) + "\n")
+        timeline = result["runs"].get("pyproxy", {}).get("start_timeline")
+        if timeline:
+            print(f"pyproxy's start at {result['services']} × {result['endpoints']}, seconds "
+                  "after its exec: " + ", ".join(f"{k} {v:.2f}" for k, v in timeline.items()))
     return 0
 
 
