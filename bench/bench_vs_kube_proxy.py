@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -166,30 +167,54 @@ def proc_figures(pid: int) -> dict[str, float]:
             "cpu_s": cpu, "children_cpu_s": children, "total_cpu_s": cpu + children}
 
 
+LOGFMT_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def log_event(line: str) -> dict[str, Any] | None:
+    """One line of pyproxy's log as a dict: JSON (`--logging-format json`) or the default
+    text, key=value pairs with quoted values (numbers read as numbers)."""
+    if line.startswith("{"):
+        try:
+            return dict(json.loads(line))
+        except ValueError:
+            return None
+    fields: dict[str, Any] = {}
+    for key, raw in LOGFMT_FIELD.findall(line):
+        value = raw[1:-1] if raw.startswith('"') else raw
+        try:
+            fields[key] = float(value)
+        except ValueError:
+            fields[key] = value
+    return fields or None
+
+
 def start_timeline(log: Path, since: float) -> dict[str, float]:
-    """Where pyproxy's start went, from its own log (JSON lines, ISO timestamps), in seconds
-    after `since` (the wall-clock time it was started): `starting` (interpreter, imports,
-    configuration), each initial list completed, the first sync's end and its render and
-    kernel parts."""
+    """Where pyproxy's start went, from its own log (ISO timestamps), in seconds after
+    `since` (the wall-clock time it was started): its first line (interpreter, imports,
+    configuration), `starting`, each initial list completed, the first sync's end and its
+    render and kernel parts."""
     out: dict[str, float] = {}
     for line in log.read_text().splitlines():
+        event = log_event(line)
+        if event is None:
+            continue
         try:
-            event = json.loads(line)
-            at = datetime.fromisoformat(event["timestamp"]).timestamp() - since
+            at = datetime.fromisoformat(str(event["timestamp"])).timestamp() - since
         except (ValueError, KeyError, TypeError):
             continue
         if at < 0:
             continue  # an earlier start's lines (the alternated cold starts)
         name = event.get("event")
+        out.setdefault("first_line", at)
         if name == "starting":
             out.setdefault("starting", at)
         elif name == "initial_list_completed":
             out.setdefault(f"listed {event.get('source')}", at)
         elif name == "synced" and "first_sync_end" not in out:
             out["first_sync_end"] = at
-            out["first_sync_render"] = event.get("render_ms", 0) / 1000
-            out["first_sync_kernel"] = event.get("kernel_ms", 0) / 1000
-            out["first_sync_duration"] = event.get("duration_ms", 0) / 1000
+            out["first_sync_render"] = float(event.get("render_ms", 0)) / 1000
+            out["first_sync_kernel"] = float(event.get("kernel_ms", 0)) / 1000
+            out["first_sync_duration"] = float(event.get("duration_ms", 0)) / 1000
     return out
 
 

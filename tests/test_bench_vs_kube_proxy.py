@@ -30,6 +30,24 @@ def test_the_start_timeline_is_the_measured_start_only(tmp_path: Path) -> None:
     ]))
     timeline = start_timeline(log, started)
     assert {k: round(v, 3) for k, v in timeline.items()} == {
-        "starting": 0.4, "listed Service": 0.9, "listed EndpointSlice": 1.0,
+        "first_line": 0.4, "starting": 0.4, "listed Service": 0.9, "listed EndpointSlice": 1.0,
         "first_sync_end": 1.3, "first_sync_render": 0.12, "first_sync_kernel": 0.08,
         "first_sync_duration": 0.25}
+
+
+def test_the_default_text_log_is_read_too(tmp_path: Path) -> None:
+    log = tmp_path / "pyproxy.log"
+    log.write_text(
+        "timestamp=2026-11-27T14:05:08.055342Z level=info event=api_server server=https://x\n"
+        'timestamp=2026-11-27T14:05:08.138220Z level=info event=starting node=node-a '
+        'node_ips="[\'192.168.50.1\', \'fd00:50::1\']" source=api\n'
+        "timestamp=2026-11-27T14:05:08.256045Z level=info event=initial_list_completed "
+        "source=EndpointSlice\n"
+        "timestamp=2026-11-27T14:05:08.484570Z level=info event=synced full=true "
+        "reason=start duration_ms=195.2 render_ms=30.8 kernel_ms=151.3\n")
+    started = datetime(2026, 11, 27, 14, 5, 8, tzinfo=UTC).timestamp()
+    timeline = start_timeline(log, started)
+    assert {k: round(v, 4) for k, v in timeline.items()} == {
+        "first_line": 0.0553, "starting": 0.1382, "listed EndpointSlice": 0.256,
+        "first_sync_end": 0.4846, "first_sync_render": 0.0308, "first_sync_kernel": 0.1513,
+        "first_sync_duration": 0.1952}
