@@ -62,7 +62,8 @@ k8s-path:
 	@e2e/k8s/build.sh --path
 
 # The cluster's images as OCI archives that `ctr -n k8s.io images import` takes, under the
-# names Kubernetes asks for (pause, agnhost, busybox, CoreDNS, kube-proxy, pyproxy), built
+# names Kubernetes asks for (pause, agnhost, busybox, CoreDNS, kube-proxy, pyproxy, and the
+# others the e2e conformance selection runs: testkit/images.py lists them), built
 # here because no registry is reachable (testkit/images.py says how). Into
 # ~/.cache/pyproxy/images (PYPROXY_K8S_CACHE moves it), keyed by their inputs: a second run
 # builds nothing. Prints "NAME PATH" per image. IMAGES= picks some, e.g. IMAGES="pause agnhost".

@@ -52,6 +52,13 @@ LAB_LIMITS = (
     (r"should support configurable pod resolv.conf", "the agnhost built for that run lacked "
      "upstream's /coredns, which the test runs in an agnhost pod (added in 53953ef; run alone "
      "since, it passed with both proxies)"),
+    (r"ImageVolume should succeed with pod and pull policy of Always", "its image volume is "
+     "pulled with policy Always, so containerd asks registry.k8s.io for kitten:1.8 (unreachable "
+     "here) though every node has the one built here; and it expects Alpine's /etc/os-release "
+     "in that image, where the kitten built here (on this lab's agnhost) has Debian's"),
+    (r"should allow server and client pods to establish an mTLS connection", "its server and "
+     "client pods pull agnhost with policy Always: containerd asks registry.k8s.io, unreachable "
+     "here, though every node has the agnhost built here"),
     (r"should set TCP CLOSE_WAIT timeout", "its image, `build-image/distroless-iptables`, is "
      "not built here; and both DaemonSets leave the node's conntrack sysctls alone "
      "(kube-proxy's in this lab: the nodes share one kernel; pyproxy's by design, it runs "
@@ -249,8 +256,18 @@ def report(parts: Sequence[Part], seconds: float, from_reports: bool) -> str:
                   f"`{LAB_SKIP}` skipped too (this lab's CNI enforces no NetworkPolicy). "
                   "The selections above are parts of it."]
     runs = merged(parts)
-    lines += ["", *failures(runs), table(runs), ""]
+    lines += ["", *substitutes(), *failures(runs), table(runs), ""]
     return "\n".join(lines)
+
+
+def substitutes() -> list[str]:
+    """The images built here under upstream's names from another version or source (the
+    e2e manifest's tag older than the module's source, or no source of it in the module)."""
+    from testkit.images import E2E_SUBSTITUTES
+
+    return ["Images built here under the e2e manifest's names from other sources "
+            "(testkit/images.py says why each is a faithful stand-in):", "",
+            *(f"- `{name}`: {what}" for name, what in E2E_SUBSTITUTES.items()), ""]
 
 
 def failures(runs: Sequence[Run]) -> list[str]:

@@ -19,6 +19,10 @@ How each is made, and why:
 - **agnhost** is ``test/images/agnhost`` built in a copy of e2e/k8s's module (same pins) on an
   mmdebstrap rootfs with the tools upstream's image has (netcat-openbsd, curl, dig, ip, iperf,
   bash): the e2e tests exec them in agnhost pods with flags busybox's applets do not take.
+- **The other SIGs' ``[Conformance]`` tests' images** (agnhost's older tag, nautilus, kitten,
+  nonewprivs, sample-apiserver, etcd) come from the same module's sources; where its
+  ``test/images/<name>`` is newer than the tag the e2e manifest asks for, the newer source is
+  built under the manifest's name (``E2E_SUBSTITUTES`` says which and why).
 - **kube-proxy** needs nft, iptables and conntrack: an mmdebstrap rootfs with them is the
   first layer, the binary ``make k8s`` built the second.
 - **pyproxy** is built from the Containerfile, the recipe that ships, by buildah (``make
@@ -72,6 +76,52 @@ COREDNS = "registry.k8s.io/coredns/coredns:v1.14.6"
 GLIBC_DNS_TESTING = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.1.1"
 NGINX = "registry.k8s.io/e2e-test-images/nginx:1.27.0-2"
 REGRESSION_ISSUE_74839 = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.5"
+# The images the other SIGs' [Conformance] tests run besides those (upstream's nftables job's
+# focus and skips, without Serial), and which of them run each image:
+# - AgnhostPrev: Deployment's lifecycle and RecreateDeployment, Pods' lifecycle, the
+#   StatefulSet tests (every StatefulSet made by test/e2e/framework/statefulset), kubectl diff;
+AGNHOST_PREV = "registry.k8s.io/e2e-test-images/agnhost:2.55"
+# - Nautilus: kubectl's Update Demo (both tests);
+NAUTILUS = "registry.k8s.io/e2e-test-images/nautilus:1.8"
+# - Kitten: ImageVolume "should succeed with pod and pull policy of Always";
+KITTEN = "registry.k8s.io/e2e-test-images/kitten:1.8"
+# - Nonewprivs: Security Context "should not allow privilege escalation when false";
+NONEWPRIVS = "registry.k8s.io/e2e-test-images/nonewprivs:1.4"
+# - APIServer and Etcd: Aggregator "Should be able to support the 1.17 Sample API Server".
+SAMPLE_APISERVER = "registry.k8s.io/e2e-test-images/sample-apiserver:1.29.2"
+ETCD = "registry.k8s.io/etcd:3.7.0-0"
+# No [Conformance] test outside sig-network runs NonRoot (the runAsNonRoot tests are
+# NodeConformance only), ResourceConsumer (the HPA tests), NginxNew, IpcUtils or
+# VolumeNFSServer (common/util.go's pre-pull list, which e2e.test pulls only with
+# --prepull-images), so they are not built.
+
+# The e2e manifest's (test/utils/image/manifest.go) image IDs of the images built here.
+E2E_MANIFEST_IDS = {
+    "Agnhost": AGNHOST, "AgnhostPrev": AGNHOST_PREV, "APIServer": SAMPLE_APISERVER,
+    "BusyBox": BUSYBOX, "Etcd": ETCD, "GlibcDnsTesting": GLIBC_DNS_TESTING, "Kitten": KITTEN,
+    "Nautilus": NAUTILUS, "Nginx": NGINX, "Nonewprivs": NONEWPRIVS, "Pause": PAUSE,
+    "RegressionIssue74839": REGRESSION_ISSUE_74839,
+}
+
+# The images built under the e2e manifest's name from another version or source than upstream's,
+# and what they are (docs/conformance.md repeats this).
+E2E_SUBSTITUTES = {
+    AGNHOST_PREV: "test/images/agnhost 2.66.1 of the module (it holds only agnhost's newest "
+    "source), with a config of its own: the tests run it as the image before an update, with "
+    "commands 2.66.1 has",
+    NAUTILUS: "test/images/nautilus 1.9.0 (the module's), on the agnhost built here",
+    KITTEN: "test/images/kitten 1.9 (the module's), on the agnhost built here, which is "
+    "Debian, not Alpine",
+    SAMPLE_APISERVER: "k8s.io/sample-apiserver v0.37.2, the staging module the release "
+    "requires (upstream built its image from an older tag: the module's "
+    "test/images/sample-apiserver, 1.33.8, clones v0.33.7), on busybox",
+    ETCD: "etcd 3.7.0's own main (etcdmain of go.etcd.io/etcd/server/v3 v3.7.0, the version "
+    "e2e/k8s/go.mod requires) at /usr/local/bin/etcd, without upstream's etcdctl, etcdutl "
+    "and migration script",
+    NONEWPRIVS: "test/images/nonewprivs 1.4 (the module's nnp.go, setuid root) on Debian's "
+    "static busybox in place of Alpine",
+}
+
 KUBE_PROXY = f"registry.k8s.io/kube-proxy:{RELEASE}"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 # A local name: nothing is pushed anywhere; the cluster harness puts it into the DaemonSet.
@@ -522,12 +572,20 @@ def _build_busybox(out: Path) -> None:
 
 
 def _e2e_image_binary(name: str) -> Path:
-    """test/images/<name> built in a copy of e2e/k8s's module (its requirements and
-    replaces, so the same k8s.io/* versions as the control plane); the copy may add go.sum
-    lines for the program's own dependencies (e.g. agnhost's sctp) without touching the
-    checkout."""
-    key = digest_of(name, K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum",
-                    go_version())[:16]
+    """test/images/<name> of the k8s.io/kubernetes module, built by `module_binary`."""
+    return module_binary(name, f"k8s.io/kubernetes/test/images/{name}")
+
+
+def module_binary(name: str, package: str, main: str = "") -> Path:
+    """package built in a copy of e2e/k8s's module (its requirements and replaces, so the
+    same k8s.io/* and etcd versions as the control plane); the copy may add go.sum lines for
+    the program's own dependencies (e.g. agnhost's sctp) without touching the checkout.
+    main: the source of a main package to write into the copy and build instead (package is
+    then its folder there), for a program whose module ships no main of its own."""
+    default = package == f"k8s.io/kubernetes/test/images/{name}"
+    # test/images/<name> keys by its name alone, as before any other package was built here.
+    key = digest_of(*([name] if default else [name, package, main]), K8S_MODULE_DIR / "go.mod",
+                    K8S_MODULE_DIR / "go.sum", go_version())[:16]
     build = cache_dir() / "build"
     target = build / f"{name}-{key}"
     if target.exists():
@@ -536,12 +594,15 @@ def _e2e_image_binary(name: str) -> Path:
     module.mkdir(parents=True, exist_ok=True)
     for file in ("go.mod", "go.sum"):
         shutil.copyfile(K8S_MODULE_DIR / file, module / file)
+    if main:
+        (module / package).mkdir(parents=True, exist_ok=True)
+        (module / package / "main.go").write_text(main)
+        package = f"./{package}"
 
     def compile_it(partial: Path) -> None:
-        log(f"go build k8s.io/kubernetes/test/images/{name} (a few minutes when cold)")
+        log(f"go build {package} (a few minutes when cold)")
         start = time.monotonic()
-        run("go", "build", "-mod=mod", "-ldflags=-s -w", "-o", partial,
-            f"k8s.io/kubernetes/test/images/{name}", cwd=module,
+        run("go", "build", "-mod=mod", "-ldflags=-s -w", "-o", partial, package, cwd=module,
             env={**go_env(), "CGO_ENABLED": "0"})
         log(f"{name} built in {time.monotonic() - start:.0f} s")
 
@@ -571,15 +632,27 @@ def _member(tar: Path, name: str) -> bytes:
     raise ImageBuildError(f"{tar} has no {name}")
 
 
-def _check_version(source: Path, image: str) -> None:
-    """The image's tag is the VERSION of its source folder in the module, or the names the
-    e2e manifest asks for are not what was built."""
+def _check_version(source: Path, image: str, built: str = "") -> None:
+    """The VERSION of the image's source folder in the module is the image's tag, or built
+    where the module holds a newer source than the tag the e2e manifest asks for (see
+    E2E_SUBSTITUTES); else what is built is not what the name says."""
     version = (source / "VERSION").read_text().strip()
-    if version != image.rpartition(":")[2]:
-        raise ImageBuildError(f"{source.name} is {version} in {source}, the name says {image}")
+    expected = built or image.rpartition(":")[2]
+    if version != expected:
+        raise ImageBuildError(f"{source.name} is {version} in {source}, expected {expected} "
+                              f"(built as {image})")
 
 
-def _build_agnhost(out: Path) -> None:
+def _check_base(source: Path, image: str) -> None:
+    """The image upstream's Dockerfile builds FROM (BASEIMAGE's linux/amd64 line) is image."""
+    bases = dict(line.split("=", 1) for line in (source / "BASEIMAGE").read_text().split())
+    wanted = image.rpartition("/")[2]
+    if bases["linux/amd64"] != f"REGISTRY/{wanted}-linux-amd64":
+        raise ImageBuildError(f"{source.name} is built on {bases['linux/amd64']}, not {wanted}")
+
+
+def _agnhost_layers() -> list[Tree | Path]:
+    """agnhost's two layers: the Debian rootfs with its tools, then agnhost and its files."""
     source = k8s_module() / "test" / "images" / "agnhost"
     _check_version(source, AGNHOST)
     rootfs = debian_rootfs(AGNHOST_PACKAGES)
@@ -602,9 +675,127 @@ def _build_agnhost(out: Path) -> None:
     tree.dir("/uploads")  # netexec's
     for name in ("localhost.crt", "localhost.key"):  # porter's
         tree.file(f"/{name}", source / "porter" / name)
-    _archive(out, AGNHOST, [rootfs, tree], image_config(
-        entrypoint=["/agnhost"], cmd=["pause"],
-        ports=["80/tcp", "8080/tcp", "8081/tcp", "9376/tcp", "5000/tcp"]))
+    return [rootfs, tree]
+
+
+def agnhost_config(cmd: Sequence[str] = ("pause",),
+                   labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """agnhost's Dockerfile's ENTRYPOINT, CMD and EXPOSE (CMD as the image built FROM it
+    sets it)."""
+    return image_config(entrypoint=["/agnhost"], cmd=cmd, labels=labels,
+                        ports=["80/tcp", "8080/tcp", "8081/tcp", "9376/tcp", "5000/tcp"])
+
+
+def _build_agnhost(out: Path) -> None:
+    _archive(out, AGNHOST, _agnhost_layers(), agnhost_config())
+
+
+# What an image built here from another source than its name says records it under (a label
+# of its config).
+BUILT_FROM_LABEL = "io.pyproxy.built-from"
+
+
+def _build_agnhost_prev(out: Path) -> None:
+    # The module holds agnhost's newest source only. The tests that run AgnhostPrev use it as
+    # the image before an update (a Deployment's, a StatefulSet's, a Pod's, kubectl diff's),
+    # running `pause`, `netexec` and `test-webserver`, which 2.66.1 has: they need a second
+    # name, not 2.55's code. The label gives it a config, hence an image ID, of its own:
+    # containerd reports a container's image as the first tag of its image ID, so with one ID
+    # for both names agnhost:2.66.1's pods would say they run agnhost:2.55.
+    _archive(out, AGNHOST_PREV, _agnhost_layers(), agnhost_config(
+        labels={BUILT_FROM_LABEL: f"test/images/agnhost {AGNHOST.rpartition(':')[2]}"}))
+
+
+# nautilus and kitten -------------------------------------------------------------------------
+
+# The module's test/images folders hold a newer version of these than the e2e manifest names
+# (its VERSION files): built under the manifest's names from these.
+UPDATE_DEMO_SOURCES = {NAUTILUS: ("nautilus", "1.9.0"), KITTEN: ("kitten", "1.9")}
+
+
+def _build_update_demo(out: Path, image: str) -> None:
+    """test/images/nautilus or kitten: agnhost (their BASEIMAGE) serving a picture and a
+    data.json naming it from / (agnhost's Dockerfile sets no WORKDIR), `test-webserver`."""
+    name, version = UPDATE_DEMO_SOURCES[image]
+    source = k8s_module() / "test" / "images" / name
+    _check_version(source, image, built=version)
+    _check_base(source, AGNHOST)
+    tree = Tree()
+    tree.file(f"/{name}.jpg", source / "html" / f"{name}.jpg")
+    tree.file("/data.json", source / "html" / "data.json")
+    _archive(out, image, [*_agnhost_layers(), tree], agnhost_config(
+        cmd=["test-webserver"], labels={BUILT_FROM_LABEL: f"test/images/{name} {version}"}))
+
+
+# nonewprivs ----------------------------------------------------------------------------------
+
+
+def _build_nonewprivs(out: Path) -> None:
+    source = k8s_module() / "test" / "images" / "nonewprivs"
+    _check_version(source, NONEWPRIVS)
+    tree = Tree()
+    # `COPY nnp /usr/local/bin/nnp`, `RUN chmod +s`: setuid and setgid root, so that it runs
+    # as uid 0 whoever starts it unless no_new_privs is set (AllowPrivilegeEscalation=false),
+    # which is what the test reads from its output ("Effective uid: N").
+    tree.file("/usr/local/bin/nnp", _e2e_image_binary("nonewprivs"), 0o6755)
+    # Upstream's base is Alpine, busybox's userland on musl; nnp is static, so Debian's static
+    # busybox (the busybox image's layer, shared with it) is the same for it.
+    _archive(out, NONEWPRIVS, [busybox_tree(), tree], image_config(cmd=["nnp"]))
+
+
+# sample-apiserver ----------------------------------------------------------------------------
+
+
+def _build_sample_apiserver(out: Path) -> None:
+    # test/images/sample-apiserver clones k8s.io/sample-apiserver at a tag and builds it (its
+    # Makefile); here it is the staging module the release requires (e2e/k8s/go.mod replaces
+    # it with v0.37.2, the control plane's version), static, on busybox as on Alpine upstream.
+    binary = module_binary("sample-apiserver", "k8s.io/sample-apiserver")
+    tree = Tree()
+    tree.file("/sample-apiserver", binary, 0o755)
+    _archive(out, SAMPLE_APISERVER, [busybox_tree(), tree],
+             image_config(entrypoint=["/sample-apiserver"]))
+
+
+# etcd ----------------------------------------------------------------------------------------
+
+# etcd's own main (go.etcd.io/etcd/v3's main.go, what its release binary runs), over the server
+# module e2e/k8s/go.mod requires. The control plane's etcd (e2e/k8s/cmd/etcd) is a smaller
+# program of this project's: it wants --data-dir and knows no --advertise-client-urls, both of
+# which the aggregator test's `/usr/local/bin/etcd --listen-client-urls URL
+# --advertise-client-urls URL` relies on.
+ETCD_MAIN = """package main
+
+import (
+\t"os"
+
+\t"go.etcd.io/etcd/server/v3/etcdmain"
+)
+
+func main() {
+\tetcdmain.Main(os.Args)
+}
+"""
+
+
+def _etcd_binary() -> Path:
+    version = ETCD.rpartition(":")[2].split("-")[0]
+    go_mod = (K8S_MODULE_DIR / "go.mod").read_text()
+    if not re.search(rf"^\s*go\.etcd\.io/etcd/server/v3 v{re.escape(version)}$", go_mod, re.M):
+        raise ImageBuildError(f"{K8S_MODULE_DIR / 'go.mod'} does not require etcd {version}")
+    return module_binary("etcd", "images-cmd/etcd", ETCD_MAIN)
+
+
+def _build_etcd(out: Path) -> None:
+    tree = Tree()
+    # Where the test runs it. Upstream's image also has etcdctl, etcdutl and its migration
+    # script, which no e2e test runs.
+    tree.file("/usr/local/bin/etcd", _etcd_binary(), 0o755)
+    tree.dir("/tmp", 0o1777)
+    # No --data-dir in the test: etcd keeps default.etcd in the working folder, the writable
+    # root of the container as upstream's (root, no WORKDIR).
+    _archive(out, ETCD, [tree], image_config(cmd=["/usr/local/bin/etcd"],
+                                             ports=["2379/tcp", "2380/tcp"]))
 
 
 # glibc-dns-testing ---------------------------------------------------------------------------
@@ -866,6 +1057,11 @@ def _pyproxy_recipe(tag: str) -> Recipe:
                   lambda: shutil.which("buildah") is None or buildah_has(tag))
 
 
+def _module_inputs() -> list[str | bytes | Path]:
+    """What a program built in a copy of e2e/k8s's module depends on (module_binary)."""
+    return [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version()]
+
+
 RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
     Recipe(PAUSE, "pause", lambda: [_pause_source(), "gcc " + deb_version("gcc")],
            _build_pause),
@@ -880,6 +1076,17 @@ RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
     Recipe(REGRESSION_ISSUE_74839, "regression-issue-74839",
            lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version()],
            _build_regression_issue_74839),
+    Recipe(AGNHOST_PREV, "agnhost-prev", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+           _build_agnhost_prev),
+    Recipe(NAUTILUS, "nautilus", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+           lambda out: _build_update_demo(out, NAUTILUS)),
+    Recipe(KITTEN, "kitten", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+           lambda out: _build_update_demo(out, KITTEN)),
+    Recipe(NONEWPRIVS, "nonewprivs",
+           lambda: [*_module_inputs(), deb_version("busybox-static")], _build_nonewprivs),
+    Recipe(SAMPLE_APISERVER, "sample-apiserver",
+           lambda: [*_module_inputs(), deb_version("busybox-static")], _build_sample_apiserver),
+    Recipe(ETCD, "etcd", lambda: [*_module_inputs(), ETCD_MAIN], _build_etcd),
     Recipe(KUBE_PROXY, "kube-proxy",
            lambda: [_kube_proxy_binary(), *KUBE_PROXY_PACKAGES], _build_kube_proxy),
     _pyproxy_recipe(PYPROXY),

@@ -93,3 +93,5 @@ def test_a_report_of_several_selections_counts_each_test_once(tmp_path: Path) ->
     text = report(parts, 120.0, from_reports=True)
     assert "Selection 2: focus `focus of serial`" in text
     assert "- fails with both: [It] b — not explained yet" in text
+    # The images built from other sources than upstream's are named with what they are.
+    assert "- `registry.k8s.io/e2e-test-images/agnhost:2.55`: test/images/agnhost 2.66.1" in text

@@ -122,22 +122,102 @@ def test_names_are_the_ones_the_release_uses() -> None:
     go_mod = (images.K8S_MODULE_DIR / "go.mod").read_text()
     assert re.search(rf"^\s*k8s\.io/kubernetes {re.escape(images.RELEASE)}\b", go_mod, re.M)
     manifest = (MODULE / "test/utils/image/manifest.go").read_text()
-    for name, key, registry in ((images.AGNHOST, "Agnhost", "PromoterE2eRegistry"),
-                                (images.BUSYBOX, "BusyBox", "PromoterE2eRegistry"),
-                                (images.PAUSE, "Pause", "GcRegistry")):
-        found = re.search(rf'configs\[{key}\] = Config\{{list\.{registry}, "([^"]+)", '
+    registries = dict(re.findall(r'^\s*(\w+Registry):\s*"([^"]+)",', manifest, re.M))
+    assert registries["PromoterE2eRegistry"] == "registry.k8s.io/e2e-test-images"
+    assert images.E2E_MANIFEST_IDS["Agnhost"] == images.AGNHOST
+    for key, name in images.E2E_MANIFEST_IDS.items():
+        found = re.search(rf'configs\[{key}\] = Config\{{list\.(\w+), "([^"]+)", '
                           r'"([^"]+)"\}', manifest)
         assert found, key
-        prefix = {"PromoterE2eRegistry": "registry.k8s.io/e2e-test-images",
-                  "GcRegistry": "registry.k8s.io"}[registry]
-        assert name == f"{prefix}/{found[1]}:{found[2]}"
-    assert 'PromoterE2eRegistry:      "registry.k8s.io/e2e-test-images"' in manifest
+        assert name == f"{registries[found[1]]}/{found[2]}:{found[3]}", key
+        assert name in images.RECIPES, key
     constants = (MODULE / "cmd/kubeadm/app/constants/constants.go").read_text()
     coredns = re.search(r'CoreDNSVersion = "([^"]+)"', constants)
     pause = re.search(r'PauseVersion = "([^"]+)"', constants)
     assert coredns and f"registry.k8s.io/coredns/coredns:{coredns[1]}" == images.COREDNS
     assert pause and f"registry.k8s.io/pause:{pause[1]}" == images.PAUSE
     assert f"registry.k8s.io/kube-proxy:{images.RELEASE}" == images.KUBE_PROXY
+
+
+# Upstream's nftables job's skip (testkit/conformance.py's SKIP), and Serial: the selection
+# whose images are built here.
+SELECTION_SKIP = re.compile(r"Alpha|Beta|LoadBalancer|Disruptive|Flaky|Networking-IPv6"
+                            r"|IPv6DualStack|LocalhostNodePorts|Serial")
+# Image IDs that the selected tests' files, the e2e framework or common/util.go name, though no
+# selected [Conformance] test runs them: why each is not built.
+NOT_RUN_BY_CONFORMANCE = {
+    "AgnhostPrivate": "apps/rc.go, replica_set.go: their private-registry tests only",
+    "AppArmorLoader": "framework/security: the AppArmor tests",
+    "InvalidRegistryImage": "common/node/runtime.go: a pull meant to fail, NodeConformance",
+    "IpcUtils": "common/util.go's pre-pull list (--prepull-images) only",
+    "NginxNew": "common/util.go's pre-pull list and template values only",
+    "NonRoot": "common/node/security_context.go: the runAsNonRoot tests, NodeConformance",
+    "ResourceConsumer": "framework/autoscaling: the HPA tests",
+    "VolumeNFSServer": "framework/volume and the pre-pull list: storage tests",
+}
+
+
+@needs_module
+def test_every_image_the_conformance_selection_names_is_built() -> None:
+    """Each image ID that the files of the [Conformance] tests selected (upstream's nftables
+    job's focus and skip, without Serial), the e2e framework and common/util.go's templates
+    name is built here, or is known to be run by none of those tests: a release that adds an
+    image to them fails here."""
+    import yaml
+
+    tests = yaml.safe_load((MODULE / "test/conformance/testdata/conformance.yaml").read_text())
+    files = {MODULE / t["file"] for t in tests if not SELECTION_SKIP.search(t["codename"])}
+    files |= {p for p in (MODULE / "test/e2e/framework").rglob("*.go")
+              if not p.name.endswith("_test.go")}
+    files.add(MODULE / "test/e2e/common/util.go")
+    manifest = (MODULE / "test/utils/image/manifest.go").read_text()
+    ids = set(re.findall(r"^\s*configs\[(\w+)\] = Config", manifest, re.M))
+    named = {m for f in files for m in re.findall(r"imageutils\.(\w+)\b", f.read_text())}
+    assert named & ids - set(images.E2E_MANIFEST_IDS) - set(NOT_RUN_BY_CONFORMANCE) == set()
+    assert set(NOT_RUN_BY_CONFORMANCE) <= named & ids
+
+
+@needs_module
+def test_the_images_are_what_the_tests_run() -> None:
+    """What the new images' recipes take from upstream's sources still holds: where the
+    aggregator test runs etcd and with which flags, the files nautilus and kitten add to
+    agnhost (which sets no WORKDIR), nonewprivs' setuid nnp, sample-apiserver's entrypoint
+    and the module version it is built from."""
+    e2e, test_images = MODULE / "test/e2e", MODULE / "test/images"
+    aggregator = (e2e / "apimachinery/aggregator.go").read_text()
+    assert re.search(r'Image: etcdImage,\s*Command: \[\]string\{\s*"/usr/local/bin/etcd",\s*'
+                     r'"--listen-client-urls",\s*etcdURL,\s*"--advertise-client-urls",',
+                     aggregator)
+    assert "WORKDIR" not in (test_images / "agnhost/Dockerfile").read_text()
+    for name in ("nautilus", "kitten"):
+        dockerfile = (test_images / name / "Dockerfile").read_text()
+        assert f"COPY html/{name}.jpg {name}.jpg\nCOPY html/data.json data.json\n" \
+            'CMD ["test-webserver"]' in dockerfile
+        assert f"{name}.jpg" in (test_images / name / "html/data.json").read_text()
+    nnp = (test_images / "nonewprivs/Dockerfile").read_text()
+    assert "COPY nnp /usr/local/bin/nnp\nRUN chmod +s /usr/local/bin/nnp" in nnp
+    assert 'CMD ["nnp"]' in nnp
+    assert 'ENTRYPOINT ["/sample-apiserver"]' in (
+        test_images / "sample-apiserver/Dockerfile").read_text()
+    go_mod = (images.K8S_MODULE_DIR / "go.mod").read_text()
+    assert re.search(rf"k8s\.io/sample-apiserver => k8s\.io/sample-apiserver "
+                     rf"v0\.{images.RELEASE.split('.')[1]}\.", go_mod)
+
+
+def test_a_version_or_base_other_than_expected_is_refused(tmp_path: Path) -> None:
+    """A source folder whose VERSION or BASEIMAGE is not the one a recipe was written for
+    stops the build (a release bump must be looked at, not built under an old name)."""
+    source = tmp_path / "nautilus"
+    source.mkdir()
+    (source / "VERSION").write_text("1.9.0\n")
+    (source / "BASEIMAGE").write_text("linux/amd64=REGISTRY/agnhost:2.66.1-linux-amd64\n"
+                                      "linux/arm64=REGISTRY/agnhost:2.66.1-linux-arm64\n")
+    images._check_version(source, images.NAUTILUS, built="1.9.0")
+    images._check_base(source, images.AGNHOST)
+    with pytest.raises(images.ImageBuildError, match=re.escape("expected 1.8 ")):
+        images._check_version(source, images.NAUTILUS)
+    with pytest.raises(images.ImageBuildError, match=re.escape("not agnhost:2.55")):
+        images._check_base(source, images.AGNHOST_PREV)
 
 
 @needs_module
