@@ -466,7 +466,8 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
     source: ApiSource | SnapshotSource = (
         SnapshotSource(config.snapshot, proxier, stop) if config.snapshot
         else ApiSource(api_client, proxier, node_name, stop,
-                       service_cidrs=config.watches_service_cidrs))
+                       service_cidrs=config.watches_service_cidrs,
+                       content_type=config.content_type))
     return Daemon(cache, proxier, runner, health, metrics, observer, localhost, connections,
                   coexistence, source, address_check)
 

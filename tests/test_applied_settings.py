@@ -12,6 +12,7 @@ them for real, inside a throwaway network namespace.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -28,7 +29,14 @@ import structlog
 from pyproxy import run
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.cluster.sources import SnapshotSource
+from pyproxy.cluster.sources import ApiSource, SnapshotSource
+from pyproxy.cluster.watch import (
+    Reflector,
+    endpoint_slices_resource,
+    nodes_resource,
+    service_cidrs_resource,
+    services_resource,
+)
 from pyproxy.config import ProxyConfig, reference_markdown
 from pyproxy.core.model import IPFamily, LocalMode, Node
 from pyproxy.kernel.host import apply_host_settings
@@ -221,6 +229,29 @@ def host_settings(config: ProxyConfig, tmp: Path) -> dict[str, str]:
     return {f.name: f.read_text().strip() for f in files}
 
 
+def watch_accept(config: ProxyConfig, tmp: Path) -> list[str]:
+    """What each of the daemon's reflectors asks a plain watch for (ApiSource as run_daemon
+    makes it, its list functions recording instead of sending)."""
+    asked: list[str] = []
+
+    def record(_api: Any) -> Callable[..., Any]:
+        def call(**kwargs: Any) -> Any:
+            asked.append(kwargs["_accept"])
+            raise RuntimeError("recorded")
+        return call
+
+    source = ApiSource(None, NodeProxier(ClusterCache("node-a"), []), "node-a",
+                       threading.Event(), content_type=config.content_type)
+    for resource in (services_resource(), endpoint_slices_resource(), nodes_resource("a"),
+                     service_cidrs_resource()):
+        reflector = Reflector(None, dataclasses.replace(resource, list_function=record),
+                              lambda *_: None, lambda: None, source.stop,
+                              content_type=source.content_type)
+        with contextlib.suppress(RuntimeError):
+            reflector._watch("1")
+    return asked
+
+
 def service_cidr_watch(config: ProxyConfig, tmp: Path) -> bool:
     return config.watches_service_cidrs  # what run_daemon hands ApiSource
 
@@ -289,6 +320,7 @@ APPLIED: dict[str, tuple[Configs, Probe]] = {
     "master": (with_kubeconfig("master", "https://master.example:6443"), api_server),
     "qps": (with_kubeconfig("qps", 20.0), request_waits),
     "burst": (with_kubeconfig("burst", 2), request_waits),
+    "content_type": (change("content_type", "application/json"), watch_accept),
     "logging_format": (change("logging_format", "json"), log_output),
     "verbosity": (change("verbosity", 4), log_output),
     "feature_gates": (change("feature_gates", {"MultiCIDRServiceAllocator": False}),

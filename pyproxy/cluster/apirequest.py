@@ -45,15 +45,17 @@ def query_params(options: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def request(api_client: Any, method: str, path: str, *, query: Mapping[str, Any] | None = None,
-            body: Mapping[str, Any] | None = None, timeout: Any = None) -> Any:
+            body: Mapping[str, Any] | None = None, timeout: Any = None,
+            accept: str = "application/json") -> Any:
     """Send one request; returns the raw urllib3 response (not read: the caller streams or
-    reads it and releases the connection). A non-2xx answer raises ApiException."""
+    reads it and releases the connection). A non-2xx answer raises ApiException. `accept`:
+    the media types asked for (the response's Content-Type says which came)."""
     from kubernetes.client.exceptions import ApiException
 
     # gzip: the API server compresses a response above 128 KiB (a list page: 500 Services
     # are ~0.75 MB of JSON, about a tenth of that gzipped) and a streamed list's events
     # (watch-list), as it does for kube-proxy; urllib3 decompresses as it reads.
-    headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
+    headers = {"Accept": accept, "Accept-Encoding": "gzip"}
     if body is not None:
         headers["Content-Type"] = "application/json"
     params = api_client.param_serialize(

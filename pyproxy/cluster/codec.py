@@ -6,15 +6,21 @@ services the slices' decoding and conversion were a third of the time from start
 first ruleset. Bookmarks, errors, and anything that does not fit the document's types are
 read as dicts, so the conversion sees the object as the API sent it and names what is
 wrong with it.
+
+A watch asked for in protobuf (`clientConnection.contentType`, cluster/watch.py says where)
+is read by `ProtobufCodec` into the same documents, as far as the proxy reads them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import msgspec
+
+from pyproxy.core import protobuf
+from pyproxy.core.wire import Unreadable
 
 # The events that carry an object of the watched kind.
 OBJECT_EVENTS = frozenset({"ADDED", "MODIFIED", "DELETED"})
@@ -89,3 +95,36 @@ class TypedCodec:
         meta = page.metadata
         return meta if isinstance(meta, dict) else {}, page.items or []
 
+
+
+class ProtobufCodec:
+    """Kubernetes protobuf (`pyproxy/core/protobuf.py`): a watch frame (without its length)
+    or a list response → the dicts the JSON path makes, as far as the proxy reads them, or
+    the typed document `typed` makes of one (None: it does not fit, the dict goes on).
+    What does not decode as a whole (a frame that is not a WatchEvent, a list that is not
+    a list) raises, as a line that is not JSON does; one object that does not decode in a
+    frame or list that does is an `Unreadable`, skipped by the conversion with the reason."""
+
+    def __init__(self, schema: protobuf.Schema,
+                 typed: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        self.schema = schema
+        self.typed = typed
+
+    def event(self, frame: bytes) -> tuple[Any, Any]:
+        kind, envelope = protobuf.watch_event(frame)
+        if kind not in OBJECT_EVENTS:  # a bookmark (metadata only) or an ERROR (a Status)
+            return kind, protobuf.decode_object(envelope, self.schema)
+        return kind, self._object(envelope.data, envelope.start, envelope.end)
+
+    def page(self, data: bytes) -> tuple[Mapping[str, Any], list[Any]]:
+        return protobuf.decode_list(data, self._object)
+
+    def _object(self, buf: bytes, start: int, end: int) -> Any:
+        try:
+            obj = protobuf.decode(buf, start, end, self.schema)
+        except protobuf.Malformed as err:
+            return Unreadable(protobuf.readable_metadata(buf, start, end),
+                              f"undecodable protobuf: {err}")
+        if self.typed is not None:
+            return self.typed(obj) or obj
+        return obj

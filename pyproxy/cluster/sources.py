@@ -16,6 +16,7 @@ import structlog
 
 from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
 from pyproxy.cluster.watch import (
+    JSON_MEDIA_TYPE,
     MIN_WATCH_TIMEOUT,
     WATCH_READ_TIMEOUT,
     Reflector,
@@ -162,6 +163,8 @@ class ApiSource:
     read_timeout: float = WATCH_READ_TIMEOUT
     reflectors: list[Reflector] = field(default_factory=list)
     service_cidrs: bool = True
+    # clientConnection.contentType (cluster/watch.py: protobuf on plain watches)
+    content_type: str = JSON_MEDIA_TYPE
     _all_nodes: Reflector | None = None
 
     def start(self) -> list[threading.Thread]:
@@ -177,7 +180,7 @@ class ApiSource:
                 self.api_client, resource, handler,
                 on_synced=functools.partial(self.proxier.source_synced, resource.kind),
                 stop=self.stop, watch_timeout=self.watch_timeout,
-                read_timeout=self.read_timeout)
+                read_timeout=self.read_timeout, content_type=self.content_type)
             self.reflectors.append(reflector)
             threads.append(self._spawn(reflector))
         if self.service_cidrs:
@@ -191,7 +194,8 @@ class ApiSource:
         reflector = Reflector(
             self.api_client, service_cidrs_resource(), self.proxier.on_service_cidr,
             on_synced=lambda: log.info("initial_list_completed", source="ServiceCIDR"),
-            stop=self.stop, watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
+            stop=self.stop, watch_timeout=self.watch_timeout, read_timeout=self.read_timeout,
+            content_type=self.content_type)
         self.reflectors.append(reflector)
         return reflector
 
@@ -203,7 +207,8 @@ class ApiSource:
         self._all_nodes = Reflector(
             self.api_client, nodes_resource(None), self._other_node,
             on_synced=lambda: self.proxier.request_sync(), stop=self.stop,
-            watch_timeout=self.watch_timeout, read_timeout=self.read_timeout)
+            watch_timeout=self.watch_timeout, read_timeout=self.read_timeout,
+            content_type=self.content_type)
         self.reflectors.append(self._all_nodes)
         self._spawn(self._all_nodes)
 

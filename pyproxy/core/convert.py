@@ -53,7 +53,7 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import parse_min_endpoints
-from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, metadata
+from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, Unreadable, metadata
 
 # Bounds on list sizes. The API server enforces most of these (an EndpointSlice holds at most
 # 1000 endpoints and 100 ports); a snapshot file or a broken server might not, and one huge
@@ -445,6 +445,7 @@ def _guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
     lenient: list[tuple[str, str, str]] = []
     token = _lenient.set(lenient)
     try:
+        _readable(data)
         result = convert(data)
     except _NotProxied as why:
         return Skipped(kind, namespace, name, str(why), invalid=False)
@@ -457,6 +458,12 @@ def _guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
     if lenient:
         _log_lenient(kind, namespace, name, lenient)
     return result
+
+
+def _readable(data: Any) -> None:
+    """Raise Invalid with the reason when the object could not be decoded at all."""
+    if type(data) is Unreadable:
+        raise Invalid(data.reason)
 
 
 class _NotProxied(Exception):
@@ -937,9 +944,10 @@ def _shared(names: frozenset[str]) -> frozenset[str]:
 
 def convert_node(obj: Any) -> Node | Skipped:
     data = api_dict(obj)
-    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    meta = metadata(data)  # a dict's, or an Unreadable's as far as it was read
     name = _safe_name(meta, "name")
     try:
+        _readable(data)
         data = _mapping(data, "Node")
         meta = _mapping(data.get("metadata"), "metadata")
         name = _dns_subdomain(meta.get("name"), "metadata.name")
@@ -1018,9 +1026,10 @@ def convert_service_cidr(obj: Any) -> tuple[str, ...] | Skipped:
     why it is skipped. One being deleted (deletionTimestamp) still counts until it is gone:
     its ClusterIPs may still be in use, as kube-proxy, which reads every object, does."""
     data = api_dict(obj)
-    meta = data.get("metadata") if isinstance(data, Mapping) else None
+    meta = metadata(data)  # a dict's, or an Unreadable's as far as it was read
     name = _safe_name(meta, "name")
     try:
+        _readable(data)
         data = _mapping(data, "ServiceCIDR")
         meta = _mapping(data.get("metadata"), "metadata")
         name = _dns_subdomain(meta.get("name"), "metadata.name")

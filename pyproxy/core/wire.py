@@ -59,3 +59,13 @@ def metadata(obj: Any) -> Mapping[str, Any]:
     when it has none that is a mapping."""
     meta = obj.get("metadata") if isinstance(obj, Mapping) else getattr(obj, "metadata", None)
     return meta if isinstance(meta, Mapping) else {}
+
+
+class Unreadable(msgspec.Struct, frozen=True):
+    """An object the API server sent that could not be decoded (protobuf cut short or
+    otherwise broken: `pyproxy/core/protobuf.py`): its metadata as far as it was read, so
+    that the object is named, and why. The conversion skips it with that reason, as it
+    skips a JSON object of the wrong shape: logged, counted, the watch goes on."""
+
+    metadata: Any
+    reason: str
