@@ -11,6 +11,8 @@ import datetime
 from collections.abc import Mapping
 from typing import Any
 
+from pyproxy.core import protobuf
+
 MAGIC = b"k8s\x00"
 
 # A message: (field number, value) pairs; a value is an int/bool (varint), str/bytes
@@ -194,3 +196,37 @@ def bookmark(api_version: str, kind: str, version: str,
     """A BOOKMARK event's object: an empty object of the kind with its resourceVersion."""
     meta: Message = [(6, version), *_map(12, annotations)]
     return envelope(api_version, kind, encode([(1, meta)]))
+
+
+ENCODERS = {"Service": service, "EndpointSlice": endpoint_slice, "Node": node,
+            "ServiceCIDR": service_cidr}
+
+
+def event_frame(event: Mapping[str, Any], api_version: str, kind: str) -> bytes:
+    """A JSON watch event ({type, object}) of the kind as the frame of a protobuf watch."""
+    obj = event.get("object") or {}
+    if event["type"] == "ERROR":
+        raw = status(int(obj.get("code", 0)), str(obj.get("reason", "")),
+                     str(obj.get("message", "")))
+    elif event["type"] == "BOOKMARK":
+        meta = obj.get("metadata") or {}
+        raw = bookmark(api_version, kind, str(meta.get("resourceVersion", "")),
+                       meta.get("annotations"))
+    else:
+        raw = ENCODERS[kind](obj)
+    return watch_frame(str(event["type"]), raw)
+
+
+def project(doc: Any, schema: protobuf.Schema) -> Any:
+    """The JSON document's fields the schema reads (null and a JSON-only zero left out as
+    the decoder leaves them: what the conversion reads the same either way)."""
+    out: dict[str, Any] = {}
+    for field in schema.values():
+        value = doc.get(field.name)
+        if value is None:
+            continue
+        if field.schema is not None:
+            value = [project(v, field.schema) for v in value] if field.repeated \
+                else project(value, field.schema)
+        out[field.name] = value
+    return out

@@ -33,26 +33,12 @@ from pyproxy.core.convert import (
 from pyproxy.core.model import Skipped
 from pyproxy.core.wire import SliceDoc, Unreadable
 from testkit import protoenc
+from testkit.protoenc import project
 
 SERVICES = ProtobufCodec(protobuf.SERVICE)
 SLICES = ProtobufCodec(protobuf.ENDPOINT_SLICE, protobuf.slice_doc)
 NODES = ProtobufCodec(protobuf.NODE)
 CIDRS = ProtobufCodec(protobuf.SERVICE_CIDR)
-
-
-def project(doc: Any, schema: protobuf.Schema) -> Any:
-    """The JSON document's fields the schema reads (null and a JSON-only zero left out as
-    the decoder leaves them: what the conversion reads the same either way)."""
-    out: dict[str, Any] = {}
-    for field in schema.values():
-        value = doc.get(field.name)
-        if value is None:
-            continue
-        if field.schema is not None:
-            value = [project(v, field.schema) for v in value] if field.repeated \
-                else project(value, field.schema)
-        out[field.name] = value
-    return out
 
 
 def meta(name: str, namespace: str | None = "ns", **extra: Any) -> dict[str, Any]:

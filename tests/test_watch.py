@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from pyproxy.cluster.codec import JSON
 from pyproxy.cluster.watch import (
+    JSON_MEDIA_TYPE,
+    PROTOBUF_MEDIA_TYPE,
     SLICE_CODEC,
     Expired,
     Handler,
@@ -63,10 +65,20 @@ def service(name: str, **labels: str) -> dict[str, Any]:
             "spec": {"ports": [{"name": "http", "port": 80}]}}
 
 
-@pytest.fixture
-def emu() -> Iterator[ApiEmulator]:
-    with ApiEmulator(bookmark_interval=0.2) as server:
-        yield server
+# What the reflectors of the running test ask their watches for: every test against the
+# emulator runs with both (the emulator answers a protobuf watch in protobuf, as the API
+# server does: testkit/protoenc.py). Set by the `emu` fixture.
+CONTENT_TYPE = {"asked": JSON_MEDIA_TYPE}
+
+
+@pytest.fixture(params=[JSON_MEDIA_TYPE, PROTOBUF_MEDIA_TYPE], ids=["json", "protobuf"])
+def emu(request: pytest.FixtureRequest) -> Iterator[ApiEmulator]:
+    CONTENT_TYPE["asked"] = request.param
+    try:
+        with ApiEmulator(bookmark_interval=0.2) as server:
+            yield server
+    finally:
+        CONTENT_TYPE["asked"] = JSON_MEDIA_TYPE
 
 
 @pytest.fixture
@@ -74,7 +86,8 @@ def reflector(emu: ApiEmulator) -> Iterator[tuple[Reflector, Recorder]]:
     recorder = Recorder()
     stop = threading.Event()
     refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
-                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0)
+                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0,
+                     content_type=CONTENT_TYPE["asked"])
     refl._backoff.initial, refl._backoff.cap = 0.05, 0.2  # fast retries in tests
     thread = threading.Thread(target=refl.run, daemon=True)
     emu.create("services", service("before"))
@@ -101,6 +114,13 @@ def test_list_then_watch(emu: ApiEmulator, reflector: tuple[Reflector, Recorder]
     # bookmarks move the position on without events
     version = emu.resource_version
     wait(lambda: refl.status.resource_version == str(version))
+    # the watch came as asked; its objects are the same documents either way
+    protobuf_asked = CONTENT_TYPE["asked"] == PROTOBUF_MEDIA_TYPE
+    assert refl.status.watch_encoding == ("protobuf" if protobuf_asked else "json")
+    added = rec.objects[("ns", "added")]
+    assert added is not None
+    assert added["spec"]["ports"] == [{"name": "http", "protocol": "TCP", "port": 80,
+                                       "targetPort": 80}]
 
 
 def test_relist_after_410_reconciles_deletes(emu: ApiEmulator,
@@ -146,7 +166,8 @@ def test_a_410_relists_after_a_jittered_pause(emu: ApiEmulator) -> None:
     answers with 410 at once list spread over 0.8 s, not all in the same instant."""
     recorder, stop = Recorder(), threading.Event()
     refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
-                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0)
+                     recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0,
+                     content_type=CONTENT_TYPE["asked"])
     refl._backoff.initial, refl._backoff.cap = 0.05, 0.2
     refl.relist_pause = (0.5, 0.5)
     thread = threading.Thread(target=refl.run, daemon=True)
@@ -235,7 +256,7 @@ def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
     rec = Recorder()
     stop = threading.Event()
     refl = Reflector(emu.api_client(), nodes_resource("node-a"), rec.handle, rec.synced.set,
-                     stop)
+                     stop, content_type=CONTENT_TYPE["asked"])
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:
@@ -253,7 +274,8 @@ def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
             small_list: int = 2000, resource: Resource | None = None) -> Iterator[Reflector]:
     stop = threading.Event()
     refl = Reflector(emu.api_client(), resource or services_resource(), handle, synced.set, stop,
-                     page_size=page_size, watch_list=watch_list, small_list=small_list)
+                     page_size=page_size, watch_list=watch_list, small_list=small_list,
+                     content_type=CONTENT_TYPE["asked"])
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:

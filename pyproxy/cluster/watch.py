@@ -253,6 +253,9 @@ class WatchStatus:
     last_list_seconds: float = 0.0
     last_list_server_seconds: float = 0.0
     last_list_decode_seconds: float = 0.0
+    # How the current watch's events come: "json", or "protobuf" (clientConnection.contentType
+    # on a server that speaks it); a streamed list's stream read on as the watch is JSON.
+    watch_encoding: str = ""
 
 
 class Reflector:
@@ -331,7 +334,9 @@ class Reflector:
         """How to read a watch response, by its Content-Type: JSON lines, or the
         length-prefixed frames of a protobuf watch."""
         if self.resource.protobuf is not None and _is_protobuf(response):
+            self.status.watch_encoding = "protobuf"
             return self.resource.protobuf, _frames(response, self.stop)
+        self.status.watch_encoding = "json"
         return self.resource.codec, _lines(response, self.stop)
 
     def _list(self) -> str:

@@ -29,7 +29,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pyproxy.core.wire import Conditions, EndpointDoc, SliceDoc
+import msgspec
+
+from pyproxy.core.wire import SliceDoc
 
 MAGIC = b"k8s\x00"
 MEDIA_TYPE = "application/vnd.kubernetes.protobuf"
@@ -158,7 +160,11 @@ def decode(buf: bytes, pos: int, end: int, schema: Schema) -> dict[str, Any]:
                 value = field.read(buf, pos, stop)
             pos = stop
         else:
-            value, pos = varint(buf, pos)
+            value = buf[pos]
+            if value < 0x80:
+                pos += 1
+            else:
+                value, pos = varint(buf, pos)
             value = field.read(value)
         if field.entry:
             out.setdefault(field.name, {})[value.get("key", "")] = value.get("value", "")
@@ -388,17 +394,9 @@ def watch_event(frame: bytes) -> tuple[str, Envelope]:
 def slice_doc(obj: Mapping[str, Any]) -> SliceDoc | None:
     """An EndpointSlice's dict as the typed document msgspec makes of its JSON, or None
     where a field is of a type the document does not take (the dict then goes on as it
-    came, as the JSON path does: the conversion names the field)."""
-    endpoints: list[EndpointDoc] = []
-    for raw in obj.get("endpoints") or ():
-        conditions = raw.get("conditions")
-        if conditions is not None:
-            if any(type(v) is not bool for v in conditions.values()):
-                return None
-            conditions = Conditions(**conditions)
-        endpoints.append(EndpointDoc(
-            addresses=raw.get("addresses"), conditions=conditions,
-            node_name=raw.get("nodeName"), zone=raw.get("zone"), hints=raw.get("hints"),
-            deprecated_topology=raw.get("deprecatedTopology")))
-    return SliceDoc(metadata=obj.get("metadata"), address_type=obj.get("addressType"),
-                    ports=obj.get("ports"), endpoints=endpoints if "endpoints" in obj else None)
+    came, as the JSON path does: the conversion names the field). msgspec's convert checks
+    the types as its JSON decoder does, in C."""
+    try:
+        return msgspec.convert(obj, SliceDoc)
+    except msgspec.ValidationError:
+        return None

@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
+from testkit import protoenc
+
 from . import resources as R
 from .store import MERGE_PATCH, ApiError, Filter, Store, Watcher, bad_request, too_large_rv
 
@@ -40,6 +42,7 @@ Obj = dict[str, Any]
 UnavailableMode = Literal["503", "reset", "refuse"]
 _TRUE = {"1", "t", "T", "true", "TRUE", "True"}  # Go's strconv.ParseBool
 GZIP_THRESHOLD = 128 * 1024  # kube-apiserver's defaultGzipThresholdBytes
+_PROTOBUF = "application/vnd.kubernetes.protobuf"
 _VERSION = {
     "major": "1",
     "minor": "34",
@@ -509,6 +512,10 @@ class _WatchStream:
         self.watcher = watcher
         self.opts = opts
         self.res = watcher.resource
+        # A protobuf watch, as the API server answers one that asks (for the kinds the
+        # tests' encoder writes: testkit/protoenc.py); JSON otherwise.
+        accept = handler.headers.get("Accept") or ""
+        self.protobuf = (accept.startswith(_PROTOBUF) and self.res.kind in protoenc.ENCODERS)
 
     def serve(self) -> None:
         try:
@@ -548,13 +555,17 @@ class _WatchStream:
     def _begin(self) -> None:
         h = self.h
         h.send_response(200)
-        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Type",
+                      f"{_PROTOBUF};stream=watch" if self.protobuf else "application/json")
         h.send_header("Cache-Control", "no-cache, private")
         h.send_header("Transfer-Encoding", "chunked")
         h.end_headers()
 
     def _write(self, event: Obj) -> None:
-        data = json.dumps(event, separators=(",", ":")).encode() + b"\n"
+        if self.protobuf:
+            data = protoenc.event_frame(event, self.res.api_version, self.res.kind)
+        else:
+            data = json.dumps(event, separators=(",", ":")).encode() + b"\n"
         self.h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
 
     def _end(self) -> None:
