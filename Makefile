@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire demo clean \
 	k8s k8s-path \
 	images
 
@@ -113,6 +113,13 @@ bench-vs-kube-proxy: venv k8s
 FLEET_FLAGS ?=
 bench-fleet: venv k8s
 	$(BIN)/python -m bench.bench_fleet $(FLEET_FLAGS)
+
+# JSON against protobuf on a real API server (issue 29): bytes of one EndpointSlice change per
+# node, µs to decode it and to decode lists, both ways (bench/bench_wire.py; a few minutes,
+# no proxies). WIRE_FLAGS e.g. --size 1000x10.
+WIRE_FLAGS ?=
+bench-wire: venv k8s
+	$(BIN)/python -m bench.bench_wire $(WIRE_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -598,10 +598,10 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def wire_sizes(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, int]:
-    """One endpoint change of a synthetic EndpointSlice as each client reads it off a watch:
-    JSON (pyproxy), protobuf (kube-proxy's default contentType); the object alone in JSON
-    with and without its managedFields; and the whole list in both."""
+def change_events(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, bytes]:
+    """One endpoint change of a synthetic EndpointSlice as each client reads it off a plain
+    watch, JSON and protobuf (the whole response: the event, and the frame's 4-byte length
+    for protobuf); the object alone in JSON; and the whole list of slices both ways."""
     key = synth.key(0)
     path = f"/apis/discovery.k8s.io/v1/namespaces/{key.namespace}/endpointslices"
     name = synth.endpoint_slice(0, synth.initial_endpoints(0))["metadata"]["name"]
@@ -624,24 +624,39 @@ def wire_sizes(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, int]:
         # the watch from before the change replays it, then ends after a second
         watch = (f"{path}?watch=true&resourceVersion={version}&timeoutSeconds=1"
                  f"&fieldSelector=metadata.name%3D{name}")
-        obj["metadata"].pop("managedFields", None)
-        event_json, event_proto = get(watch, json_type), get(watch, proto_type)
-        # A streamed list's stream (watch-list, kube-proxy's first watch of each resource
-        # until it ends after 5 to 10 minutes) is gzipped by the server event by event, for
-        # a client that accepts gzip (level 1, one gzip member per flush): as compressed here.
-        return {"watch_event_json": len(event_json),
-                "watch_event_protobuf": len(event_proto),
-                "watch_event_json_gzip": len(gzip.compress(event_json, compresslevel=1)),
-                "watch_event_protobuf_gzip": len(gzip.compress(event_proto, compresslevel=1)),
-                "slice_json": len(as_json),
-                "slice_json_without_managed_fields": len(json.dumps(
-                    obj, separators=(",", ":"))),
-                "slice_list_json": len(get("/apis/discovery.k8s.io/v1/endpointslices",
-                                           json_type)),
-                "slice_list_protobuf": len(get("/apis/discovery.k8s.io/v1/endpointslices",
-                                               proto_type))}
+        lists = "/apis/discovery.k8s.io/v1/endpointslices"
+        return {"object_json": as_json,
+                "watch_event_json": get(watch, json_type),
+                "watch_event_protobuf": get(watch, proto_type),
+                "slice_list_json": get(lists, json_type),
+                "slice_list_protobuf": get(lists, proto_type)}
     finally:
         api.close()
+
+
+def wire_sizes(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, int]:
+    """One endpoint change of a synthetic EndpointSlice as each client reads it off a watch:
+    JSON (pyproxy with contentType application/json), protobuf (kube-proxy's default
+    contentType, and pyproxy's on plain watches); the object alone in JSON with and without
+    its managedFields; and the whole list in both."""
+    return sizes_of(change_events(plane, kube, synth))
+
+
+def sizes_of(raw: dict[str, bytes]) -> dict[str, int]:
+    obj = json.loads(raw["object_json"])
+    obj["metadata"].pop("managedFields", None)
+    event_json, event_proto = raw["watch_event_json"], raw["watch_event_protobuf"]
+    # A streamed list's stream (watch-list, kube-proxy's first watch of each resource
+    # until it ends after 5 to 10 minutes) is gzipped by the server event by event, for
+    # a client that accepts gzip (level 1, one gzip member per flush): as compressed here.
+    return {"watch_event_json": len(event_json),
+            "watch_event_protobuf": len(event_proto),
+            "watch_event_json_gzip": len(gzip.compress(event_json, compresslevel=1)),
+            "watch_event_protobuf_gzip": len(gzip.compress(event_proto, compresslevel=1)),
+            "slice_json": len(raw["object_json"]),
+            "slice_json_without_managed_fields": len(json.dumps(obj, separators=(",", ":"))),
+            "slice_list_json": len(raw["slice_list_json"]),
+            "slice_list_protobuf": len(raw["slice_list_protobuf"])}
 
 
 def commit() -> str:

@@ -61,8 +61,13 @@ def cluster_background(kube: Kube, stop: threading.Event, every: float = 10.0) -
 
 @dataclass
 class QuietWatcher:
-    daemon: Daemon
+    # content type → the daemon asking for it (the watches are tested in both)
+    daemons: dict[str, Daemon]
     started: float
+
+
+CONTENT_TYPES = {"application/vnd.kubernetes.protobuf": "quiet",
+                 "application/json": "quiet-json"}
 
 
 @pytest.fixture(scope="session")
@@ -70,45 +75,56 @@ def quiet_watcher(control_plane: ControlPlane) -> Iterator[QuietWatcher]:
     kube = Kube(control_plane.admin_client())
     apply_manifests(kube)
     with Lab() as lab:
-        ns = lab.add_ns("quiet")
-        attachment = control_plane.attach(ns)
-        kube.node("node-quiet", (attachment.address,), zone="zone-9", region="region-9")
-        kubeconfig = control_plane.node_kubeconfig(lab.workdir / "quiet.kubeconfig",
-                                                   service_account_token(kube))
-        daemon = start_pyproxy(lab, ns, kubeconfig, "node-quiet", "--bind-address",
-                               attachment.address, name="pyproxy-quiet")
-        wait_for(lambda: len(daemon.watches()) >= 3
-                 and all(w["synced"] for w in daemon.watches().values()), 30,
-                 "the quiet daemon's initial lists")
+        daemons = {}
+        for content_type, name in CONTENT_TYPES.items():
+            ns = lab.add_ns(name)
+            attachment = control_plane.attach(ns)
+            kube.node(f"node-{name}", (attachment.address,), zone="zone-9", region="region-9")
+            kubeconfig = control_plane.node_kubeconfig(lab.workdir / f"{name}.kubeconfig",
+                                                       service_account_token(kube))
+            daemons[content_type] = start_pyproxy(
+                lab, ns, kubeconfig, f"node-{name}", "--bind-address", attachment.address,
+                "--kube-api-content-type", content_type, name=f"pyproxy-{name}")
+        for content_type, daemon in daemons.items():
+            wait_for(lambda d=daemon: len(d.watches()) >= 3
+                     and all(w["synced"] for w in d.watches().values()), 30,
+                     f"the quiet daemon's initial lists ({content_type})")
         stop = threading.Event()
         background = threading.Thread(target=cluster_background, args=(kube, stop),
                                       daemon=True)
         background.start()
         try:
-            yield QuietWatcher(daemon, time.monotonic())
+            yield QuietWatcher(daemons, time.monotonic())
         finally:
             stop.set()
             background.join(30)
-            lab.stop_process(daemon.proc)
-            kube.core.delete_node("node-quiet")
+            for name, daemon in zip(CONTENT_TYPES.values(), daemons.values(), strict=False):
+                lab.stop_process(daemon.proc)
+                kube.core.delete_node(f"node-{name}")
             with contextlib.suppress(Exception):
                 kube.core.delete_namespaced_config_map("quiet-watch-background", "default")
 
 
-def test_quiet_watch_begins(quiet_watcher: QuietWatcher) -> None:
-    watches = quiet_watcher.daemon.watches()
+@pytest.mark.parametrize("content_type", CONTENT_TYPES)
+def test_quiet_watch_begins(quiet_watcher: QuietWatcher, content_type: str) -> None:
+    watches = quiet_watcher.daemons[content_type].watches()
     assert {"Service", "EndpointSlice", "Node"} <= set(watches)
     assert all(w["lists"] == 1 for w in watches.values()), watches
+    # the first lists are one page each (few objects), so every watch is a plain one
+    encoding = "json" if content_type == "application/json" else "protobuf"
+    assert {w["watch_encoding"] for w in watches.values()} == {encoding}, watches
 
 
 @pytest.mark.k8s_last
-def test_quiet_watch_relists_zero_times(quiet_watcher: QuietWatcher) -> None:
+@pytest.mark.parametrize("content_type", CONTENT_TYPES)
+def test_quiet_watch_relists_zero_times(quiet_watcher: QuietWatcher, content_type: str) -> None:
     remaining = quiet_watcher.started + QUIET_SECONDS - time.monotonic()
     if remaining > 0:  # the rest of the suite usually takes longer than this
         time.sleep(remaining)
-    watches = quiet_watcher.daemon.watches()
-    assert quiet_watcher.daemon.proc.poll() is None
-    log = quiet_watcher.daemon.log.read_text().splitlines()
+    daemon = quiet_watcher.daemons[content_type]
+    watches = daemon.watches()
+    assert daemon.proc.poll() is None
+    log = daemon.log.read_text().splitlines()
     for kind, status in watches.items():
         # The daemon's lines about this kind say when (seen once under a load of 20 on 2
         # cores: ServiceCIDR's watch got no bookmark for the 150 s read timeout).

@@ -275,6 +275,28 @@ def test_a_list_decodes_its_items_and_names_one_that_does_not() -> None:
     assert type(decoded[3]) is Unreadable and decoded[3].metadata["name"] == "a"
 
 
+FRAMES = [protoenc.watch_frame("ADDED", protoenc.service(d))[4:] for d in SERVICE_DOCS.values()]
+FRAMES += [protoenc.watch_frame("MODIFIED", protoenc.endpoint_slice(d))[4:]
+           for d in SLICE_DOCS.values()]
+
+
+@given(st.sampled_from(FRAMES), st.lists(st.tuples(st.integers(0, 4000), st.integers(0, 255)),
+                                        max_size=4), st.integers(0, 4000))
+def test_damaged_frames_raise_malformed_or_decode_into_something_the_conversion_judges(
+        frame: bytes, changes: list[tuple[int, int]], cut: int) -> None:
+    """Bytes flipped, the frame cut anywhere: never another exception (the watch would log
+    it as an API failure and retry, which is right only for a frame that is not one)."""
+    data = bytearray(frame[:max(1, cut)])
+    for at, byte in changes:
+        data[at % len(data)] = byte
+    for codec, convert in ((SERVICES, convert_service), (SLICES, convert_endpoint_slice)):
+        try:
+            _, obj = codec.event(bytes(data))
+        except protobuf.Malformed:
+            continue
+        convert(obj)  # returns a result or a Skipped, never raises
+
+
 # ---- the watch stream ------------------------------------------------------------------------
 
 

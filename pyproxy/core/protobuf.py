@@ -142,7 +142,7 @@ def decode(buf: bytes, pos: int, end: int, schema: Schema) -> dict[str, Any]:
             start = pos
             pos = _skip(buf, pos, end, wire)
             if field is not None:  # a known field of the wrong type: kept as it came
-                out[field.name] = varint(buf, start)[0] if wire == VARINT else buf[start:pos]
+                _misfit(out, field, varint(buf, start)[0] if wire == VARINT else buf[start:pos])
             continue
         if wire == LEN:
             size = buf[pos] if pos < end else 0x80
@@ -169,10 +169,28 @@ def decode(buf: bytes, pos: int, end: int, schema: Schema) -> dict[str, Any]:
         if field.entry:
             out.setdefault(field.name, {})[value.get("key", "")] = value.get("value", "")
         elif field.repeated:
-            out.setdefault(field.name, []).append(value)
+            values = out.setdefault(field.name, [])
+            if isinstance(values, list):  # else a misfit came first: the conversion names it
+                values.append(value)
         elif value or field.keep_zero:
             out[field.name] = value
+    if pos != end:  # a varint ran past the message's end
+        raise Malformed(f"message overruns its length by {pos - end} bytes")
     return out
+
+
+def _misfit(out: dict[str, Any], field: Field, value: int | bytes) -> None:
+    """A known field of another wire type: kept as the wire has it, as JSON of the wrong
+    type would be (the conversion names it), in a list if the field is one. A map entry has
+    nothing a conversion could name: the object is unreadable."""
+    if field.entry:
+        raise Malformed(f"{field.name}: an entry of the wrong wire type")
+    if field.repeated:
+        values = out.setdefault(field.name, [])
+        if isinstance(values, list):
+            values.append(value)
+    else:
+        out[field.name] = value
 
 
 def _str(name: str, *, keep_zero: bool = False) -> Field:
@@ -201,8 +219,11 @@ def _map(name: str) -> Field:
 
 def _time(buf: bytes, start: int, end: int) -> str:
     """metav1.Time {1 seconds, 2 nanos} as its JSON: RFC 3339, seconds precision."""
-    seconds = _int32(decode(buf, start, end, _TIME).get("seconds", 0))
-    when = datetime.datetime.fromtimestamp(seconds, datetime.UTC)
+    seconds = decode(buf, start, end, _TIME).get("seconds", 0)
+    try:
+        when = datetime.datetime.fromtimestamp(_int32(int(seconds)), datetime.UTC)
+    except (TypeError, ValueError, OverflowError, OSError) as err:
+        raise Malformed(f"a time of {seconds!r} seconds: {err}") from None
     return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -343,10 +364,11 @@ def unwrap(data: bytes) -> Envelope:
     unknown = decode(data, len(MAGIC), len(data), _UNKNOWN)
     if unknown.get("contentEncoding"):
         raise Malformed(f"contentEncoding {unknown['contentEncoding']!r}")
-    type_meta = unknown.get("typeMeta") or {}
-    start, end = unknown.get("raw") or (0, 0)
+    type_meta, raw = unknown.get("typeMeta") or {}, unknown.get("raw") or (0, 0)
+    if not isinstance(type_meta, dict) or not isinstance(raw, tuple):
+        raise Malformed("an envelope of the wrong wire types")
     return Envelope(str(type_meta.get("apiVersion", "")), str(type_meta.get("kind", "")),
-                    data, start, end)
+                    data, *raw)
 
 
 def decode_object(envelope: Envelope, schema: Schema) -> dict[str, Any]:
@@ -368,7 +390,10 @@ def decode_list(data: bytes, item: Callable[[bytes, int, int], Any]
         return {}, []
     body = decode(envelope.data, envelope.start, envelope.end,
                   {1: _msg("metadata", LIST_META), 2: Field("items", LEN, item, repeated=True)})
-    return body.get("metadata") or {}, body.get("items") or []
+    meta, items = body.get("metadata") or {}, body.get("items") or []
+    if not isinstance(meta, dict) or not isinstance(items, list):
+        raise Malformed("a list of the wrong wire types")
+    return meta, items
 
 
 def readable_metadata(buf: bytes, start: int, end: int) -> dict[str, Any]:
@@ -387,8 +412,11 @@ def readable_metadata(buf: bytes, start: int, end: int) -> dict[str, Any]:
 def watch_event(frame: bytes) -> tuple[str, Envelope]:
     """One frame of a watch stream (without its length): the event type and its object."""
     event = decode(frame, 0, len(frame), _WATCH_EVENT)
-    start, end = (event.get("object") or {}).get("raw") or (0, 0)
-    return str(event.get("type", "")), unwrap(frame[start:end])
+    obj = event.get("object") or {}
+    raw = obj.get("raw") if isinstance(obj, dict) else None
+    if not isinstance(raw, tuple):
+        raise Malformed("a watch event without its object")
+    return str(event.get("type", "")), unwrap(frame[raw[0]:raw[1]])
 
 
 def slice_doc(obj: Mapping[str, Any]) -> SliceDoc | None:
