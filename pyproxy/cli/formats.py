@@ -71,6 +71,8 @@ def format_status(s: dict[str, Any]) -> str:
                      + (f": WARNING: {problem}" if problem else ""))
     for watch in source.get("api", []):
         state = "connected" if watch["connected"] else "DISCONNECTED"
+        if watch.get("watch_encoding"):  # a daemon before protobuf watches has none
+            state += f" ({watch['watch_encoding']})"
         lines.append(f"watch {watch['kind']:<13}{state}, resourceVersion "
                      f"{watch['resource_version'] or '-'}, {watch['events']} events, "
                      f"{watch['lists']} lists (last {watch['last_list_seconds']:.2f} s: "

@@ -62,7 +62,6 @@ Handler = Callable[[ObjectKey, Any | None], None]
 
 JSON_MEDIA_TYPE = "application/json"
 PROTOBUF_MEDIA_TYPE = protobuf.MEDIA_TYPE
-CONTENT_TYPES = (PROTOBUF_MEDIA_TYPE, JSON_MEDIA_TYPE)
 # A protobuf watch, JSON where the server cannot (an aggregated API, the emulator), as
 # client-go's Accept lists both. The response's Content-Type says which it is.
 _PROTOBUF_WATCH = f"{PROTOBUF_MEDIA_TYPE};stream=watch, {JSON_MEDIA_TYPE}"
