@@ -10,8 +10,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.watch import endpoint_slices_resource
+from pyproxy.core import protobuf
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause
+from pyproxy.core.wire import Unreadable
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
 from pyproxy.render.objects import Fragment, Item, Kind
@@ -19,6 +22,7 @@ from pyproxy.render.ruleset import Shape
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
+from testkit import protoenc
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fakes import FakeClock, FakeNft, fake_node_proxier
 
@@ -222,6 +226,28 @@ def test_invalid_objects_are_counted() -> None:
     proxier, _, _ = make_proxier()
     proxier.on_service(("ns", "bad"), svc("bad", ports=[{"name": "http", "port": "eighty"}]))
     assert proxier.skipped_total == {"Service": 1}
+
+
+def test_an_undecodable_protobuf_object_is_skipped_as_a_malformed_json_one_is() -> None:
+    """The same log line and the same count: an object cut short in a protobuf watch (an
+    Unreadable) and a JSON one with a field of the wrong type."""
+    proxier, _, _ = make_proxier()
+    whole = protoenc.endpoint_slice(make_slice("ns", "web", [ep("10.244.1.1", "node-b")],
+                                               name="web-1"))
+    message = protobuf.unwrap(whole)
+    cut = protoenc.envelope("discovery.k8s.io/v1", "EndpointSlice",
+                            whole[message.start:message.end - 12])
+    _, unreadable = endpoint_slices_resource().protobuf.event(  # type: ignore[union-attr]
+        protoenc.watch_frame("ADDED", cut)[4:])
+    assert type(unreadable) is Unreadable
+    with capture_logs() as logs:
+        proxier.on_slice(("ns", "web-1"), unreadable)
+        proxier.on_slice(("ns", "web-2"), make_slice(
+            "ns", "web", [ep("10.244.1.999", "node-b")], name="web-2"))
+    assert proxier.skipped_total == {"EndpointSlice": 2}
+    skipped = [(e["event"], e["object"]) for e in logs if e["log_level"] == "warning"]
+    assert skipped == [("invalid_object_skipped", "EndpointSlice ns/web-1"),
+                       ("invalid_object_skipped", "EndpointSlice ns/web-2")]
 
 
 def test_an_unchanged_slice_event_is_not_a_change() -> None:
