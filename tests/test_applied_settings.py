@@ -236,7 +236,8 @@ def watch_accept(config: ProxyConfig, tmp: Path) -> list[str]:
 
     def record(_api: Any) -> Callable[..., Any]:
         def call(**kwargs: Any) -> Any:
-            asked.append(kwargs["_accept"])
+            # No `_accept`: the list function's default, JSON.
+            asked.append(kwargs.get("_accept", "application/json"))
             raise RuntimeError("recorded")
         return call
 

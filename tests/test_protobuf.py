@@ -335,7 +335,8 @@ def test_a_stream_ending_inside_a_frame_is_an_error() -> None:
 
 def reflector_on(response: Response, asked: list[str]) -> Reflector:
     def call(**kwargs: Any) -> Response:
-        asked.append(kwargs.get("_accept", ""))
+        # No `_accept`: the list function's default, JSON (collection() in watch.py).
+        asked.append(kwargs.get("_accept", "application/json"))
         return response
     resource = Resource("EndpointSlice", lambda _api: call,
                         codec=SLICE_CODEC, protobuf=endpoint_slices_resource().protobuf)

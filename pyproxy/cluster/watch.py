@@ -521,12 +521,15 @@ class Reflector:
         if held is not None:  # a streamed list's stream, read on from its end bookmark
             response, codec, lines = held
         else:
+            # Accept only when protobuf is asked for: JSON is every list function's
+            # default, and a resource's function may be the official client's own
+            # (it takes no `_accept`).
+            accept = {"_accept": _PROTOBUF_WATCH} if self.protobuf_watch else {}
             try:
                 response = self._call(
                     watch=True, resource_version=version, allow_watch_bookmarks=True,
                     timeout_seconds=int(self.watch_timeout * (1 + random.random())),
-                    _request_timeout=(10, self.read_timeout),
-                    _accept=_PROTOBUF_WATCH if self.protobuf_watch else JSON_MEDIA_TYPE,
+                    _request_timeout=(10, self.read_timeout), **accept,
                 )
             except Exception as err:
                 # A server whose watch cache starts after our position (restarted, or
