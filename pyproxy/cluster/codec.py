@@ -96,7 +96,6 @@ class TypedCodec:
         return meta if isinstance(meta, dict) else {}, page.items or []
 
 
-
 class ProtobufCodec:
     """Kubernetes protobuf (`pyproxy/core/protobuf.py`): a watch frame (without its length)
     or a list response → the dicts the JSON path makes, as far as the proxy reads them, or
