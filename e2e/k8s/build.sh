@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the tests' Kubernetes from upstream's Go modules, once per release, into a cache outside
-# the checkout: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, kubelet and
-# kubectl (k8s.io/kubernetes at the release go.mod pins), an embedded etcd (cmd/etcd), and
+# the checkout: kube-apiserver, kube-controller-manager, kube-scheduler, kube-proxy, kubelet,
+# kubectl and kubeadm (k8s.io/kubernetes at the release go.mod pins), an embedded etcd (cmd/etcd), and
 # containerd with its runc shim and ctr (github.com/containerd/containerd/v2 at CONTAINERD, the
 # container runtime of the real nodes, testkit/cluster.py), and upstream's e2e suite (e2e.test,
 # test/e2e of the same release) with its ginkgo runner. A no-op when all of them exist.
@@ -16,7 +16,7 @@ release="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v[0-9]/ {print $2; exit}' "$
 cache="${PYPROXY_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyproxy}"
 bin="$cache/k8s-$release/bin"
 binaries=(kube-apiserver kube-controller-manager kube-proxy etcd kube-scheduler kubelet kubectl
-          containerd containerd-shim-runc-v2 ctr ginkgo e2e.test)
+          kubeadm containerd containerd-shim-runc-v2 ctr ginkgo e2e.test)
 # containerd 2.x: the kubelet learns its cgroup driver from the runtime's RuntimeConfig call
 # (containerd >= 2.0; required from kubelet 1.38), which Debian 12's containerd 1.6 lacks.
 # cgroup v1, which these machines have, stays supported in the 2.x line (deprecated in 2.2).
