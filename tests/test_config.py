@@ -143,6 +143,10 @@ MODE_EMPTY_NOTE = (
     "mode is empty (kube-proxy would run iptables): pyproxy runs nftables and, as kube-proxy "
     "does for an empty mode, takes masqueradeBit, masqueradeAll, syncPeriod and minSyncPeriod "
     "from the iptables section")
+MODE_IPTABLES_NOTE = (
+    "mode is iptables: pyproxy runs nftables, its only mode, and, as kube-proxy's iptables "
+    "mode, takes masqueradeBit, masqueradeAll, syncPeriod and minSyncPeriod from the iptables "
+    "section")
 NODEPORT_NOTE = (
     "nodePortAddresses is unset: NodePorts are served on the node's primary IPs only (nftables "
     "mode's default; iptables mode served every local address, nodePortAddresses: [all])")
@@ -510,6 +514,23 @@ class TestModes:
                 f"nftables.syncPeriod: ignored ({why})",
                 f"nftables.minSyncPeriod: ignored ({why})") == loaded.file_notes
 
+    def test_iptables_mode_reads_the_iptables_section(self) -> None:
+        """mode: iptables, which kubeadm v1.37 writes into its kube-proxy ConfigMap
+        (tests/test_kubeadm.py), runs nftables with the iptables section, as an empty mode."""
+        loaded = load("mode: iptables\n" + self.SECTIONS)
+        assert mode_settings(loaded) == (1, True, 10.0, 2.0)
+        why = "mode is iptables, so the iptables section applies; set mode: nftables to use this"
+        assert (MODE_IPTABLES_NOTE, NODEPORT_NOTE,
+                f"nftables.masqueradeBit: ignored ({why})",
+                f"nftables.syncPeriod: ignored ({why})",
+                f"nftables.minSyncPeriod: ignored ({why})") == loaded.file_notes
+        assert loaded.warnings == ()
+
+    def test_iptables_proxy_mode_flag_warns(self) -> None:
+        """--proxy-mode=iptables is accepted with a warning: pyproxy runs nftables."""
+        config = from_args(parse_flags("--proxy-mode=iptables"))
+        assert config.warnings == ("--proxy-mode=iptables: pyproxy runs nftables, its only mode",)
+
     def test_localhost_nodeports_noted(self) -> None:
         """iptables.localhostNodePorts set (even to false) is noted: it never applies."""
         loaded = load("mode: nftables\niptables: {localhostNodePorts: true}\n")
@@ -525,12 +546,11 @@ ERRORS = [
     pytest.param("mode: nftables\nmode: ''", "mode: duplicate field (line 4)",
                  id="duplicate field"),
     # mode
-    pytest.param("mode: iptables", "mode: pyproxy only implements nftables mode, got "
-                 "'iptables' (use nftables, or leave it empty)", id="iptables mode"),
     pytest.param("mode: ipvs", "mode: pyproxy only implements nftables mode, got 'ipvs' "
-                 "(use nftables, or leave it empty)", id="ipvs mode"),
+                 "(use nftables; iptables or empty run nftables too)", id="ipvs mode"),
     pytest.param("mode: NFTables", "mode: pyproxy only implements nftables mode, got "
-                 "'NFTables' (use nftables, or leave it empty)", id="mode is case-sensitive"),
+                 "'NFTables' (use nftables; iptables or empty run nftables too)",
+                 id="mode is case-sensitive"),
     # types
     pytest.param("mode: nftables\nnftables: {syncPeriod: 30}", "nftables.syncPeriod: expected "
                  "a duration such as 30s, 1m0s, 500ms or 2h30m (a string), got integer 30",
@@ -842,9 +862,9 @@ class TestFlags:
         pytest.param(["--detect-local-mode=Foo"], "--detect-local-mode: expected one of "
                      "ClusterCIDR, NodeCIDR, BridgeInterface, InterfaceNamePrefix, got 'Foo'",
                      id="detect-local mode"),
-        pytest.param(["--proxy-mode=iptables"], "--proxy-mode: pyproxy only implements "
-                     "nftables mode, got 'iptables' (use nftables, or leave it empty)",
-                     id="proxy mode"),
+        pytest.param(["--proxy-mode=ipvs"], "--proxy-mode: pyproxy only implements "
+                     "nftables mode, got 'ipvs' (use nftables; iptables or empty run nftables "
+                     "too)", id="proxy mode"),
         pytest.param(["--feature-gates=A"], "--feature-gates: expected Name=true|false[,...], "
                      "got 'A'", id="feature gates"),
         pytest.param(["--cluster-cidr=10.0.0.0/8,10.1.0.0/16"], "--cluster-cidr: at most one "

@@ -54,7 +54,7 @@ class TestCheck:
                            "--hostname-override=node-a")
         assert code == 0, out
         assert out.splitlines()[-1] == f"{path}: ok"
-        assert "note: mode is empty (kube-proxy would run iptables)" in out
+        assert "note: mode is iptables: pyproxy runs nftables" in out
         assert "error:" not in out
 
     def test_every_problem_with_its_setting_and_file(
@@ -69,7 +69,7 @@ class TestCheck:
         errors = [line for line in out.splitlines() if line.startswith("error: ")]
         assert errors == [
             f"error: {path}: mode: pyproxy only implements nftables mode, got 'ipvs' "
-            "(use nftables, or leave it empty)",
+            "(use nftables; iptables or empty run nftables too)",
             f"error: {path}: clusterCIDR: '10.244.0.0' is not a CIDR (e.g. 10.244.0.0/16)",
             f"error: {path}: conntrack.min: must be within 0..2147483647, got -1",
             f"error: {path}: oomScoreAdj: must be within -1000..1000, got 2000",

@@ -103,7 +103,10 @@ def test_proxy_mode_is_checked(kube_proxy_flags: dict[str, str]) -> None:
     parser = build_parser()
     assert from_args(parser.parse_args(["run", "--proxy-mode=nftables"])) == ProxyConfig()
     with pytest.raises(ConfigError, match="pyproxy only implements nftables mode"):
-        from_args(parser.parse_args(["run", "--proxy-mode=iptables"]))
+        from_args(parser.parse_args(["run", "--proxy-mode=ipvs"]))
+    # iptables, kube-proxy's default (and what kubeadm writes), runs nftables with a warning.
+    config = from_args(parser.parse_args(["run", "--proxy-mode=iptables"]))
+    assert config.unapplied == ("--proxy-mode=iptables: pyproxy runs nftables, its only mode",)
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])

@@ -952,7 +952,9 @@ _SETTING_FIELDS = tuple(
     for s in _TABLE for path in s.paths)
 # The fields pyproxy checks (`mode`) or accepts and ignores, and why.
 _OTHER_FIELDS: tuple[_Field, ...] = (
-    _Field(_MODE, _Type.STRING, None, "must be empty or `nftables`: pyproxy only does nftables"),
+    _Field(_MODE, _Type.STRING, None, "`nftables`, `iptables` or empty: pyproxy runs nftables; "
+           "`iptables` and empty (kubeadm's and kube-proxy's default) read the iptables "
+           "section"),
     _Field("clientConnection.acceptContentTypes", _Type.STRING, None, _CLIENT),
     _Field("logging.flushFrequency", _Type.FLUSH, None, "pyproxy does not buffer logs"),
     _Field("logging.vmodule", _Type.VMODULE, None, "per-file verbosity is a klog feature"),
@@ -1132,7 +1134,7 @@ def _build(values: Mapping[str, Any], problems: list[str]) -> ProxyConfig:
     mode = values.get(_MODE, "")
     problems += _mode_problems(mode, _MODE)
     # As kube-proxy's v1alpha1 conversion: the mode-specific settings come from the section of
-    # the mode kube-proxy would run, and an empty mode means iptables.
+    # the mode kube-proxy would run, and an empty mode means iptables (what kubeadm writes).
     section = _NFT if mode == _NFT else _IPT
     changes: dict[str, Any] = {}
     notes = list(_mode_notes(mode, values))
@@ -1155,18 +1157,24 @@ def _build(values: Mapping[str, Any], problems: list[str]) -> ProxyConfig:
 
 
 def _mode_problems(mode: str, name: str) -> list[str]:
-    if mode in ("", _NFT):
+    if mode in ("", _IPT, _NFT):
         return []
     return [f"{name}: pyproxy only implements nftables mode, got {mode!r} "
-            f"(use nftables, or leave it empty)"]
+            f"(use nftables; iptables or empty run nftables too)"]
 
 
 def _mode_notes(mode: str, values: Mapping[str, Any]) -> Iterator[str]:
-    if mode:
+    if mode == _NFT:
         return
-    yield ("mode is empty (kube-proxy would run iptables): pyproxy runs nftables and, as "
-           "kube-proxy does for an empty mode, takes masqueradeBit, masqueradeAll, syncPeriod and "
-           "minSyncPeriod from the iptables section")
+    if mode == _IPT:
+        # kubeadm v1.37 writes it into its kube-proxy ConfigMap (tests/test_kubeadm.py).
+        yield ("mode is iptables: pyproxy runs nftables, its only mode, and, as kube-proxy's "
+               "iptables mode, takes masqueradeBit, masqueradeAll, syncPeriod and minSyncPeriod "
+               "from the iptables section")
+    else:
+        yield ("mode is empty (kube-proxy would run iptables): pyproxy runs nftables and, as "
+               "kube-proxy does for an empty mode, takes masqueradeBit, masqueradeAll, "
+               "syncPeriod and minSyncPeriod from the iptables section")
     if not values.get("nodePortAddresses"):
         yield ("nodePortAddresses is unset: NodePorts are served on the node's primary IPs only "
                "(nftables mode's default; iptables mode served every local address, "
@@ -1175,7 +1183,8 @@ def _mode_notes(mode: str, values: Mapping[str, Any]) -> Iterator[str]:
 
 def _why_ignored(spec: _Field, mode: str) -> str:
     if spec.section == _NFT:
-        return "mode is empty, so the iptables section applies; set mode: nftables to use this"
+        return (f"mode is {mode or 'empty'}, so the iptables section applies; set mode: "
+                f"nftables to use this")
     if spec.section == _IPT:
         return f"iptables mode only; mode is {mode}"
     return spec.doc
@@ -1276,7 +1285,8 @@ _ACTION_FLAGS: tuple[_Flag, ...] = (
 _FLAGS: tuple[_Flag, ...] = (
     _Flag("config", _Type.STRING, None,
           "KubeProxyConfiguration file (YAML or JSON); flags given explicitly override it"),
-    _Flag("proxy-mode", _Type.STRING, None, "must be nftables (or empty)"),
+    _Flag("proxy-mode", _Type.STRING, None,
+          "nftables (or empty); iptables is accepted with a warning: pyproxy runs nftables"),
     *_ACTION_FLAGS,
     *(flag for s in _TABLE for flag in (
         *((_Flag(s.flag, s.type, s.attr, s.flag_help, own=s.own, short=s.short),) if s.flag
@@ -1368,6 +1378,8 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
         name = f"--{flag.name}"
         if flag.name == "proxy-mode":
             problems += _mode_problems(raw, name)
+            if raw == _IPT:
+                warnings.append(f"{name}=iptables: pyproxy runs nftables, its only mode")
         if flag.attr is None and not flag.not_applied:
             continue
         try:
@@ -1447,7 +1459,7 @@ def _applies(spec: _Field) -> str:
     if spec.section == _NFT:
         return f"when mode is nftables: {spec.doc}"
     if spec.section == _IPT:
-        return f"when mode is empty (kube-proxy's iptables default): {spec.doc}"
+        return f"when mode is empty or iptables (kube-proxy's default): {spec.doc}"
     if spec.attr in _NOT_APPLIED:
         return f"accepted, not applied: {spec.doc} ({_NOT_APPLIED[spec.attr]})"
     if spec.partly:
@@ -1478,10 +1490,13 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   given on the command line. In the file a zero value (`""`, `0`, `0s`, `null`) of a field
   kube-proxy defaults means "use the default", as kube-proxy's defaulting does; a flag's value is
   taken as given (`--min-sync-period=0` means no minimum).
-- **Mode.** `mode` must be empty or `nftables`. As kube-proxy's v1alpha1 conversion, the
+- **Mode.** `mode` must be `nftables`, `iptables` or empty; pyproxy runs nftables whatever it
+  says (`ipvs` and anything else are refused). As kube-proxy's v1alpha1 conversion, the
   mode-specific settings (masqueradeBit, masqueradeAll, syncPeriod, minSyncPeriod) come from the
-  `nftables` section when mode is `nftables`, and from the `iptables` section when mode is empty
-  (kube-proxy's default mode). `nodePortAddresses` defaults to `[primary]` either way.
+  `nftables` section when mode is `nftables`, and from the `iptables` section when mode is
+  `iptables` or empty (kube-proxy's default mode; kubeadm v1.37 writes `mode: iptables` into
+  its kube-proxy ConfigMap, tests/test_kubeadm.py). `nodePortAddresses` defaults to `[primary]`
+  either way.
 - **Fields.** Every v1alpha1 field is accepted. Fields that do not apply are type checked, and
   a value that would have changed kube-proxy's behaviour is reported at start-up as a note. A
   field v1alpha1 never had (a typo, or `nftables.skipKernelVersionCheck`, which is an
