@@ -315,10 +315,18 @@ def test_init_installs_kube_proxy_with_the_configmap_pyproxy_reads(fresh: Kubead
     assert effective["clusterCIDR"] == "10.244.0.0/16"
 
 
-def test_init_without_kube_proxy_stays_without_it(fresh: Kubeadm) -> None:
-    """`kubeadm init --skip-phases=addon/kube-proxy` creates neither, records `proxy:
-    {disabled: true}` in kubeadm-config, and `kubeadm upgrade apply` then skips the addon."""
-    out = fresh.init("addon/coredns", "addon/kube-proxy")
+@pytest.mark.parametrize("how", ["--skip-phases", "config"])
+def test_init_without_kube_proxy_stays_without_it(fresh: Kubeadm, how: str) -> None:
+    """`kubeadm init --skip-phases=addon/kube-proxy`, or `proxy: {disabled: true}` in its
+    ClusterConfiguration, creates neither, records `proxy: {disabled: true}` in kubeadm-config,
+    and `kubeadm upgrade apply` then skips the addon."""
+    if how == "config":
+        (fresh.root / "no-proxy.yaml").write_text(
+            KUBEADM_CONFIG.replace("networking:", "proxy: {disabled: true}\nnetworking:"))
+        out = fresh.run("init", "--config=/no-proxy.yaml",
+                        f"--skip-phases={','.join((*INIT_NODE_LOCAL, 'addon/coredns'))}")
+    else:
+        out = fresh.init("addon/coredns", "addon/kube-proxy")
     assert "kube-proxy" not in out
     assert fresh.cluster_configuration()["proxy"] == {"disabled": True}
     assert fresh.get("daemonset", "kube-proxy") is None
