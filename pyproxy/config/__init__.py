@@ -1086,12 +1086,13 @@ def _configmap_hint(document: Mapping[str, Any]) -> str:
 
 
 # kube-proxy's nftables mode refuses kernels older than 5.13 unless this variable is set; a
-# field of that name is a guess kube-proxy ignores (with a warning), and so does pyproxy.
+# field of that name is a guess kube-proxy ignores (with a warning), and so does pyproxy. The
+# version is pyproxy.kernel.host.MIN_KERNEL's (tests/test_config_check.py keeps them equal).
 _FIELD_HINTS = {
     "nftables.skipKernelVersionCheck": (
         "kube-proxy's kernel check is skipped with the environment variable "
-        "KUBE_PROXY_NFTABLES_SKIP_KERNEL_VERSION_CHECK, not a field; pyproxy makes no such "
-        "check"),
+        "KUBE_PROXY_NFTABLES_SKIP_KERNEL_VERSION_CHECK, not a field; pyproxy needs neither: "
+        "below kernel 5.13 it warns (kernel_below_supported) and runs"),
 }
 
 
