@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -195,6 +196,64 @@ class TestView:
                             run_flags(*effective.flags))
         assert dataclasses.replace(again, file_notes=()) == config
 
+    # kube-proxy v1.37's flags accepted, not applied, and the field each sets in kube-proxy's
+    # configuration (cmd/kube-proxy/app/options.go; logging's through logsapi.AddFlags), which
+    # its --write-config-to writes. --ipvs-sync-period and --ipvs-min-sync-period set nothing
+    # outside ipvs mode, and the view's mode is nftables.
+    UNAPPLIED_FLAGS = {
+        "--profiling": ("enableProfiling", True),
+        "--show-hidden-metrics-for-version=1.36": ("showHiddenMetricsForVersion", "1.36"),
+        "--iptables-localhost-nodeports=false": ("iptables.localhostNodePorts", False),
+        "--ipvs-scheduler=rr": ("ipvs.scheduler", "rr"),
+        "--ipvs-exclude-cidrs=10.0.0.0/8,10.1.0.0/16": ("ipvs.excludeCIDRs",
+                                                         ["10.0.0.0/8", "10.1.0.0/16"]),
+        "--ipvs-strict-arp": ("ipvs.strictARP", True),
+        "--ipvs-tcp-timeout=7s": ("ipvs.tcpTimeout", "7s"),
+        "--ipvs-tcpfin-timeout=8s": ("ipvs.tcpFinTimeout", "8s"),
+        "--ipvs-udp-timeout=9s": ("ipvs.udpTimeout", "9s"),
+        "--log-flush-frequency=7s": ("logging.flushFrequency", "7s"),
+        "--log-json-info-buffer-size=64Ki": ("logging.options.json.infoBufferSize", "64Ki"),
+        "--log-json-split-stream": ("logging.options.json.splitStream", True),
+        "--log-text-info-buffer-size=1Mi": ("logging.options.text.infoBufferSize", "1Mi"),
+        "--log-text-split-stream": ("logging.options.text.splitStream", True),
+        "--vmodule=foo=2": ("logging.vmodule", [{"filePattern": "foo", "verbosity": 2}]),
+    }
+
+    @pytest.mark.parametrize("flag", sorted(UNAPPLIED_FLAGS))
+    def test_a_flag_accepted_not_applied_is_in_the_view(
+            self, flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+        """As kube-proxy's --write-config-to, the view carries the field the flag sets, and
+        reads back to it."""
+        path, value = self.UNAPPLIED_FLAGS[flag]
+        code, out, _ = cli(capsys, "config", "view", flag)
+        assert code == 0
+        node: Any = yaml.safe_load(out)
+        for name in path.split("."):
+            node = node[name]
+        assert node == value
+        assert dict(load_config(out).unapplied_fields) == {path: value}
+
+    def test_every_unapplied_flag_with_a_field_is_listed(self) -> None:
+        from pyproxy.config import _FLAGS
+
+        with_field = {f.name for f in _FLAGS if f.not_applied and f.field}
+        assert with_field == {f.lstrip("-").split("=")[0] for f in self.UNAPPLIED_FLAGS}
+        assert {f.name for f in _FLAGS if f.not_applied and not f.field} == {
+            "ipvs-sync-period", "ipvs-min-sync-period"}
+
+    def test_unapplied_fields_of_the_file_stay(self, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+        """A file's enableProfiling: true is in its view; a flag overrides it."""
+        path = written(tmp_path, "mode: nftables\nenableProfiling: true\n"
+                                 "ipvs: {scheduler: lc, syncPeriod: 0s}\nportRange: ''\n")
+        code, out, _ = cli(capsys, "config", "view", f"--config={path}")
+        assert code == 0
+        document = yaml.safe_load(out)
+        assert (document["enableProfiling"], document["ipvs"]) == (True, {"scheduler": "lc"})
+        assert "portRange" not in document
+        code, out, _ = cli(capsys, "config", "view", f"--config={path}", "--profiling=false")
+        assert yaml.safe_load(out)["enableProfiling"] is False
+
     def test_problems_exit_1(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         code, out, err = cli(capsys, "config", "view", "--oom-score-adj=5000")
         assert (code, out) == (1, "")
@@ -215,6 +274,10 @@ class TestWriteConfigTo:
                             "--hostname-override=node-a")
         assert target.read_text() == view
         assert load_config_file(str(target)).hostname_override == "node-a"
+        code, _, _ = cli(capsys, "run", f"--config={path}", "--profiling",
+                         f"--write-config-to={target}")
+        assert code == 0
+        assert yaml.safe_load(target.read_text())["enableProfiling"] is True
 
     def test_unwritable(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         code, _, err = cli(capsys, "run", f"--write-config-to={tmp_path}/no/such/dir/x.yaml")

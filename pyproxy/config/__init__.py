@@ -210,6 +210,12 @@ class ProxyConfig:
     warnings: tuple[str, ...] = ()
     """What the file and the flags hold that changes nothing, where kube-proxy too would only
     warn or do nothing: unknown fields, kube-proxy flags pyproxy accepts without applying."""
+    unapplied_fields: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False)
+    """kube-proxy v1.37 fields pyproxy accepts without applying, by path, as the file spells
+    them: set in the file (away from the zero value) or by their flag (`--profiling` is
+    `enableProfiling: true`). `config view` and `--write-config-to` write them back, as
+    kube-proxy's --write-config-to writes its whole configuration."""
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -987,6 +993,14 @@ _OTHER_FIELDS: tuple[_Field, ...] = (
     _Field("windowsRunAsService", _Type.BOOL, None, _WINDOWS_ONLY),
 )
 _FIELDS: tuple[_Field, ...] = (*_OTHER_FIELDS[:1], *_SETTING_FIELDS, *_OTHER_FIELDS[1:])
+# The fields accepted and not applied that kube-proxy v1.37's v1alpha1 still has (it writes
+# them with --write-config-to; the others it would drop): ProxyConfig.unapplied_fields.
+_GONE_FIELDS = frozenset({"logging.sanitization", "iptables.snatNodeInternalIP",
+                          "udpIdleTimeout", "resourceContainer", "windowsRunAsService"})
+# A pointer in v1alpha1: false is not "unset" (kube-proxy defaults it to true).
+_POINTER_FIELDS = frozenset({"iptables.localhostNodePorts"})
+_KEPT_FIELDS: tuple[_Field, ...] = tuple(
+    f for f in _OTHER_FIELDS if f.path != _MODE and f.path not in _GONE_FIELDS)
 
 
 def _tree(fields: Sequence[_Field]) -> dict[str, Any]:
@@ -1036,7 +1050,19 @@ def load_config(text: str) -> ProxyConfig:
     problems += _cross_problems(config)
     if problems:
         raise ConfigError(*problems)
-    return dataclasses.replace(config, warnings=tuple(warnings))
+    kept = {spec.path: _raw(document, spec.path) for spec in _KEPT_FIELDS
+            if spec.path in values and (spec.path in _POINTER_FIELDS
+                                        or not _is_zero(spec.type, values[spec.path]))}
+    return dataclasses.replace(config, warnings=tuple(warnings),
+                               unapplied_fields=MappingProxyType(kept))
+
+
+def _raw(document: Mapping[str, Any], path: str) -> Any:
+    """The value at a dotted path of a parsed document, as written."""
+    node: Any = document
+    for name in path.split("."):
+        node = node[name]
+    return node
 
 
 def load_config_file(path: str) -> ProxyConfig:
@@ -1234,6 +1260,10 @@ class _Flag:
     short: str | None = None
     not_applied: str = ""
     """A kube-proxy flag accepted (type checked) that changes nothing here: why."""
+    field: str = ""
+    """(not_applied) The KubeProxyConfiguration field kube-proxy's flag sets, kept in
+    ProxyConfig.unapplied_fields; none for the ipvs sync periods, which kube-proxy reads only
+    in ipvs mode."""
     action: bool = False
     """Something `pyproxy run` does instead of running (`--cleanup`, `--write-config-to`)."""
 
@@ -1250,27 +1280,37 @@ _IPVS = "ipvs mode only; pyproxy runs nftables"
 _UNAPPLIED_FLAGS: tuple[_Flag, ...] = (
     _Flag("iptables-localhost-nodeports", _Type.BOOL, None, "localhost NodePorts (iptables mode)",
           not_applied="pyproxy never serves NodePorts on loopback addresses, as kube-proxy's "
-          "nftables mode"),
-    _Flag("ipvs-exclude-cidrs", _Type.STRINGS, None, "ipvs cleanup exclusions", not_applied=_IPVS),
+          "nftables mode", field="iptables.localhostNodePorts"),
+    _Flag("ipvs-exclude-cidrs", _Type.STRINGS, None, "ipvs cleanup exclusions", not_applied=_IPVS,
+          field="ipvs.excludeCIDRs"),
     _Flag("ipvs-min-sync-period", _Type.DURATION, None, "ipvs minSyncPeriod", not_applied=_IPVS),
-    _Flag("ipvs-scheduler", _Type.STRING, None, "ipvs scheduler", not_applied=_IPVS),
-    _Flag("ipvs-strict-arp", _Type.BOOL, None, "ipvs strict ARP", not_applied=_IPVS),
+    _Flag("ipvs-scheduler", _Type.STRING, None, "ipvs scheduler", not_applied=_IPVS,
+          field="ipvs.scheduler"),
+    _Flag("ipvs-strict-arp", _Type.BOOL, None, "ipvs strict ARP", not_applied=_IPVS,
+          field="ipvs.strictARP"),
     _Flag("ipvs-sync-period", _Type.DURATION, None, "ipvs syncPeriod", not_applied=_IPVS),
-    _Flag("ipvs-tcp-timeout", _Type.DURATION, None, "ipvs TCP timeout", not_applied=_IPVS),
-    _Flag("ipvs-tcpfin-timeout", _Type.DURATION, None, "ipvs TCP FIN timeout", not_applied=_IPVS),
-    _Flag("ipvs-udp-timeout", _Type.DURATION, None, "ipvs UDP timeout", not_applied=_IPVS),
+    _Flag("ipvs-tcp-timeout", _Type.DURATION, None, "ipvs TCP timeout", not_applied=_IPVS,
+          field="ipvs.tcpTimeout"),
+    _Flag("ipvs-tcpfin-timeout", _Type.DURATION, None, "ipvs TCP FIN timeout", not_applied=_IPVS,
+          field="ipvs.tcpFinTimeout"),
+    _Flag("ipvs-udp-timeout", _Type.DURATION, None, "ipvs UDP timeout", not_applied=_IPVS,
+          field="ipvs.udpTimeout"),
     _Flag("log-flush-frequency", _Type.DURATION, None, "log flush period",
-          not_applied="pyproxy does not buffer logs"),
-    _Flag("log-json-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG),
-    _Flag("log-json-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG),
-    _Flag("log-text-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG),
-    _Flag("log-text-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG),
+          not_applied="pyproxy does not buffer logs", field="logging.flushFrequency"),
+    _Flag("log-json-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG,
+          field="logging.options.json.infoBufferSize"),
+    _Flag("log-json-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG,
+          field="logging.options.json.splitStream"),
+    _Flag("log-text-info-buffer-size", _Type.QUANTITY, None, "klog buffer", not_applied=_KLOG,
+          field="logging.options.text.infoBufferSize"),
+    _Flag("log-text-split-stream", _Type.BOOL, None, "klog stream split", not_applied=_KLOG,
+          field="logging.options.text.splitStream"),
     _Flag("profiling", _Type.BOOL, None, "pprof on /debug/pprof",
-          not_applied="pyproxy serves no pprof"),
+          not_applied="pyproxy serves no pprof", field="enableProfiling"),
     _Flag("show-hidden-metrics-for-version", _Type.STRING, None, "hidden metrics",
-          not_applied="pyproxy hides no metrics"),
+          not_applied="pyproxy hides no metrics", field="showHiddenMetricsForVersion"),
     _Flag("vmodule", _Type.VMODULE, None, "per-file log verbosity",
-          not_applied="per-file verbosity is a klog feature"),
+          not_applied="per-file verbosity is a klog feature", field="logging.vmodule"),
 )
 _ACTION_FLAGS: tuple[_Flag, ...] = (
     _Flag("write-config-to", _Type.STRING, None,
@@ -1372,6 +1412,7 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
     changes: dict[str, Any] = {}
     problems: list[str] = []
     warnings: list[str] = []
+    kept = dict(config.unapplied_fields)
     for flag in _FLAGS:
         raw = getattr(args, flag.dest, None)
         if raw is None:
@@ -1387,6 +1428,9 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
             value = _from_flag(flag.type, raw)
             if flag.attr is None:
                 warnings.append(f"{name}: accepted, not applied ({flag.not_applied})")
+                if flag.field:
+                    kept[flag.field] = (format_duration(value) if flag.type is _Type.DURATION
+                                        else value)
                 continue
             if flag.attr == "feature_gates":
                 value = {**config.feature_gates, **value}
@@ -1395,7 +1439,8 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
             problems.append(str(err) if isinstance(err, ConfigError) else f"{name}: {err}")
     _follow_bind_family(config, changes)
     resolved = dataclasses.replace(config, **changes,
-                                   warnings=config.warnings + tuple(warnings))
+                                   warnings=config.warnings + tuple(warnings),
+                                   unapplied_fields=MappingProxyType(kept))
     problems += _cross_problems(resolved)
     if problems:
         raise ConfigError(*problems)
@@ -1521,7 +1566,10 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   exit code 0 usable, 1 problems, 2 usage. `pyproxy config view [--config FILE] [flags]`
   prints the effective configuration (defaults, file, flags) as a KubeProxyConfiguration
   that `--config` reads back, followed by the flags for what a file cannot say (pyproxy's own
-  settings, a disabled server, a zero `--min-sync-period`).
+  settings, a disabled server, a zero `--min-sync-period`). Fields accepted and not applied
+  are in it as given, from the file or from their kube-proxy flag (`--profiling` as
+  `enableProfiling: true`, `--vmodule` as `logging.vmodule`), as kube-proxy's
+  `--write-config-to` writes them; the ipvs sync periods' flags set nothing outside ipvs mode.
 - **Durations** are Go duration strings: `30s`, `1m0s`, `1h`, `500ms`, `2h30m`.
 """
 

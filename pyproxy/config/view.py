@@ -2,12 +2,14 @@
 
 `pyproxy config view` and kube-proxy's `--write-config-to` print what `pyproxy run` would use
 (defaults, then the --config file, then the flags) as a KubeProxyConfiguration that pyproxy
-reads back to the same settings: `mode: nftables`, so the `nftables` section is the one
-that counts. A file cannot say everything a flag can (pyproxy's own settings, a server
-disabled with `--healthz-bind-address=`, `--min-sync-period=0`: kube-proxy's defaulting reads
-those zero values as "default"), so what would not read back is listed after the document as
-the flags that give it. Which settings read back is not predicted but checked: the document
-is loaded again and compared, so the list cannot drift from the loader.
+reads back to the same settings: `mode: nftables`, so the `nftables` section is the one that
+counts. Fields pyproxy accepts without applying are written as given (`--profiling` as
+`enableProfiling: true`), as kube-proxy's --write-config-to would. A file cannot say everything
+a flag can (pyproxy's own settings, a server disabled with `--healthz-bind-address=`,
+`--min-sync-period=0`: kube-proxy's defaulting reads those zero values as "default"), so what
+would not read back is listed after the document as the flags that give it. Which settings read
+back is not predicted but checked: the document is loaded again and compared, so the list
+cannot drift from the loader.
 
 `pyproxy config check` collects every problem of the file and the flags (each naming its
 field or flag, and the file), the warnings (unknown fields, kube-proxy flags and settings
@@ -111,6 +113,8 @@ def effective_configuration(config: ProxyConfig) -> EffectiveConfiguration:
         path = _file_path(setting)
         if path is not None:
             _nest(document, path, _plain(setting, getattr(config, setting.attr)))
+    for path, value in sorted(config.unapplied_fields.items()):
+        _nest(document, path, value)
     reread = load_config(yaml.safe_dump(document))
     flags = tuple(_flag_text(s, getattr(config, s.attr)) for s in _TABLE
                   if getattr(reread, s.attr) != getattr(config, s.attr))
