@@ -51,7 +51,10 @@ def kube_proxy_flags() -> dict[str, str]:
     """kube-proxy's flags and their types ("bool" for a flag without a value)."""
     binary = binaries_dir() / "kube-proxy"
     if not os.access(binary, os.X_OK):
-        pytest.skip(f"{binary} is not built (make k8s)")
+        message = f"{binary} is not built (make k8s)"
+        if os.environ.get("CI"):  # `make test` builds it first: a skip there would hide these
+            pytest.fail(message)
+        pytest.skip(message)
     out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
     flags = {m[1]: m[2] or "bool" for m in map(FLAG_LINE.match, out.splitlines()) if m}
@@ -107,6 +110,22 @@ def test_proxy_mode_is_checked(kube_proxy_flags: dict[str, str]) -> None:
     # iptables, kube-proxy's default (and what kubeadm writes), runs nftables with a warning.
     config = from_args(parser.parse_args(["run", "--proxy-mode=iptables"]))
     assert config.unapplied == ("--proxy-mode=iptables: pyproxy runs nftables, its only mode",)
+
+
+@pytest.mark.parametrize(("ci", "outcome"), [("true", "1 error"), ("", "1 skipped")])
+def test_without_kube_proxy_ci_fails_where_a_developer_skips(tmp_path: Path, ci: str,
+                                                             outcome: str) -> None:
+    """The list comes from kube-proxy's binary: without it (`make k8s` not run), these tests
+    skip on a developer's machine, and fail under CI (CI=true), whose `make test` builds it."""
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env.update(PYPROXY_K8S_BIN=str(tmp_path), **({"CI": ci} if ci else {}))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header",
+         f"{__file__}::test_kube_proxy_flags_are_type_checked"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=Path(__file__).parent.parent)
+    assert outcome in done.stdout.splitlines()[-1], done.stdout
+    if ci:
+        assert "is not built (make k8s)" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("flag", ["--help", "--version"])
