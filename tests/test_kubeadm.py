@@ -355,21 +355,25 @@ def test_upgrade_apply_brings_kube_proxy_back(fresh: Kubeadm) -> None:
     fresh.upgrade()
     assert "affinity" not in fresh.daemonset()["spec"]["template"]["spec"]
     assert fresh.runs_on() == NODES
-    # Deleted.
-    fresh.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
+    # Deleted, with its ConfigMap.
+    fresh.kubectl("-n", "kube-system", "delete", "ds,cm", "kube-proxy")
     fresh.upgrade()
     assert fresh.runs_on() == NODES
-    # An edited config.conf is written back with the edits (kubeadm takes a ConfigMap whose
-    # checksum annotation no longer matches as the user's).
     cm = fresh.get("configmap", "kube-proxy")
     assert cm is not None
-    edited = cm["data"]["config.conf"].replace("oomScoreAdj: null", "oomScoreAdj: -997")
+    assert cm["data"] == yaml.safe_load(FIXTURE.read_text())["data"]
+    # An edited config.conf is written back, whole, with the edits (kubeadm takes a ConfigMap
+    # whose checksum annotation no longer matches as the user's).
+    edited = (cm["data"]["config.conf"].replace("oomScoreAdj: null", "oomScoreAdj: -997")
+              .replace('portRange: ""\n', ""))
     fresh.kubectl("-n", "kube-system", "patch", "cm", "kube-proxy", "--type=merge", "-p",
                   json.dumps({"data": {"config.conf": edited}}))
     fresh.upgrade()
     cm = fresh.get("configmap", "kube-proxy")
     assert cm is not None
-    assert yaml.safe_load(cm["data"]["config.conf"])["oomScoreAdj"] == -997
+    written = yaml.safe_load(cm["data"]["config.conf"])
+    assert written["oomScoreAdj"] == -997
+    assert written["portRange"] == ""  # every field spelled out again
 
 
 def test_what_the_doc_says_keeps_kube_proxy_off(fresh: Kubeadm, tmp_path: Path) -> None:
