@@ -36,6 +36,16 @@ namespace is neither this process's nor init's) and after (the process is in it)
 
 Prints the table of both fleets and the ratios pyproxy / kube-proxy; the figures go to
 bench/results/fleet-SIZE-nN-COMMIT.json (`--json` elsewhere).
+
+`--mixed` runs N/2 kube-proxies and N/2 pyproxies side by side instead, through one start,
+one churn and one restart: both fleets then see the same etcd history when the API server
+restarts, so whether their watches resume is compared on equal terms. It records where each
+restarted watch cache began (a watch from resourceVersion 1 is refused with "too old
+resource version: 1 (N)"; one from N or later is served), the position every node's first
+watch after the restart asked for and how it was answered, what etcd wrote between the
+oldest EndpointSlice position asked and the cache's start (its keys, from a watch of the
+whole keyspace through etcd's JSON gateway), and per fleet the requests per second and
+when they came (bench/results/fleet-mixed-SIZE-nN-COMMIT.json).
 """
 
 from __future__ import annotations
@@ -269,6 +279,85 @@ def apiserver_metrics(plane: ControlPlane) -> dict[str, float]:
     return out
 
 
+# The proxies' resources: where a restarted API server's watch cache of each begins.
+CACHED = {"services": "/api/v1/services", "nodes": "/api/v1/nodes",
+          "endpointslices": "/apis/discovery.k8s.io/v1/endpointslices",
+          "servicecidrs": "/apis/networking.k8s.io/v1/servicecidrs"}
+TOO_OLD = re.compile(r"too old resource version: \d+ \((\d+)\)")
+
+
+def cache_starts(plane: ControlPlane) -> dict[str, int]:
+    """resource → the revision its (restarted) watch cache listed etcd at: a watch from
+    resourceVersion 1 is refused with "too old resource version: 1 (that revision)"
+    (watchCacheHistory.GetIntervalLocked), and one from it or later is served."""
+    api = plane.admin_client()
+    out: dict[str, int] = {}
+    try:
+        for resource, path in CACHED.items():
+            try:
+                response = api.call_api(
+                    "GET", f"{plane.url}{path}?watch=true&resourceVersion=1&timeoutSeconds=1",
+                    header_params={"Accept": "application/json"}, _request_timeout=10)
+                text = response.read().decode(errors="replace")
+            except Exception as err:  # a 410 raised by the client: its body says the same
+                text = str(getattr(err, "body", "") or err)
+            if found := TOO_OLD.search(text):
+                out[resource] = int(found.group(1))
+    finally:
+        api.close()
+    return out
+
+
+def etcd_history(plane: ControlPlane, first: int, last: int) -> list[dict[str, Any]]:
+    """Every write etcd made from revision `first` to `last` (its key and revision), from a
+    watch of the whole keyspace from `first` through etcd's JSON gateway (the embedded
+    etcd serves it on its client URL), read for two seconds."""
+    import base64
+    import http.client
+
+    body = json.dumps({"create_request": {
+        "key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode(),
+        "start_revision": str(first)}})
+
+    def read() -> bytes:
+        conn = http.client.HTTPConnection("127.0.0.1", 2379, timeout=2)
+        chunks = []
+        try:
+            conn.request("POST", "/v3/watch", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            while True:
+                chunk = response.read1(65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except TimeoutError:
+            pass
+        finally:
+            conn.close()
+        return b"".join(chunks)
+
+    writes = []
+    decoder = json.JSONDecoder()
+    text, pos = call_in_netns(plane.ns.full, read).decode(), 0
+    while pos < len(text):
+        while pos < len(text) and text[pos].isspace():
+            pos += 1
+        if pos >= len(text):
+            break
+        try:
+            message, pos = decoder.raw_decode(text, pos)
+        except ValueError:
+            break
+        for event in message.get("result", {}).get("events", []):
+            kv = event.get("kv", {})
+            revision = int(kv.get("mod_revision", 0))
+            if first <= revision <= last:
+                writes.append({"revision": revision, "type": event.get("type", "PUT"),
+                               "key": base64.b64decode(kv.get("key", "")).decode(
+                                   errors="replace")})
+    return sorted(writes, key=lambda w: w["revision"])
+
+
 @dataclass
 class Sample:
     wall: float
@@ -360,18 +449,25 @@ class Bench:
 
     def start(self, fleet: str) -> dict[str, Any]:
         """(a) every proxy started at once, until each has synced once."""
+        return self.start_fleets({fleet: self.nodes})
+
+    def start_fleets(self, fleets: dict[str, list[Node]]) -> dict[str, Any]:
+        """(a) for one fleet or several side by side (--mixed): every proxy started at once,
+        until each has synced once. With several, the audit figures are per fleet."""
         before = sample(self.plane, self.nodes)
-        for node in self.nodes:
+        started = [(fleet, node) for fleet, nodes in fleets.items() for node in nodes]
+        for fleet, node in started:
             refuse_unless_node_netns(node.ns)
             node.first_sync_s = None
             node.started_wall = time.time()
             node.proc = self.plane.lab.popen(node.ns, self.starter(fleet, node),
                                              log_name=f"{fleet}-{node.name}.log")
-        for node in self.nodes:
+        for _, node in started:
             check_in_node_netns(node)
         deadline = time.monotonic() + self.args.start_timeout
-        waiting = list(self.nodes)
-        with ThreadPoolExecutor(len(self.nodes)) as pool:
+        waiting = [node for _, node in started]
+        names = ", ".join(fleets)
+        with ThreadPoolExecutor(len(waiting)) as pool:
             while waiting and time.monotonic() < deadline:
                 for node, (synced, count) in zip(waiting, pool.map(last_sync, waiting),
                                                  strict=True):
@@ -381,25 +477,27 @@ class Bench:
                         node.first_sync_s = round(synced - node.started_wall, 3)
                         node.first_sync_exact = count <= 1
                     elif node.proc is not None and node.proc.poll() is not None:
-                        raise RuntimeError(f"{fleet} on {node.name} exited "
+                        raise RuntimeError(f"{names} on {node.name} exited "
                                            f"({node.proc.returncode}); see its log in "
                                            f"{self.plane.lab.workdir}")
                 waiting = [n for n in waiting if n.first_sync_s is None]
                 time.sleep(0.5)
         if waiting:
-            raise RuntimeError(f"{fleet}: {len(waiting)} nodes not synced within "
+            raise RuntimeError(f"{names}: {len(waiting)} nodes not synced within "
                                f"{self.args.start_timeout} s")
         time.sleep(SETTLE)
         after = sample(self.plane, self.nodes)
-        syncs = sorted(n.first_sync_s or 0.0 for n in self.nodes)
+        nodes = [node for _, node in started]
+        syncs = sorted(n.first_sync_s or 0.0 for n in nodes)
+        log = read_audit(self.audit_log)
+        audits = {fleet: audit_summary(log, USERS.get(fleet), before.wall, after.wall, members)
+                  for fleet, members in fleets.items()}
         return {**delta(before, after), "first_sync_s": {n.name: n.first_sync_s
-                                                          for n in self.nodes},
+                                                          for n in nodes},
                 "first_sync_p50_s": statistics.median(syncs), "first_sync_max_s": syncs[-1],
-                "first_sync_upper_bounds": [n.name for n in self.nodes
-                                            if not n.first_sync_exact],
+                "first_sync_upper_bounds": [n.name for n in nodes if not n.first_sync_exact],
                 "procs": after.procs,
-                "audit": audit_summary(read_audit(self.audit_log), USERS.get(fleet),
-                                       before.wall, after.wall, self.nodes)}
+                "audit": next(iter(audits.values())) if len(audits) == 1 else audits}
 
     def churn(self, seconds: float) -> dict[str, Any]:
         """(b) endpoint changes at --churn-rate for `seconds`."""
@@ -420,6 +518,12 @@ class Bench:
 
     def restart(self, fleet: str | None) -> dict[str, Any]:
         """(c) kube-apiserver killed, down --downtime s, started, watched --after-seconds."""
+        return self.restart_fleets({fleet: self.nodes} if fleet else {})
+
+    def restart_fleets(self, fleets: dict[str, list[Node]]) -> dict[str, Any]:
+        """(c) for no fleet (the baseline), one, or several side by side (--mixed); also
+        where the restarted API server's watch caches begin (a watch resumes from a
+        resourceVersion at or after it) and what etcd wrote before that."""
         before = sample(self.plane, self.nodes)
         killed = time.time()
         self.plane.kill_apiserver()
@@ -427,14 +531,35 @@ class Bench:
         started = time.time()
         self.plane.start_apiserver()
         ready = time.time()
+        caches = cache_starts(self.plane)
         time.sleep(self.args.after_seconds)
         after = sample(self.plane, self.nodes)
         # The proxies are answered as soon as it listens, before /readyz says ready.
-        summary = audit_summary(read_audit(self.audit_log), USERS.get(fleet or ""),
-                                killed, after.wall, self.nodes, back_from=started)
-        return {**delta(before, after, restarted=True), "started_after_kill_s":
-                round(started - killed, 2), "ready_after_start_s": round(ready - started, 2),
-                "procs_before": before.procs, "procs": after.procs, "audit": summary}
+        log = read_audit(self.audit_log)
+        audits = {name: audit_summary(log, USERS[name], killed, after.wall, members,
+                                      back_from=started)
+                  for name, members in fleets.items()}
+        result: dict[str, Any] = {
+            **delta(before, after, restarted=True),
+            "started_after_kill_s": round(started - killed, 2),
+            "ready_after_start_s": round(ready - started, 2),
+            "procs_before": before.procs, "procs": after.procs, "cache_starts": caches}
+        if len(audits) <= 1:
+            result["audit"] = (next(iter(audits.values())) if audits else audit_summary(
+                log, "", killed, after.wall, self.nodes, back_from=started))
+        else:
+            result["audit"] = audits
+        # What etcd wrote between the oldest EndpointSlice position a proxy resumed from and
+        # the revision the restarted cache began at: why a watch could (not) resume.
+        asked = [int(rv) for audit in audits.values() for n in audit["per_node"].values()
+                 if (rv := n["asked_after_restart"].get("endpointslices", "")).isdigit()]
+        begins = caches.get("endpointslices")
+        if asked and begins:
+            try:
+                result["etcd_writes"] = etcd_history(self.plane, min(asked), begins + 3)
+            except Exception as err:  # a figure, not the bench's purpose
+                result["etcd_writes"] = {"error": f"{type(err).__name__}: {err}"}
+        return result
 
     def stop(self) -> None:
         running = [n for n in self.nodes if n.proc is not None]
@@ -463,6 +588,25 @@ class Bench:
             self.stop()
         return result
 
+    def mixed(self) -> dict[str, Any]:
+        """--mixed: half the nodes kube-proxies, half pyproxies, side by side on one control
+        plane through one start, one churn and one restart: at the restart both fleets see
+        the same etcd history, so a difference in how their watches resume is theirs."""
+        half = len(self.nodes) // 2
+        fleets = {"kube-proxy": self.nodes[:half], "pyproxy": self.nodes[half:]}
+        print(f"mixed: {half} kube-proxies and {len(self.nodes) - half} pyproxies…",
+              flush=True)
+        try:
+            result = {"start": self.start_fleets(fleets)}
+            print(f"  synced: max {result['start']['first_sync_max_s']:.1f} s; churn "
+                  f"{self.args.churn_seconds:.0f} s…", flush=True)
+            result["churn"] = self.churn(self.args.churn_seconds)
+            print("  restarting the API server…", flush=True)
+            result["restart"] = self.restart_fleets(fleets)
+        finally:
+            self.stop()
+        return result
+
     def baseline(self) -> dict[str, Any]:
         print(f"baseline (no proxy): churn {self.args.baseline_seconds:.0f} s, restart…",
               flush=True)
@@ -478,12 +622,22 @@ def audit_summary(log: list[Request], user: str | None, since: float, until: flo
     window = [r for r in log if since <= r.received <= until and r.user == user]
     per_node: dict[str, dict[str, Any]] = {
         n.name: {"lists": Counter(), "watches": 0, "gone_410": 0, "requests": 0,
-                 "slices_watch_back_s": None} for n in nodes}
+                 "slices_watch_back_s": None, "asked_after_restart": {},
+                 "first_answer_after_restart": {}} for n in nodes}
     for r in window:
         node = per_node.get(by_address.get(r.source, ""))
         if node is None:
             continue
         node["requests"] += 1
+        if (back_from is not None and r.received >= back_from and r.verb == "watch"
+                and r.resource not in node["asked_after_restart"]):
+            # the position its first watch after the restart resumed from, and the answer:
+            # 200 and lasting (resumed), 200 and ended at once (a 410 ERROR event), 403…
+            asked = re.search(r"[?&]resourceVersion=(\d*)", r.uri)
+            node["asked_after_restart"][r.resource] = asked.group(1) if asked else ""
+            node["first_answer_after_restart"][r.resource] = (
+                "resumed" if r.code == 200 and (r.lasted is None or r.lasted > 1.0)
+                else "gone" if r.code in (200, 410) else str(r.code))
         if r.code == 410:
             node["gone_410"] += 1
         if r.verb == "list":
@@ -500,7 +654,15 @@ def audit_summary(log: list[Request], user: str | None, since: float, until: flo
     per_second = Counter(int(r.received - since) for r in window)
     lists = [sum(n["lists"].values()) for n in per_node.values()]
     back = [n["slices_watch_back_s"] for n in per_node.values()]
+    # when the requests came, in seconds after the API server's start (or `since`)
+    times = sorted(r.received - (back_from or since) for r in window
+                   if r.source in by_address)
+    spread = ({f"p{q}": round(times[min(len(times) - 1, int(q / 100 * len(times)))], 2)
+               for q in (0, 10, 50, 90, 100)} if times else {})
     return {"requests": len(window), "lists": sum(lists), "lists_max_per_node": max(lists),
+            "request_times_s": spread,
+            "slices_resumed": sum(1 for n in per_node.values()
+                                  if not n["lists"].get("endpointslices")),
             "nodes_that_listed": sum(1 for n in lists if n),
             "gone_410": sum(n["gone_410"] for n in per_node.values()),
             "requests_per_second_max": max(per_second.values(), default=0),
@@ -598,6 +760,39 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def mixed_table(result: dict[str, Any]) -> str:
+    """--mixed: per fleet, how its watches came back after the restart and how spread its
+    requests were; where the restarted caches began and what etcd wrote before."""
+    restart = result["restart"]
+    lines = ["| after the restart | " + " | ".join(restart["audit"]) + " |",
+             "|---|" + "---:|" * len(restart["audit"])]
+
+    def row(label: str, fn: Any) -> None:
+        lines.append(f"| {label} | " + " | ".join(str(fn(a)) for a in restart["audit"].values())
+                     + " |")
+
+    row("nodes", lambda a: len(a["per_node"]))
+    row("EndpointSlice watch resumed (no slice list)", lambda a: a["slices_resumed"])
+    for resource in CACHED:
+        row(f"{resource}: positions asked, first watch", lambda a, r=resource: " ".join(
+            sorted({n["asked_after_restart"].get(r, "-") for n in a["per_node"].values()})))
+        row(f"{resource}: its answers", lambda a, r=resource: " ".join(
+            f"{k}×{v}" for k, v in sorted(Counter(n["first_answer_after_restart"].get(
+                r, "-") for n in a["per_node"].values()).items())))
+    row("lists", lambda a: a["lists"])
+    row("requests", lambda a: a["requests"])
+    row("requests/s max", lambda a: a["requests_per_second_max"])
+    row("request times p0/p10/p50/p90/p100 (s after start)",
+        lambda a: "/".join(f"{v:.1f}" for v in a["request_times_s"].values()))
+    lines.append(f"\ncaches began at {restart['cache_starts']}")
+    writes = restart.get("etcd_writes")
+    if isinstance(writes, list):
+        lines.append("etcd writes from the oldest slice position asked to the slice cache's "
+                     "start (+3): " + ", ".join(f"{w['revision']} {w['key']}"
+                                                for w in writes[-12:]))
+    return "\n".join(lines)
+
+
 def change_events(plane: ControlPlane, kube: Kube, synth: Synth) -> dict[str, bytes]:
     """One endpoint change of a synthetic EndpointSlice as each client reads it off a plain
     watch, JSON and protobuf (the whole response: the event, and the frame's 4-byte length
@@ -685,9 +880,16 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=600.0)
     parser.add_argument("--order", default=",".join(FLEETS),
                         type=lambda s: [name for name in s.split(",") if name])
-    parser.add_argument("--json", help="default: bench/results/fleet-SIZE-nN-COMMIT.json")
+    parser.add_argument("--mixed", action="store_true",
+                        help="instead of one fleet after the other: N/2 kube-proxies and "
+                             "N/2 pyproxies side by side through one start, churn and "
+                             "restart (the same etcd history at the restart for both)")
+    parser.add_argument("--json", help="default: bench/results/fleet-SIZE-nN-COMMIT.json "
+                                       "(fleet-mixed-… with --mixed)")
     parser.add_argument("--logs", help="copy the proxies' and the API server's logs here")
     args = parser.parse_args()
+    if args.mixed and args.nodes < 2:
+        parser.error("--mixed: at least 2 nodes (half of each)")
     if not 1 <= args.nodes <= MAX_NODES:
         parser.error(f"--nodes: 1 to {MAX_NODES}")
     if unknown := set(args.order) - set(FLEETS):
@@ -722,7 +924,9 @@ def main() -> int:
             if not args.no_baseline:
                 report["baseline"] = bench.baseline()
             try:
-                for fleet in args.order:
+                if args.mixed:
+                    report["mixed"] = bench.mixed()
+                for fleet in [] if args.mixed else args.order:
                     try:
                         report["fleets"][fleet] = bench.fleet(fleet)
                     except Exception as err:  # the other fleet is still measured
@@ -735,9 +939,10 @@ def main() -> int:
                         (Path(args.logs) / log.name).write_bytes(log.read_bytes())
     out = Path(args.json) if args.json else (
         REPO / "bench" / "results"
-        / f"fleet-{services}x{endpoints}-n{args.nodes}-{report['commit']}.json")
+        / f"fleet-{'mixed-' if args.mixed else ''}{services}x{endpoints}-n{args.nodes}-"
+          f"{report['commit']}.json")
     out.write_text(json.dumps(report, indent=1, default=str))
-    print("\n" + table(report), flush=True)
+    print("\n" + (mixed_table(report["mixed"]) if args.mixed else table(report)), flush=True)
     print(f"\nfigures: {out}")
     return 0
 
