@@ -19,6 +19,7 @@ from pyproxy.cluster.watch import (
     JSON_MEDIA_TYPE,
     PROTOBUF_MEDIA_TYPE,
     SLICE_CODEC,
+    Backoff,
     Expired,
     Handler,
     Reflector,
@@ -161,15 +162,27 @@ def test_a_broken_stream_resumes_after_the_last_event_it_delivered(
     assert refl.status.lists == 1
 
 
-def test_a_410_relists_after_a_jittered_pause(emu: ApiEmulator) -> None:
-    """client-go's first backoff step before a relist: nodes that a restarted API server
-    answers with 410 at once list spread over 0.8 s, not all in the same instant."""
+class RecordingBackoff(Backoff):
+    """client-go's policy, fast and without jitter (every wait exactly its step), keeping
+    the waits it drew."""
+
+    def __init__(self, initial: float = 0.05, cap: float = 0.4) -> None:
+        super().__init__(initial=initial, cap=cap, rand=lambda: 0.0)
+        self.drawn: list[float] = []
+
+    def next(self) -> float:
+        self.drawn.append(round(super().next(), 6))
+        return self.drawn[-1]
+
+
+def test_a_410_relists_after_a_backoff_step(emu: ApiEmulator) -> None:
+    """A step of client-go's backoff before a relist: nodes that a restarted API server
+    answers with 410 at once do not all list in the same instant."""
     recorder, stop = Recorder(), threading.Event()
     refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
                      recorder.synced.set, stop, watch_timeout=30, read_timeout=2.0,
                      content_type=CONTENT_TYPE["asked"])
-    refl._backoff.initial, refl._backoff.cap = 0.05, 0.2
-    refl.relist_pause = (0.5, 0.5)
+    refl._backoff = RecordingBackoff(initial=0.5, cap=0.5)
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:
@@ -199,7 +212,6 @@ def test_a_relist_is_one_streamed_request_that_goes_on_as_the_watch(
     emu.create("services", service("before"))
     rec = Recorder()
     with running(emu, rec.handle, rec.synced, watch_list=True) as refl:
-        refl.relist_pause = (0.0, 0.0)
         assert rec.synced.wait(5)
         emu.wait_for_watches(1, "services")
         assert emu.count_lists("services") == 1 and emu.count("list", "services") == 1
@@ -231,6 +243,32 @@ def test_api_away_and_back(emu: ApiEmulator, reflector: tuple[Reflector, Recorde
     emu.set_available(True)
     wait(lambda: rec.names() == {"while-away"})
     assert refl.status.connected
+
+
+def test_after_a_restart_the_relist_waits_the_next_step_of_the_refused_tries(
+        emu: ApiEmulator) -> None:
+    """client-go's reflector has one backoff for all its retries, started again only every
+    2 minutes, not on a success: the watch tries an away API server refuses wait 0.8, 1.6,
+    3.2 s… and the relist after the 410 a restarted one answers waits the step after
+    those. So a fleet's relists come in a second wave, spread over a window as wide as that
+    step (pyproxy drew a fixed 0.8-1.6 s there, and started its steps again on every
+    connection: 50 nodes' 400 requests came within 6 s, docs/fleet.md)."""
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced) as refl:
+        assert rec.synced.wait(5)
+        emu.wait_for_watches(1, "services")
+        emu.set_available(False, mode="refuse")
+        wait(lambda: refl.status.errors >= 3)
+        emu.create("services", service("meanwhile"))
+        emu.compact()  # the restarted API server's cache begins after our position
+        emu.set_available(True)
+        wait(lambda: emu.count_lists("services") == 2)
+        backoff = refl._backoff
+        assert isinstance(backoff, RecordingBackoff)
+        # one draw per refused try, then one for the relist: steps of one sequence
+        assert len(backoff.drawn) == refl.status.errors + 1
+        assert backoff.drawn == [min(0.4, 0.05 * 2 ** i) for i in range(len(backoff.drawn))]
+        wait(lambda: "meanwhile" in rec.names())
 
 
 def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
@@ -276,6 +314,7 @@ def running(emu: ApiEmulator, handle: Handler, synced: threading.Event,
     refl = Reflector(emu.api_client(), resource or services_resource(), handle, synced.set, stop,
                      page_size=page_size, watch_list=watch_list, small_list=small_list,
                      content_type=CONTENT_TYPE["asked"])
+    refl._backoff = RecordingBackoff()  # fast retries in tests
     thread = threading.Thread(target=refl.run, daemon=True)
     thread.start()
     try:

@@ -11,8 +11,7 @@ Behaviour, as a Kubernetes informer's:
 - a stream that ends (server timeout, dropped connection, nothing read for read_timeout) is
   resumed from the last position it delivered (an event's or a bookmark's, not the one the
   watch started from): only 410 Gone (history compacted, or an API server restarted since)
-  lists again, after a jittered pause (client-go's first backoff step, 0.8 to 1.6 s: the
-  nodes a restarted API server answers at once do not all list at once), and reconciles
+  lists again, after the backoff's next step (below), and reconciles
   (objects gone meanwhile are reported deleted). A real API server sends a
   bookmark on a quiet watch only "roughly every minute", so the client's read timeout
   (150 s) sits well above that; the server ends each watch after timeoutSeconds, drawn
@@ -21,8 +20,11 @@ Behaviour, as a Kubernetes informer's:
   piece decodes into ~300 MB of dicts at once, and the converted objects scattered among
   them keep that memory from going back; page by page the peak is one page. A continue
   token that expired mid-list (410) restarts the list in one piece, as client-go's pager;
-- errors → retry with capped exponential backoff. Nothing is ever cleared because the API
-  went away: the handler simply hears nothing until it comes back.
+- errors (connection refused, a dropped stream, 403, 429, 5xx) → the watch is tried again
+  from the same position, after client-go's backoff (`Backoff`: 0.8 s doubling to 30 s,
+  each wait jittered to [d, 2d], one sequence per reflector that starts over only 2 minutes
+  after it last did), which also paces the relist after a 410. Nothing is ever cleared
+  because the API went away: the handler simply hears nothing until it comes back.
 """
 
 from __future__ import annotations
@@ -50,9 +52,6 @@ log = structlog.get_logger(__name__)
 LIST_PAGE_SIZE = 500
 # client-go's reflector asks for timeoutSeconds = minWatchTimeout × (1 + rand), 5 to 10 min.
 MIN_WATCH_TIMEOUT = 300
-# After a 410 Gone, the pause before listing again: client-go's reflector backoff (0.8 s,
-# jitter 1.0) before its relist.
-RELIST_PAUSE = (0.8, 1.6)
 # The API server sends a bookmark on a quiet watch about once a minute (not exactly: the
 # timer is checked when the cacher dispatches); a stream silent for 2.5 such intervals is
 # stalled. client-go has HTTP/2 pings for this; urllib3 speaks HTTP/1.1 and has only this.
@@ -217,20 +216,48 @@ SMALL_LIST = 2000
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
 
 
+# client-go's reflector backoff (k8s.io/client-go tools/cache/reflector.go, v0.37.2):
+# wait.Backoff{Duration: 800 ms, Cap: 30 s, Factor: 2, Jitter: 1.0}.DelayWithReset(2 min).
+BACKOFF_INITIAL = 0.8
+BACKOFF_CAP = 30.0
+BACKOFF_FACTOR = 2.0
+BACKOFF_JITTER = 1.0
+BACKOFF_RESET = 120.0
+
+
 @dataclass
 class Backoff:
-    initial: float = 0.5
-    cap: float = 30.0
-    factor: float = 2.0
-    current: float = 0.0
+    """The pause before the next try, as client-go's reflector draws it (one per reflector,
+    shared by every kind of retry): step n waits d·(1 + jitter·rand) with d = initial·2^n,
+    d capped at `cap` (so a wait is in [d, 2d]: 0.8-1.6 s, 1.6-3.2, 3.2-6.4 … 30-60 s);
+    the steps start again from `initial` only when `reset_after` seconds have passed since
+    they last did (wait.backoffManager: not on a success). Both matter for a fleet: nodes
+    whose API server went away together come back spread over a window that doubles with
+    each refused try, and the relist after a 410 waits the next step, not a fixed pause,
+    so the relists of a restart come in a second, wider wave (docs/fleet.md)."""
+
+    initial: float = BACKOFF_INITIAL
+    cap: float = BACKOFF_CAP
+    factor: float = BACKOFF_FACTOR
+    jitter: float = BACKOFF_JITTER
+    reset_after: float = BACKOFF_RESET
+    clock: Callable[[], float] = time.monotonic
+    rand: Callable[[], float] = random.random
+    _next: float = 0.0  # the next step's d (0: the first, initial)
+    _since: float | None = None  # when the steps last started again (created: now)
+
+    def __post_init__(self) -> None:
+        self._since = self.clock()
 
     def next(self) -> float:
-        self.current = self.initial if not self.current else min(self.cap,
-                                                                  self.current * self.factor)
-        return self.current * random.uniform(0.8, 1.2)  # jitter: many nodes, one API server
-
-    def reset(self) -> None:
-        self.current = 0.0
+        now = self.clock()
+        if self._since is None or now - self._since > self.reset_after:
+            self._next, self._since = self.initial, now
+        elif not self._next:
+            self._next = self.initial
+        current = self._next
+        self._next = min(self.cap, current * self.factor)
+        return current * (1.0 + self.jitter * self.rand())
 
 
 @dataclass
@@ -287,12 +314,11 @@ class Reflector:
                                and resource.protobuf is not None)
         self.status = WatchStatus(resource.kind)
         self._known: set[ObjectKey] = set()
-        self._backoff = Backoff()
+        self._backoff = Backoff()  # every retry's pause, client-go's
         # The last position a watch delivered: where a broken stream resumes.
         self._position = ""
         # A streamed list's stream after its initial events: the next watch reads it on.
         self._held: tuple[Any, Codec, Iterator[bytes]] | None = None
-        self.relist_pause = RELIST_PAUSE
 
     def run(self) -> None:
         """The reflector's thread: until stop is set. Lists once, then watches from the last
@@ -302,13 +328,16 @@ class Reflector:
             try:
                 if version is None:
                     version = self._list()
-                    self._backoff.reset()
                 version = self._watch(version)
             except Expired as err:
+                # client-go's reflector returns from ListAndWatch and lists again after its
+                # backoff's next step: after the refused tries of a restart, a wider one
+                delay = self._backoff.next()
                 log.info("watch_expired_listing_again", kind=self.resource.kind,
-                         version=self._position or version, reason=str(err)[:200])
+                         version=self._position or version, reason=str(err)[:200],
+                         list_in=round(delay, 2))
                 version = None
-                self.stop.wait(random.uniform(*self.relist_pause))
+                self.stop.wait(delay)
             except Exception as err:  # connection refused, timeouts, HTTP errors…
                 if version is not None:  # resume after the last event the stream delivered
                     version = self._position or version
@@ -540,7 +569,6 @@ class Reflector:
             codec, lines = self._reading(response)
         self.status.watches += 1
         self.status.connected = True
-        self._backoff.reset()
         drained = False
         try:
             for line in lines:
