@@ -271,6 +271,29 @@ def test_after_a_restart_the_relist_waits_the_next_step_of_the_refused_tries(
         wait(lambda: "meanwhile" in rec.names())
 
 
+def test_a_410_after_a_retry_that_followed_a_403_or_5xx_lists_at_once(
+        emu: ApiEmulator) -> None:
+    """A restarted API server answers 403 for its first second (its authorizer's caches
+    are not synced) and 5xx while it is not ready. client-go's reflector does not retry a
+    watch on those: it lists again after one step. pyproxy tries the watch after that step
+    (it may resume), so a 410 there lists at once: its relist is never later than
+    client-go's (it was a step later: 25 s more in a fleet run, bench-fleet --mixed)."""
+    rec = Recorder()
+    with running(emu, rec.handle, rec.synced) as refl:
+        assert rec.synced.wait(5)
+        emu.wait_for_watches(1, "services")
+        emu.set_available(False, mode="503")
+        wait(lambda: refl.status.errors >= 3)
+        emu.create("services", service("meanwhile"))
+        emu.compact()
+        emu.set_available(True)
+        wait(lambda: emu.count_lists("services") == 2)
+        backoff = refl._backoff
+        assert isinstance(backoff, RecordingBackoff)
+        assert len(backoff.drawn) == refl.status.errors  # none for the relist
+        wait(lambda: "meanwhile" in rec.names())
+
+
 def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
                                                reflector: tuple[Reflector, Recorder]) -> None:
     refl, rec = reflector

@@ -23,8 +23,10 @@ Behaviour, as a Kubernetes informer's:
 - errors (connection refused, a dropped stream, 403, 429, 5xx) → the watch is tried again
   from the same position, after client-go's backoff (`Backoff`: 0.8 s doubling to 30 s,
   each wait jittered to [d, 2d], one sequence per reflector that starts over only 2 minutes
-  after it last did), which also paces the relist after a 410. Nothing is ever cleared
-  because the API went away: the handler simply hears nothing until it comes back.
+  after it last did), which also paces the relist after a 410 (but for a 410 on the try
+  after a 403 or 5xx, where client-go would have listed instead of trying: that lists at
+  once). Nothing is ever cleared because the API went away: the handler simply hears
+  nothing until it comes back.
 """
 
 from __future__ import annotations
@@ -324,15 +326,22 @@ class Reflector:
         """The reflector's thread: until stop is set. Lists once, then watches from the last
         position it has seen; lists again only when that position has expired (410)."""
         version: str | None = None  # None: there is no position to resume from yet
+        # The last failure was an answer of the server that client-go's reflector does not
+        # retry as a watch (403 while a restarted API server's authorizer warms up, 5xx):
+        # it lists again after one step instead. pyproxy tries the watch after that step
+        # (it may resume), so a 410 on that try lists at once, not a step later still.
+        answered = False
         while not self.stop.is_set():
             try:
                 if version is None:
                     version = self._list()
                 version = self._watch(version)
+                answered = False
             except Expired as err:
                 # client-go's reflector returns from ListAndWatch and lists again after its
                 # backoff's next step: after the refused tries of a restart, a wider one
-                delay = self._backoff.next()
+                delay = 0.0 if answered else self._backoff.next()
+                answered = False
                 log.info("watch_expired_listing_again", kind=self.resource.kind,
                          version=self._position or version, reason=str(err)[:200],
                          list_in=round(delay, 2))
@@ -341,6 +350,8 @@ class Reflector:
             except Exception as err:  # connection refused, timeouts, HTTP errors…
                 if version is not None:  # resume after the last event the stream delivered
                     version = self._position or version
+                status = getattr(err, "status", None)
+                answered = isinstance(status, int) and status != 429
                 self.status.connected = False
                 self.status.errors += 1
                 self.status.last_error = f"{type(err).__name__}: {err}"[:300]
