@@ -51,7 +51,9 @@ when they came (bench/results/fleet-mixed-SIZE-nN-COMMIT.json).
 from __future__ import annotations
 
 import argparse
+import base64
 import gzip
+import http.client
 import json
 import os
 import re
@@ -312,9 +314,6 @@ def etcd_history(plane: ControlPlane, first: int, last: int) -> list[dict[str, A
     """Every write etcd made from revision `first` to `last` (its key and revision), from a
     watch of the whole keyspace from `first` through etcd's JSON gateway (the embedded
     etcd serves it on its client URL), read for two seconds."""
-    import base64
-    import http.client
-
     body = json.dumps({"create_request": {
         "key": base64.b64encode(b"\0").decode(), "range_end": base64.b64encode(b"\0").decode(),
         "start_revision": str(first)}})
@@ -336,9 +335,15 @@ def etcd_history(plane: ControlPlane, first: int, last: int) -> list[dict[str, A
             conn.close()
         return b"".join(chunks)
 
+    return etcd_writes(call_in_netns(plane.ns.full, read).decode(), first, last)
+
+
+def etcd_writes(text: str, first: int, last: int) -> list[dict[str, Any]]:
+    """The writes from revision `first` to `last` in the messages of etcd's JSON watch
+    (concatenated JSON objects; keys base64), by revision."""
     writes = []
     decoder = json.JSONDecoder()
-    text, pos = call_in_netns(plane.ns.full, read).decode(), 0
+    pos = 0
     while pos < len(text):
         while pos < len(text) and text[pos].isspace():
             pos += 1

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.bench_fleet import USERS, Node, audit_summary, read_audit
+from bench.bench_fleet import USERS, Node, audit_summary, etcd_writes, read_audit
 
 KP = USERS["kube-proxy"]
 
@@ -32,7 +32,8 @@ def test_audit_requests_are_counted_once_per_node_and_fleet(tmp_path: Path) -> N
         event("2", "ResponseComplete", "watch", "endpointslices", "10.0.0.2", "02.500000",
               ended="09.000000"),
         # a watch that ended at once (a 410 ERROR event in it) is not "back"
-        event("6", "ResponseComplete", "watch", "endpointslices", "10.0.0.2", "02.000000"),
+        event("6", "ResponseComplete", "watch", "endpointslices", "10.0.0.2", "02.000000",
+              uri="/apis/discovery.k8s.io/v1/endpointslices?watch=1&resourceVersion=17047"),
         # a streamed list (watch-list) is a list
         event("3", "ResponseStarted", "watch", "endpointslices", "10.0.0.6", "03.000000",
               uri="/apis/discovery.k8s.io/v1/endpointslices?sendInitialEvents=true&watch=1"),
@@ -58,3 +59,23 @@ def test_audit_requests_are_counted_once_per_node_and_fleet(tmp_path: Path) -> N
     assert summary["per_node"]["b"]["slices_watch_back_s"] == 1.5
     assert summary["slices_watch_back_max_s"] == 1.5
     assert summary["requests_per_second"][:3] == [1, 1, 2]
+    # where each node's first watch after the restart resumed from, and its answer
+    assert summary["per_node"]["a"]["asked_after_restart"] == {"endpointslices": "17047"}
+    assert summary["per_node"]["a"]["first_answer_after_restart"] == {
+        "endpointslices": "gone"}
+    assert summary["slices_resumed"] == 1  # a listed no slices, b did
+
+
+def test_etcd_writes_from_its_json_watch() -> None:
+    """etcd's JSON gateway streams concatenated messages, keys in base64, PUT implied."""
+    messages = [
+        {"result": {"header": {"revision": "9"}, "created": True}},
+        {"result": {"events": [
+            {"kv": {"key": "L3JlZ2lzdHJ5L2E=", "mod_revision": "3"}},
+            {"kv": {"key": "L3JlZ2lzdHJ5L2I=", "mod_revision": "5"}, "type": "DELETE"}]}},
+        {"result": {"events": [{"kv": {"key": "L3JlZ2lzdHJ5L2M=", "mod_revision": "9"}}]}},
+    ]
+    text = "\n".join(json.dumps(m) for m in messages) + '\n{"result": {"ev'  # cut by the timeout
+    assert etcd_writes(text, 3, 6) == [
+        {"revision": 3, "type": "PUT", "key": "/registry/a"},
+        {"revision": 5, "type": "DELETE", "key": "/registry/b"}]
