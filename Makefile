@@ -11,7 +11,7 @@ APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
 .PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire demo clean \
-	k8s k8s-path \
+	k8s k8s-path kube-proxy-next \
 	images
 
 all: test
@@ -60,6 +60,13 @@ k8s:
 
 k8s-path:
 	@e2e/k8s/build.sh --path
+
+# kube-proxy alone of the release after the pinned one (e2e/k8s-next/go.mod: v1.38.0-beta.0,
+# which needs Go 1.27: the go command fetches that toolchain from the module proxy), for the
+# side-by-side test's localhost NodePort flows with that release's default feature gates.
+# Into ~/.cache/pyproxy/kube-proxy-<release>/bin; a no-op when it exists.
+kube-proxy-next:
+	@e2e/k8s-next/build.sh
 
 # The cluster's images as OCI archives that `ctr -n k8s.io images import` takes, under the
 # names Kubernetes asks for (pause, agnhost, busybox, CoreDNS, kube-proxy, pyproxy, and the
