@@ -50,6 +50,8 @@ REPO = Path(__file__).resolve().parent.parent
 PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 BUILD_SCRIPT = REPO / "e2e" / "k8s" / "build.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-proxy")
+# kube-proxy alone of the next release (`make kube-proxy-next`): see next_kube_proxy.
+NEXT_BUILD_SCRIPT = REPO / "e2e" / "k8s-next" / "build.sh"
 
 API_IP = "192.168.199.1"  # the API server's advertised address, on cp's loopback
 API_PORT = 6443
@@ -82,6 +84,15 @@ def binaries_dir() -> Path:
 
 def missing_binaries(bin_dir: Path) -> list[str]:
     return [name for name in BINARIES if not os.access(bin_dir / name, os.X_OK)]
+
+
+def next_kube_proxy() -> tuple[str, Path]:
+    """The release after the pinned one that `make kube-proxy-next` builds kube-proxy of
+    (e2e/k8s-next/go.mod) and where the binary is, whether or not it is built yet."""
+    out = subprocess.run([str(NEXT_BUILD_SCRIPT), "--path"], capture_output=True, text=True,
+                         check=True, timeout=30)
+    bin_dir = Path(out.stdout.strip())
+    return bin_dir.parent.name.removeprefix("kube-proxy-"), bin_dir / "kube-proxy"
 
 
 # -- certificates ------------------------------------------------------------------------------

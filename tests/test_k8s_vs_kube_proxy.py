@@ -7,6 +7,11 @@ Every flow below runs through both; per flow the outcome is which backends answe
 the backend saw the client's own address or a masqueraded one, and refused versus dropped.
 Where pyproxy deliberately does more, the flow is listed in DELIBERATE (and in
 docs/kube-proxy-differences.md) with the reason; every other difference fails the test.
+
+The localhost NodePort flows (KEP-6032) also run against kube-proxy of the next release
+(v1.38.0-beta.0, `make kube-proxy-next`, e2e/k8s-next) on a third copy of node-a, with that
+release's default feature gates: there `KubeProxyNFTablesLocalhostNodePorts` is beta and on by
+default, where v1.37.2 needs it turned on.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from testkit.controlplane import (
     apply_manifests,
     kube_proxy_config,
     kube_proxy_token,
+    next_kube_proxy,
     service_account_token,
     start_pyproxy,
     wait_for,
@@ -151,6 +157,10 @@ FLOWS = (
 # on by default in pyproxy as the KEP's 1.38 beta).
 LOCALHOST_NODEPORTS = {"featureGates": {"KubeProxyNFTablesLocalhostNodePorts": True},
                        "nodePortAddresses": ["primary", "localhost"]}
+# The same flows against kube-proxy of the next release with its default gates: the gate is
+# not set, only the addresses.
+LOCALHOST_FLOWS = tuple(f for f in FLOWS if f.to in ("localhost", "localhost6"))
+NEXT_LOCALHOST_NODEPORTS = {"nodePortAddresses": ["primary", "localhost"]}
 # Flows whose outcomes differ on purpose: name → why (docs/kube-proxy-differences.md).
 DELIBERATE: dict[str, str] = {}
 
@@ -297,6 +307,13 @@ def marker_programmed(island: Island) -> bool:
     return all(address in ruleset for address in MARKER_ENDPOINTS.values())
 
 
+def wait_until_programmed(both: SideBySide, each: Island) -> None:
+    wait_for(lambda: marker_programmed(each), 60,
+             f"{each.lab.prefix}'s proxy programmed the settle marker", interval=0.2)
+    wait_for(lambda: both.run(FLOWS[0], each) == ("pod-a/masq", "pod-b/masq"),
+             60, "the proxy programmed the cluster", interval=0.5)
+
+
 @pytest.fixture(scope="module")
 def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
     kube = Kube(control_plane.admin_client())
@@ -358,10 +375,7 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
             # new after the settled moment never synced again.)
             add_settle_marker(kube)
             for each in (kp, py):
-                wait_for(lambda i=each: marker_programmed(i), 60,
-                         f"{each.lab.prefix}'s proxy programmed the settle marker", interval=0.2)
-                wait_for(lambda i=each: both.run(FLOWS[0], i) == ("pod-a/masq", "pod-b/masq"),
-                         60, "the proxy programmed the cluster", interval=0.5)
+                wait_until_programmed(both, each)
             yield both
         finally:
             if os.environ.get("NETLAB_KEEP_LOGS"):  # both rulesets beside the logs
@@ -385,3 +399,44 @@ def test_same_outcome_as_kube_proxy(side_by_side: SideBySide, flow: Flow) -> Non
     assert ours == theirs, f"kube-proxy: {theirs}\npyproxy:    {ours}"
     if flow.expect is not None:
         assert ours == flow.expect
+
+
+@pytest.fixture(scope="module")
+def next_kube_proxy_island(control_plane: ControlPlane,
+                           side_by_side: SideBySide) -> Iterator[Island]:
+    """A third copy of node-a programmed by kube-proxy of the next release, default gates, fed
+    the same Services (side_by_side made them and their settle marker)."""
+    release, binary = next_kube_proxy()
+    if not os.access(binary, os.X_OK):
+        message = (f"kube-proxy {release} is not built ({binary} missing): run "
+                   "`make kube-proxy-next`")
+        if os.environ.get("CI"):  # `make test` builds it first
+            pytest.fail(message)
+        pytest.skip(message)
+    with Lab() as lab:
+        nxt = island(lab, control_plane)
+        kubeconfig = control_plane.node_kubeconfig(lab.workdir / "kube-proxy.kubeconfig",
+                                                   kube_proxy_token(side_by_side.kube))
+        config = kube_proxy_config(lab.workdir / "kube-proxy.yaml", kubeconfig,
+                                   extra=NEXT_LOCALHOST_NODEPORTS)
+        proc = lab.popen(nxt.cluster.node, [binary, f"--config={config}", "-v=1"],
+                         log_name="kube-proxy.log")
+        try:
+            wait_until_programmed(side_by_side, nxt)
+            yield nxt
+        finally:
+            if os.environ.get("NETLAB_KEEP_LOGS"):
+                Path(f"/tmp/pyproxy-rulesets-{lab.prefix}nft").write_text(
+                    lab.nft_list(nxt.cluster.node))
+            lab.stop_process(proc)
+
+
+@pytest.mark.parametrize("flow", LOCALHOST_FLOWS, ids=[f.name for f in LOCALHOST_FLOWS])
+def test_localhost_nodeports_as_next_kube_proxy(side_by_side: SideBySide,
+                                                next_kube_proxy_island: Island,
+                                                flow: Flow) -> None:
+    """KEP-6032 as kube-proxy v1.38 ships it (beta, on by default): the same outcomes."""
+    theirs = side_by_side.run(flow, next_kube_proxy_island)
+    ours = side_by_side.run(flow, side_by_side.pyproxy)
+    assert ours == theirs, f"kube-proxy (next): {theirs}\npyproxy:           {ours}"
+    assert ours == flow.expect
