@@ -59,6 +59,12 @@ def node(*addresses: str, gate: bool = True) -> NodeConfig:
     pytest.param(node("primary", *LOOPBACK, gate=False), "off", "off",
                  id="localhost without the gate"),
     pytest.param(node("127.0.0.1/32"), "proxy", "reject", id="IPv4 loopback only"),
+    # kube-proxy 1.38's ContainsExplicitLoopback: a CIDR holding 127.0.0.1 or ::1 other than
+    # 0.0.0.0/0 and ::/0 (1.37 asked whether the CIDR's own address was loopback).
+    pytest.param(node("127.0.0.2/32", "::/0"), "reject", "reject",
+                 id="loopback without 127.0.0.1 (1.37: proxy)"),
+    pytest.param(node("0.0.0.0/1", "::/1"), "proxy", "proxy",
+                 id="a CIDR holding localhost (1.37: reject)"),
     pytest.param(node(), "reject", "reject", id="all: no explicit loopback"),
     pytest.param(node("0.0.0.0/0", "::/0", *LOOPBACK), "proxy", "proxy", id="all,localhost"),
 ])
@@ -72,6 +78,7 @@ def test_which_family_does_what(config: NodeConfig, v4: str, v6: str) -> None:
                  id="loopback adds no node address"),
     pytest.param(LOOPBACK, (), (), id="localhost only: NodePorts on loopback only"),
     pytest.param(("127.0.0.1/32",), (), None, id="a family without CIDRs: every address"),
+    pytest.param(("127.0.0.2/32",), (), None, id="loopback without localhost: still no address"),
     pytest.param(("0.0.0.0/0", "::/0", *LOOPBACK), None, None, id="all,localhost"),
 ])
 def test_loopback_is_never_a_nodeport_address(addresses: tuple[str, ...], v4: Any,

@@ -741,9 +741,10 @@ _TABLE: tuple[_Setting, ...] = (
              flag_help="pod interface name prefix, for --detect-local-mode InterfaceNamePrefix"),
     _Setting("nodeport_addresses", _Type.STRINGS, _nodeport_addresses,
              "CIDRs, `primary` (the node's primary IPs), `localhost` (127.0.0.0/8 and ::1/128) "
-             "or `all`, in any combination, of node addresses accepting NodePorts; loopback "
-             "(`localhost`, 127.0.0.1/32, ::1/128) turns on the userspace proxy for TCP "
-             "NodePorts on it (featureGates KubeProxyNFTablesLocalhostNodePorts)",
+             "or `all`, in any combination, of node addresses accepting NodePorts; localhost "
+             "(`localhost`, 127.0.0.1/32, ::1/128, any CIDR but 0.0.0.0/0 and ::/0 holding "
+             "127.0.0.1 or ::1) turns on the userspace proxy for TCP NodePorts on it "
+             "(featureGates KubeProxyNFTablesLocalhostNodePorts)",
              applied_by="`NodeConfig` → pyproxy.render (NodePort addresses)",
              paths=("nodePortAddresses",),
              flag="nodeport-addresses",

@@ -404,18 +404,23 @@ class LocalhostNodePorts(StrEnum):
     OFF = "off"  # the gate off: no rule (the connection meets whatever listens there)
     # The gate on, no loopback in nodePortAddresses: every protocol rejected and counted.
     REJECT = "reject"
-    # The gate on and nodePortAddresses names loopback explicitly (`localhost`, 127.0.0.1/32,
-    # ::1/128; `all` does not): TCP through the userspace proxy, UDP and SCTP rejected.
+    # The gate on and nodePortAddresses names localhost explicitly (`localhost`, 127.0.0.1/32,
+    # ::1/128, any CIDR but 0.0.0.0/0 and ::/0 holding 127.0.0.1 or ::1; `all` does not): TCP
+    # through the userspace proxy, UDP and SCTP rejected.
     PROXY = "proxy"
 
 
 def is_loopback_cidr(entry: str) -> bool:
-    """A nodePortAddresses CIDR that targets loopback itself (127.0.0.0/8, ::1/128), not a
-    catch-all that happens to contain it: kube-proxy's ContainsExplicitLoopback."""
+    """A nodePortAddresses CIDR that turns the localhost proxy on: kube-proxy 1.38's
+    ContainsExplicitLoopback, a CIDR holding 127.0.0.1 or ::1 that is not the catch-all
+    0.0.0.0/0 or ::/0 (127.0.0.0/8, ::1/128, also 0.0.0.0/1; not 127.0.0.2/32). kube-proxy
+    1.37 asked instead whether the CIDR's own address was a loopback one."""
     try:
-        return ip_network(entry, strict=False).network_address.is_loopback
+        net = ip_network(entry, strict=False)
     except ValueError:
         return False
+    localhost = ip_address("127.0.0.1" if net.version == 4 else "::1")
+    return net.prefixlen > 0 and localhost in net
 
 
 @dataclass(frozen=True)
@@ -460,6 +465,7 @@ class NodeConfig:
             return None
         chosen: list[str] = []
         loopback_only = True
+        names_loopback = False
         for entry in self.nodeport_addresses:
             if entry == "primary":
                 chosen.extend(mine[:1])
@@ -471,10 +477,11 @@ class NodeConfig:
             if net.prefixlen == 0:
                 return None  # match-all for this family
             if net.network_address.is_loopback:
+                names_loopback = True
                 continue
             loopback_only = False
             chosen.extend(ip for ip in mine if ip_address(ip) in net)
-        if not chosen and loopback_only and self.loopback_cidrs(family):
+        if not chosen and loopback_only and names_loopback:
             return ()
         # No known address: fall back to every local address rather than to no NodePorts.
         return tuple(dict.fromkeys(chosen)) if chosen else None
