@@ -48,7 +48,7 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q -m 'not netns'
 
-test: venv lint k8s images
+test: venv lint k8s kube-proxy-next images
 	$(BIN)/pytest -q
 
 # The real control plane the `k8s` tests start (testkit/controlplane.py): kube-apiserver,
