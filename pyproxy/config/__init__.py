@@ -878,7 +878,8 @@ _TABLE: tuple[_Setting, ...] = (
              paths=("oomScoreAdj",),
              flag="oom-score-adj", flag_help="the process's oom_score_adj"),
     _Setting("feature_gates", _Type.GATES, _gates,
-             "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off, as kube-proxy; "
+             "MultiCIDRServiceAllocator=false turns the ServiceCIDR watch off (kube-proxy 1.37 "
+             "refuses it: the gate is GA, locked on; 1.38 removed it); "
              "KubeProxyNFTablesLocalhostNodePorts (default true, as KEP-6032's beta; kube-proxy "
              "1.37: false) handles NodePorts on loopback: TCP through a userspace proxy where "
              "nodePortAddresses names loopback, everything else rejected and counted; any other "
