@@ -52,6 +52,15 @@ from demo.cluster import (
 )
 from pyproxy.core.explain import topology_text
 from pyproxy.serve.debug import DebugError, ask
+from testkit.interrupts import (
+    SIGPIPE_CODE,
+    OutputClosed,
+    hold_off_signals,
+    output_closed,
+    say,
+    stop_on_signals,
+    stopped_by,
+)
 from testkit.netlab import Lab, Locked, NetlabError
 
 PREFIX = "pyproxy-demo-"
@@ -69,29 +78,6 @@ WIDTH = 92
 
 # --------------------------------------------------------------------------------------------
 # Output
-
-
-class OutputClosed(Exception):
-    """Whoever read the demo's output went away (`make demo | head`): stop, and clean up."""
-
-
-_output_closed = [False]
-
-
-def say(text: str = "") -> None:
-    """One line to stdout. Once the reader is gone the first failed write raises
-    OutputClosed, and every later one (the cleanup's report) goes nowhere."""
-    if _output_closed[0]:
-        return
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        _output_closed[0] = True
-        # Python's recipe: stdout to /dev/null, or the flush at exit fails once more.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-        raise OutputClosed from None
 
 
 def heading(text: str) -> None:
@@ -458,14 +444,6 @@ def preflight() -> None:
         raise DemoError(f"{PYPROXY} missing: run `make venv` (or use the venv's python)")
 
 
-_signal_code = [130]  # the exit code of a run stopped by a signal: 128 + its number
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    _signal_code[0] = 128 + signum
-    raise KeyboardInterrupt
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true",
@@ -474,8 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="connections per node and service (default 30)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: a shell may
-        signal.signal(sig, _interrupt)  # have started us with it ignored
+    stop_on_signals()
     try:
         preflight()
         lab = Lab(prefix=PREFIX)  # one demo at a time; a killed run's leftovers are swept
@@ -509,8 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OutputClosed:
             pass  # nobody reads on: clean up below, exit as a shell reports SIGPIPE
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)  # let the cleanup finish
+            hold_off_signals()  # let the cleanup finish
             with contextlib.suppress(OutputClosed):  # the reader may go just now
                 say()
                 say("Cleaning up ...")
@@ -518,9 +494,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             lab.close()  # daemons, backends, namespaces, the temp directory, the lock
         with contextlib.suppress(OutputClosed):
             code = report_leftovers(lab, started, daemons, deleted)
-        if _output_closed[0]:
-            return 128 + signal.SIGPIPE
-        return _signal_code[0] if interrupted else 1 if failed else code
+        if output_closed():
+            return SIGPIPE_CODE
+        return stopped_by() if interrupted else 1 if failed else code
     except Locked as err:
         say(f"demo: another pyproxy demo is running ({err})")
         return 1
@@ -528,9 +504,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"demo: {err}")
         return 1
     except KeyboardInterrupt:  # before the lab existed
-        return _signal_code[0]
+        return stopped_by()
     except OutputClosed:  # before the lab existed, or while the cleanup reported
-        return 128 + signal.SIGPIPE
+        return SIGPIPE_CODE
 
 
 if __name__ == "__main__":
