@@ -43,8 +43,9 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,15 @@ from testkit.controlplane import (
     kubeconfig,
     wait_for,
     write_kubeconfig,
+)
+from testkit.interrupts import (
+    SIGPIPE_CODE,
+    OutputClosed,
+    hold_off_signals,
+    output_closed,
+    say,
+    stop_on_signals,
+    stopped_by,
 )
 from testkit.netlab import _NS_RE, NS_PREFIX, Lab, Netns, _pid_alive
 
@@ -652,10 +662,12 @@ class RealCluster:
 
 
 @contextlib.contextmanager
-def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True,
-                    prefix: str | None = None) -> Iterator[RealCluster]:
+def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True, prefix: str | None = None,
+                    before_teardown: Callable[[], None] | None = None,
+                    ) -> Iterator[RealCluster]:
     """A cluster for a test, a drill or `make cluster`, torn down on the way out, also when
-    it failed to come up half-way (a node's processes live in its cgroups, not in the lab)."""
+    it failed to come up half-way (a node's processes live in its cgroups, not in the lab).
+    ``before_teardown`` runs first on the way out (`make cluster`: signals held off)."""
     from testkit.controlplane import binaries_dir
 
     with Lab(prefix=prefix) as lab:
@@ -663,6 +675,8 @@ def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True,
         try:
             yield cluster.start(with_pyproxy)
         finally:
+            if before_teardown is not None:
+                before_teardown()
             cluster.close()
             with contextlib.suppress(AttributeError):  # failed before the control plane
                 cluster.plane.stop()
@@ -810,8 +824,9 @@ STATE = Path("/tmp") / "pyproxy-cluster.json"  # the serving process: pid, kubec
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
+    """`make cluster`: torn down on exit, Ctrl-C, SIGTERM, SIGHUP and its reader going away
+    (`make cluster | head`), as `make demo` is (testkit/interrupts.py)."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="python -m testkit.cluster",
                                      description="A real multi-node cluster on this machine.")
@@ -821,6 +836,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
                         help="run: leave it up until Enter or Ctrl-C")
     parser.add_argument("--no-pyproxy", action="store_true",
                         help="do not deploy pyproxy's DaemonSet")
+    # Tests: "" names the namespaces and cgroups after this process (ppx-PID-...), so a run
+    # does not take `make cluster`'s names and lock.
+    parser.add_argument("--prefix", default=LAB_PREFIX, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from testkit.controlplane import binaries_dir
 
@@ -828,36 +846,45 @@ def _main(argv: Sequence[str] | None = None) -> int:
         return _down()
     if args.command == "up":
         return _up_detached(args)
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stop_on_signals()
+    code = 0
     try:
         with running_cluster(args.nodes, with_pyproxy=not args.no_pyproxy,
-                             prefix=LAB_PREFIX) as cluster:
+                             prefix=args.prefix or None,
+                             before_teardown=_tearing_down) as cluster:
             config = cluster.admin_kubeconfig()
-            print(cluster.kubectl("get", "nodes,pods", "-A", "-o", "wide").stdout)
-            print(f"cluster up in {cluster.up_seconds:.0f} s; kubectl from "
-                  f"{binaries_dir()}; kubeconfig (admin):")
-            print(config, flush=True)
+            say(cluster.kubectl("get", "nodes,pods", "-A", "-o", "wide").stdout)
+            say(f"cluster up in {cluster.up_seconds:.0f} s; kubectl from "
+                f"{binaries_dir()}; kubeconfig (admin):")
+            say(str(config))
             if args.command == "serve":
                 STATE.write_text(json.dumps({"pid": os.getpid(), "kubeconfig": str(config),
                                              "ready": True}))
                 signal.pause()
             elif args.keep:
-                print("Enter or Ctrl-C ends it.", flush=True)
+                say("Enter or Ctrl-C ends it.")
                 sys.stdin.readline()
     except KeyboardInterrupt:
-        pass
+        code = stopped_by()
+    except OutputClosed:
+        code = SIGPIPE_CODE
     finally:
         if args.command == "serve":
             STATE.unlink(missing_ok=True)
-    return 0
+    with contextlib.suppress(OutputClosed):
+        say("cluster torn down")
+    return SIGPIPE_CODE if output_closed() and code == 0 else code
+
+
+def _tearing_down() -> None:
+    hold_off_signals()  # a second Ctrl-C must not stop the teardown half-way
+    with contextlib.suppress(OutputClosed):
+        say("tearing the cluster down ...")
 
 
 def _up_detached(args: Any) -> int:
     """`make cluster-up`: the cluster lives in a process of its own, session leader, until
     `make cluster-down`; this returns once it is up, printing the kubeconfig's path last."""
-    import sys
-
     if STATE.exists():
         print(f"a cluster is already up (see {STATE}); make cluster-down first",
               file=sys.stderr)
@@ -887,8 +914,6 @@ def _up_detached(args: Any) -> int:
 
 
 def _down() -> int:
-    import sys
-
     if not STATE.exists():
         print("no cluster is up", file=sys.stderr)
         return 0
