@@ -26,6 +26,11 @@ its default controllers, kube-scheduler) plus worker nodes, each a real kubelet 
 - cgroups (v1 here): every node's kubelet has a cgroupRoot of its own below this process's
   memory cgroup; containerd and the kubelet run in its ``system`` child, so stopping a node is
   killing what its cgroups hold (shims and containers too) and removing them.
+- Should this process die without tearing down (SIGKILL), nothing of the cluster runs on: the
+  control plane, containerd and the kubelet have a parent-death signal, and the process holding
+  a node's mount namespace (`hold_node`) sees its stdin end and kills what the node's cgroups
+  hold (containerd's shims and the containers outlive containerd). The next run sweeps the
+  namespaces and the cgroups.
 - Images come from testkit/images.py (built here, no registry) and are imported into every
   node's containerd before its kubelet starts.
 
@@ -72,7 +77,7 @@ from testkit.interrupts import (
     stop_on_signals,
     stopped_by,
 )
-from testkit.netlab import _NS_RE, NS_PREFIX, Lab, Netns, _pid_alive
+from testkit.netlab import _NS_RE, NS_PREFIX, Lab, Netns, _die_with_parent, _pid_alive
 
 FABRIC = ipaddress.ip_network("172.18.0.0/24")
 GATEWAY = "172.18.0.1"
@@ -181,6 +186,19 @@ class Cgroup:
                 directory.rmdir()
         self.made.clear()
 
+    def destroy(self, timeout: float = 5.0) -> None:
+        """Everything below killed, then the cgroups removed. A killed task leaves its cgroup
+        only once reaped (init reaps an orphan at once; a parent may take a moment): rmdir
+        answers EBUSY until then."""
+        self.kill_all()
+        deadline = time.monotonic() + timeout
+        while True:
+            self.remove()
+            if (not (CGROUP_FS / "pids" / self.path.strip("/")).exists()
+                    or time.monotonic() > deadline):
+                break
+            time.sleep(0.05)
+
 
 def sweep_stale_cgroups(base: str, fixed_prefix: str | None = None) -> list[str]:
     """The node cgroups of runs whose process died without tearing down (SIGKILL, a timeout's
@@ -196,16 +214,7 @@ def sweep_stale_cgroups(base: str, fixed_prefix: str | None = None) -> list[str]
         match = _NS_RE.match(path.name)
         if not mine and (match is None or _pid_alive(int(match.group(1)))):
             continue
-        stale = Cgroup(f"{base}/{path.name}")
-        stale.kill_all()
-        # A killed task leaves its cgroup only once reaped (init reaps an orphan at once; a
-        # parent may take a moment): rmdir answers EBUSY until then.
-        deadline = time.monotonic() + 5
-        while True:
-            stale.remove()
-            if not path.exists() or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        Cgroup(f"{base}/{path.name}").destroy()
         swept.append(path.name)
     return swept
 
@@ -232,7 +241,7 @@ class RealNode:
     """A worker node: network + mount namespaces, containerd, a kubelet."""
 
     def __init__(self, cluster: RealCluster, spec: NodeSpec) -> None:
-        self.cluster, self.spec = cluster, spec
+        self.cluster, self.spec = cluster, spec  # made and started from the main thread
         self.lab = cluster.lab
         self.dir = self.lab.workdir / "nodes" / spec.name
         self.dir.mkdir(parents=True)
@@ -273,16 +282,25 @@ class RealNode:
         log = open(self.dir / log_name, "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         env = {**os.environ, "CGROUP_PROCS": " ".join(self.system.procs_file_args())}
+        # SIGTERM should this process die (SIGKILLed, say): the node's daemons go with it
+        # (their shims and containers are the holder's to kill, see _start_holder).
         return subprocess.Popen([*self._enter(), *argv], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
 
     def _start_holder(self) -> None:
-        """The mount namespace: private copies of the paths nodes must not share."""
+        """The mount namespace: private copies of the paths nodes must not share. Its process
+        (`hold_node`) also kills what the node's cgroups hold should this process die without
+        tearing down: containerd's shims and the containers outlive containerd."""
+        log = open(self.dir / "holder.log", "a")  # noqa: SIM115 - closed in stop()
+        self._logs.append(log)
         self.holder = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{self.ns.full}", "--", "unshare", "--mount",
-             "--propagation", "slave", "--", "sleep", "infinity"],
-            stdin=subprocess.DEVNULL, start_new_session=True, text=True)
+             "--propagation", "slave", "--", sys.executable, "-c",
+             "import sys; from testkit.cluster import hold_node; hold_node(sys.argv[1])",
+             self.cgroup.path],
+            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            start_new_session=True, text=True)
         for target in ("/run/netns", "/var/log/pods", "/var/log/containers", "/run/pyproxy"):
             source = self.dir / "host" / target.strip("/").replace("/", "-")
             source.mkdir(parents=True, exist_ok=True)
@@ -369,8 +387,10 @@ class RealNode:
                     proc.wait(5)
         self.kubelet = self.containerd = None
         if self.holder is not None:
-            self.holder.kill()
+            self.holder.kill()  # before its stdin ends, which would have it destroy the cgroups
             self.holder.wait(5)
+            if self.holder.stdin is not None:
+                self.holder.stdin.close()
             self.holder = None
         for log in self._logs:
             log.close()
@@ -397,6 +417,15 @@ class RealNode:
             self.stop()
         self.cgroup.remove()
         self.system.remove()
+
+
+def hold_node(cgroup: str) -> None:
+    """A node's holder (`RealNode._start_holder`): sleeps in the node's mount namespace until
+    its stdin ends. A teardown SIGKILLs it first; stdin ends without that when the harness
+    died (SIGKILLed, say): then everything below the node's cgroup is killed and the cgroups
+    removed, as a teardown would (the namespaces stay for the next run's sweep)."""
+    sys.stdin.read()
+    Cgroup(cgroup).destroy()
 
 
 def containerd_config(node_dir: Path, pause_image: str) -> str:
@@ -523,8 +552,11 @@ class RealCluster:
         self.images = built.ensure_images()
         self.images_pause = built.PAUSE
         self._fabric()
+        # Detached: a Ctrl-C at the terminal reaches this process only, which tears down in
+        # order, and the control plane dies with this process should it be SIGKILLed.
         self.plane = ControlPlane(self.lab, self.bin, controllers=("*",),
-                                  controller_args=("--allocate-node-cidrs=false",))
+                                  controller_args=("--allocate-node-cidrs=false",),
+                                  detach=True)
         self._join(self.plane.ns, CP_IP)
         # Outside the nodes (a test runner, a client) the API server is reachable too.
         self.lab.add_route(self.net, f"{API_IP}/32", via=CP_IP)
@@ -825,7 +857,9 @@ STATE = Path("/tmp") / "pyproxy-cluster.json"  # the serving process: pid, kubec
 
 def _main(argv: Sequence[str] | None = None) -> int:
     """`make cluster`: torn down on exit, Ctrl-C, SIGTERM, SIGHUP and its reader going away
-    (`make cluster | head`), as `make demo` is (testkit/interrupts.py)."""
+    (`make cluster | head`), as `make demo` is (testkit/interrupts.py); should it be SIGKILLed,
+    its processes die with it (the control plane's and the node daemons' parent-death signal,
+    the node holders killing what the nodes' cgroups hold) and the next run sweeps the rest."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m testkit.cluster",

@@ -291,8 +291,11 @@ class ControlPlane:
 
     def __init__(self, lab: Lab, bin_dir: Path, *, controllers: tuple[str, ...] = CONTROLLERS,
                  controller_args: tuple[str, ...] = (),
-                 apiserver_args: tuple[str, ...] = ()) -> None:
+                 apiserver_args: tuple[str, ...] = (), detach: bool = False) -> None:
+        """``detach``: its processes in sessions of their own, and SIGTERMed should this
+        process die (`Lab.popen`'s ``detach``: start them from the main thread)."""
         self.lab = lab
+        self.detach = detach
         self.bin = bin_dir
         self.controllers = controllers
         self.controller_args = controller_args
@@ -332,7 +335,7 @@ class ControlPlane:
             f"--service-account-private-key-file={self.pki.service_account_key}",
             "--secure-port=0", "--concurrent-service-endpoint-syncs=5", "-v=1",
             *self.controller_args,
-        ], log_name="kube-controller-manager.log")
+        ], log_name="kube-controller-manager.log", detach=self.detach)
         self.startup_seconds = time.monotonic() - started
         return self
 
@@ -346,14 +349,14 @@ class ControlPlane:
             self.bin / "kube-scheduler", f"--kubeconfig={config}",
             f"--authentication-kubeconfig={config}", f"--authorization-kubeconfig={config}",
             "--leader-elect=false", "--secure-port=0", "-v=1",
-        ], log_name="kube-scheduler.log")
+        ], log_name="kube-scheduler.log", detach=self.detach)
 
     def start_etcd(self) -> None:
         self.etcd = self.lab.popen(self.ns, [
             self.bin / "etcd", f"--data-dir={self.dir / 'etcd'}",
             "--listen-client-urls=http://127.0.0.1:2379",
             "--listen-peer-urls=http://127.0.0.1:2380",
-        ], log_name="etcd.log")
+        ], log_name="etcd.log", detach=self.detach)
         self._wait(lambda: self._port_open(2379), "etcd listening", self.etcd)
 
     def start_apiserver(self) -> None:
@@ -380,7 +383,7 @@ class ControlPlane:
             "--allow-privileged=true",
             "--profiling=false", "-v=1",
             *self.apiserver_args,
-        ], log_name=f"kube-apiserver-{self._apiserver_starts}.log")
+        ], log_name=f"kube-apiserver-{self._apiserver_starts}.log", detach=self.detach)
         self._wait(self._ready, "kube-apiserver /readyz", self.apiserver)
 
     def kill_apiserver(self) -> None:

@@ -63,6 +63,14 @@ def real_cluster_fixture() -> Iterator[RealCluster]:
     """The real two-node cluster with pyproxy deployed (testkit/cluster.py), once per test
     session: the smoke tests and upstream's Services conformance tests share it (about 90 s to
     bring up)."""
+    require_cluster_binaries()
+    with running_cluster(2) as cluster:
+        yield cluster
+
+
+def require_cluster_binaries() -> None:
+    """Skip (fail under CI) unless netns work and `make k8s` has built the real nodes'
+    binaries."""
     if not NETNS_USABLE:
         pytest.skip("needs root and `ip netns` (network namespaces)")
     bin_dir = binaries_dir()
@@ -73,5 +81,3 @@ def real_cluster_fixture() -> Iterator[RealCluster]:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
-    with running_cluster(2) as cluster:
-        yield cluster

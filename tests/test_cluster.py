@@ -10,6 +10,7 @@ reboot, ...) are `make cluster-drills`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -47,6 +48,73 @@ def http_get(netns: str, ip: str, port: int, path: str, timeout: float = 5.0) ->
         with urllib.request.urlopen(f"http://{ip}:{port}{path}", timeout=timeout) as answer:
             return str(answer.read().decode())
     return call_in_netns(netns, get, timeout=timeout + 5)
+
+
+def test_a_sigkilled_harness_leaves_no_process_behind(tmp_path: Path) -> None:
+    """`make cluster`'s harness SIGKILLed, so no teardown of its own runs: the control plane,
+    the kubelet and containerd (a parent-death signal) and the shims and containers (the
+    node's holder kills what its cgroups hold) die with it; the next run sweeps the
+    namespaces. They all used to live on. One node without pyproxy, first in this file so
+    that it is the only cluster up (about a minute)."""
+    import subprocess
+    import sys
+
+    from testkit.cluster import CGROUP_FS, _own_memory_cgroup, sweep_stale_cgroups
+    from testkit.fixtures import require_cluster_binaries
+    from testkit.netlab import _list_netns, _netns_pids, sweep_stale
+
+    require_cluster_binaries()
+    log = (tmp_path / "harness.log").open("w")
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "testkit.cluster", "run", "--keep", "--nodes=1", "--no-pyproxy",
+         "--prefix="], cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=log, text=True)
+    assert harness.stdout is not None
+    timer = threading.Timer(400, harness.kill)  # bounded, whatever happens
+    timer.start()
+    prefix = f"ppx-{harness.pid}-"
+    cgroups = CGROUP_FS / "pids" / _own_memory_cgroup().strip("/")
+
+    def lab_pids() -> dict[int, str]:
+        """Every process in the run's namespaces or below its nodes' cgroups, by name."""
+        pids = {pid for ns in _list_netns() if ns.startswith(prefix)
+                for pid in _netns_pids(ns)}
+        for procs in cgroups.glob(f"{prefix}*/**/cgroup.procs"):
+            with contextlib.suppress(OSError):
+                pids.update(int(p) for p in procs.read_text().split())
+        names = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                names[pid] = Path(f"/proc/{pid}/comm").read_text().strip()
+        return names
+
+    try:
+        seen = []
+        for line in harness.stdout:
+            seen.append(line)
+            if "Enter or Ctrl-C ends it." in line:
+                break
+        else:
+            pytest.fail("the cluster did not come up:\n" + "".join(seen)
+                        + (tmp_path / "harness.log").read_text()[-3000:])
+        # CoreDNS's pod has a shim and containers once the kubelet has started it.
+        wait_for(lambda: {"containerd-shim", "pause"} <= set(lab_pids().values()), 120,
+                 "a pod's shim and sandbox")
+        running = set(lab_pids().values())
+        assert {"etcd", "kube-apiserver", "kubelet", "containerd", "pause"} <= running, running
+        harness.kill()
+        harness.wait(10)
+        wait_for(lambda: not lab_pids(), 30, "every process of the cluster gone")
+        assert not list(cgroups.glob(f"{prefix}*"))  # the holder removed its node's cgroups
+    finally:
+        timer.cancel()
+        if harness.poll() is None:
+            harness.kill()
+            harness.wait(10)
+        log.close()
+        sweep_stale()  # the namespaces and the workdir of a dead run
+        sweep_stale_cgroups(_own_memory_cgroup())
+    assert not [ns for ns in _list_netns() if ns.startswith(prefix)]
 
 
 def test_pyproxy_runs_from_the_shipped_manifests_on_every_node(real_cluster: RealCluster) -> None:
