@@ -236,7 +236,8 @@ chaos: venv k8s
 #   make cluster-up         returns with it running; its last line is the admin kubeconfig
 #   make cluster-down       removes everything cluster-up made
 #   make cluster-drills     operations under load: rolling update, container killed, API
-#                           server restart, node reboot, kube-proxy migration, LB drain
+#                           server restart, node reboot, kube-proxy migration, LB drain;
+#                           figures in bench/results/cluster-drills-<commit>.json
 # kubectl and the other binaries are in `make -s k8s-path`.
 NODES ?= 2
 .PHONY: cluster cluster-up cluster-down cluster-drills

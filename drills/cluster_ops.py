@@ -3,7 +3,7 @@ running and their failed connections counted (the goal is 0 for each).
 
     .venv/bin/python -m drills.cluster_ops                  # all of them (about 10 minutes)
     .venv/bin/python -m drills.cluster_ops --only reboot    # those whose name contains "reboot"
-    .venv/bin/python -m drills.cluster_ops --json out.json
+    .venv/bin/python -m drills.cluster_ops --json out.json   # else bench/results/, below
 
 - rolling-update: pyproxy's DaemonSet to a new image tag;
 - container-killed: pyproxy's container SIGKILLed on a node (the kubelet restarts it; the rules
@@ -16,12 +16,18 @@ running and their failed connections counted (the goal is 0 for each).
   through the other nodes count as failures; the rebooted node's time to serve again is
   reported;
 - migration: kube-proxy's DaemonSet (kubeadm's, nftables mode) to pyproxy's following
-  docs/deploying.md step by step, and back;
+  docs/deploying.md step by step, and back with the commands of its "Back to kube-proxy" run
+  as written (bash, the cluster's kubectl): pyproxy's tables removed by `kubectl debug
+  node/NODE --profile=netadmin` with the image pyproxy's DaemonSet ran, `pyproxy cleanup`;
 - lb-drain: a prober outside the nodes does what cloud load balancers do (health checks of
   every node's /healthz for an eTP=Cluster Service and of the health-check node port for an
   eTP=Local one, clients sent only to nodes it sees healthy) while a node is drained for
   deletion (the ToBeDeletedByClusterAutoscaler taint, the node stopped, its Node deleted) and
   while pyproxy's DaemonSet rolls.
+
+The figures go to bench/results/cluster-drills-COMMIT.json (the commit checked out; a run of
+a selection, `--only X`, to cluster-drills-X-COMMIT.json), as the benchmarks' do: the README
+cites that file.
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
+import re
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 import urllib.request
@@ -56,6 +66,8 @@ from testkit.inproc import call_in_netns, http_probe
 from testkit.netlab import NETNS_USABLE
 
 NS = "ops"
+REPO = Path(__file__).resolve().parent.parent
+DEPLOYING = REPO / "docs" / "deploying.md"
 NODE_PORT = 30280
 LOCAL_NODE_PORT = 30281
 
@@ -292,19 +304,19 @@ def migration(cluster: RealCluster) -> OpResult:
                                           failures=dict(prober.report.failures))
             result.notes.append(f"to pyproxy: {forward.line()}; tables: "
                                 + ", ".join(f"{n.name}: {node_tables(n)}" for n in cluster.nodes))
-            # Back to kube-proxy, step 1 to 4.
-            cluster.kubectl("-n", "kube-system", "patch", "ds", "kube-proxy", "-p", json.dumps(
-                {"spec": {"template": {"spec": {"nodeSelector": {
-                    "pyproxy.io/run-kube-proxy": None}}}}}))
-            cluster.rollout("daemonset", "kube-proxy")
+            # Back to kube-proxy, steps 1 to 4: docs/deploying.md's own commands, run by bash
+            # with the cluster's kubectl; the drill waits where the reader would.
+            back = doc_steps(BACK_TO_KUBE_PROXY)
+            run_doc(cluster, back[1])  # kube-proxy back: unpark it, rollout status
             wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
                      "kube-proxy's table on every node")
-            cluster.kubectl("-n", "kube-system", "delete", "ds", "pyproxy")
+            image = run_doc(cluster, back[2] + '\nprintf "%s\\n" "$image"\n'
+                            ).stdout.splitlines()[-1]  # the image noted, the DaemonSet gone
+            result.notes.append(f"back to kube-proxy: pyproxy's tables removed by {image}")
             wait_for(lambda: not pyproxy_pods(cluster), 120, "pyproxy's pods gone")
-            for node in cluster.nodes:  # "as root on the node"
-                node.run(["nft", "delete", "table", "ip", "pyproxy"], check=False)
-                node.run(["nft", "delete", "table", "ip6", "pyproxy"], check=False)
-            cluster.kubectl("-n", "kube-system", "rollout", "restart", "ds/kube-proxy")
+            for node in cluster.nodes:  # `kubectl debug node/NODE ... -- pyproxy cleanup`
+                debug_cleanup(cluster, node, back[3], image)
+            run_doc(cluster, back[4])  # kube-proxy restarted
             cluster.rollout("daemonset", "kube-proxy")
             prober.settle(5.0)
         result.report = prober.report
@@ -320,6 +332,74 @@ def migration(cluster: RealCluster) -> OpResult:
             cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
                             "pyproxy", "cleanup", "--kube-proxy")
     return timed("migration", body)
+
+
+BACK_TO_KUBE_PROXY = "### Back to kube-proxy"
+
+
+def doc_steps(heading: str, doc: Path = DEPLOYING) -> dict[int, str]:
+    """A numbered procedure of docs/deploying.md: step number -> its first ```sh block."""
+    lines = doc.read_text(encoding="utf-8").splitlines()
+    steps: dict[int, str] = {}
+    step: int | None = None
+    block: list[str] | None = None
+    for line in lines[lines.index(heading) + 1:]:
+        if block is not None:
+            if line.strip() == "```":
+                if step is not None:
+                    steps.setdefault(step, textwrap.dedent("\n".join(block)) + "\n")
+                block = None
+            else:
+                block.append(line)
+        elif line.startswith("#"):
+            break  # the next section
+        elif match := re.match(r"(\d+)\. ", line):
+            step = int(match.group(1))
+        elif line.strip() == "```sh":
+            block = []
+    return steps
+
+
+def run_doc(cluster: RealCluster, script: str, **variables: str,
+            ) -> subprocess.CompletedProcess[str]:
+    """A shell block of the docs, as an operator runs it: bash, the cluster's kubectl first on
+    PATH, its admin kubeconfig; ``variables`` set before (a value an earlier step kept)."""
+    env = {**os.environ, "PATH": f"{cluster.bin}:{os.environ.get('PATH', '')}",
+           "KUBECONFIG": str(cluster.admin_kubeconfig()), **variables}
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], input="", env=env,
+                         capture_output=True, text=True, timeout=300, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"docs/deploying.md's\n{script}failed ({out.returncode}): "
+                           f"{out.stderr.strip()[-1500:]}")
+    return out
+
+
+def debug_cleanup(cluster: RealCluster, node: Any, command: str, image: str) -> None:
+    """"Back to kube-proxy", step 3 on one node: the docs' `kubectl debug node/NODE -it
+    --profile=netadmin --image="$image" -- pyproxy cleanup` (stdin no terminal, so no TTY).
+    kubectl does not pass the container's exit code on: the debug pod's status tells, and
+    pyproxy's tables must be gone from the node. The pod is deleted after."""
+    out = run_doc(cluster, command.replace("NODE", node.name), image=image)
+    match = re.search(r"Creating debugging pod (\S+) with container", out.stdout)
+    if match is None:
+        raise RuntimeError(f"kubectl debug node/{node.name}: no debugging pod in "
+                           f"{out.stdout.strip()!r} {out.stderr.strip()!r}")
+    namespace = "default"  # the admin kubeconfig's
+    pod = match.group(1)
+
+    def terminated() -> Any:
+        status = cluster.kube.core.read_namespaced_pod(pod, namespace).status
+        states = [c.state.terminated for c in status.container_statuses or []]
+        return states[0] if states and states[0] is not None else None
+    wait_for(terminated, 120, f"{pod} finished")
+    state = terminated()
+    if state.exit_code != 0:
+        logs = cluster.kubectl("-n", namespace, "logs", pod, check=False).stdout
+        raise RuntimeError(f"{pod}: pyproxy cleanup exited {state.exit_code}: {logs[-1500:]}")
+    if "pyproxy" in node_tables(node):
+        raise RuntimeError(f"{node.name}: pyproxy's tables still there after {pod}: "
+                           f"{node_tables(node)}")
+    cluster.kubectl("-n", namespace, "delete", "pod", pod, "--wait=false")
 
 
 def _pods(cluster: RealCluster, selector: str) -> list[Any]:
@@ -473,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[])
     parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--json")
+    parser.add_argument("--json", help="default: bench/results/cluster-drills-COMMIT.json "
+                        "(cluster-drills-ONLY-COMMIT.json with --only)")
     args = parser.parse_args(argv)
     if not NETNS_USABLE:
         print("cluster drills: needs root and `ip netns`", file=sys.stderr)
@@ -492,10 +573,29 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
     print(f"\ncluster drills: {len(results)} in {time.monotonic() - started:.0f} s\n")
     print(markdown(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) for r in results],
-                                              indent=2, default=str))
+    commit, dirty = git_commit()
+    out = Path(args.json) if args.json else results_path(commit, args.only)
+    out.write_text(json.dumps({
+        "commit": commit, "uncommitted_changes": dirty, "nodes": args.nodes,
+        "seconds": round(time.monotonic() - started, 1),
+        "operations": [dataclasses.asdict(r) for r in results]}, indent=2, default=str) + "\n")
+    print(f"\nfigures: {out}")
     return 0 if all(r.ok for r in results) else 1
+
+
+def git_commit() -> tuple[str, bool]:
+    """This checkout's commit (short) and whether it has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True,
+                              text=True, check=False).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") or "unknown", bool(git("status", "--porcelain"))
+
+
+def results_path(commit: str, only: Sequence[str] = ()) -> Path:
+    """Where `make cluster-drills` records its figures, as the benchmarks do theirs:
+    bench/results/cluster-drills-COMMIT.json; a selection's run names it."""
+    selection = "".join(re.sub(r"[^\w.]+", "_", o) + "-" for o in only)
+    return REPO / "bench" / "results" / f"cluster-drills-{selection}{commit}.json"
 
 
 if __name__ == "__main__":
