@@ -1111,13 +1111,34 @@ def ensure_image(recipe: Recipe) -> ImageArchive:
         _publish(recipe.build, target)
         log(f"{recipe.name}: {target.stat().st_size / 2**20:.1f} MiB in "
             f"{time.monotonic() - start:.1f} s")
-        # The same image's older archives (another tag, e.g. `make image IMAGE=...`, stays).
-        mine = re.compile(re.escape(target.name[:-len("0123456789abcdef.tar")])
-                          + r"[0-9a-f]{16}\.tar")
-        for old in target.parent.glob(f"{recipe.slug}-*.tar"):
-            if old != target and mine.fullmatch(old.name):
-                old.unlink()
+        for old in stale_archives(target, target.parent.glob(f"{recipe.slug}-*.tar"),
+                                  time.time()):
+            old.unlink(missing_ok=True)
     return ImageArchive(recipe.name, target)
+
+
+# Another checkout of another commit (a helper's worktree, a pinned bench or drill run) may
+# be importing its own archive of the same image right now: removing every other archive of
+# it made a cluster drill fail with "no such file" when a second checkout built its own.
+STALE_ARCHIVE_AGE = 24 * 3600.0
+
+
+def stale_archives(target: Path, candidates: Iterable[Path], now: float) -> list[Path]:
+    """The same image's other archives (same name and tag, another inputs key; another tag,
+    e.g. `make image IMAGE=...`, stays) untouched for STALE_ARCHIVE_AGE: old enough that no
+    running checkout still needs them."""
+    mine = re.compile(re.escape(target.name[:-len("0123456789abcdef.tar")])
+                      + r"[0-9a-f]{16}\.tar")
+    stale = []
+    for path in candidates:
+        if path == target or not mine.fullmatch(path.name):
+            continue
+        try:
+            if now - path.stat().st_mtime > STALE_ARCHIVE_AGE:
+                stale.append(path)
+        except FileNotFoundError:  # another checkout removed it meanwhile
+            continue
+    return stale
 
 
 def ensure_images(names: Iterable[str] | None = None, pyproxy_tag: str = PYPROXY,

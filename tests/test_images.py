@@ -364,3 +364,26 @@ def test_containerd_imports_and_runs_the_archives(cache: Path, tmp_path: Path) -
         # The snapshots are overlay mounts under root/: unmount before removing.
         subprocess.run(["umount", "-R", str(short / "root")], capture_output=True, check=False)
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_another_checkouts_recent_archive_is_kept(tmp_path: Path) -> None:
+    """Two checkouts of different commits share the cache: the other's archive of the same
+    image, built minutes ago, may be being imported into a cluster right now (a drill failed
+    with "no such file" when a second checkout built its own). Only archives untouched for a
+    day are removed, and never another tag's or another image's."""
+    now = 1_000_000.0
+    target = tmp_path / "pyproxy-0.1.0-aaaaaaaaaaaaaaaa.tar"
+
+    def archive(name: str, age: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"")
+        os.utime(path, (now - age, now - age))
+        return path
+
+    archive(target.name, 0)
+    recent = archive("pyproxy-0.1.0-bbbbbbbbbbbbbbbb.tar", 600)
+    old = archive("pyproxy-0.1.0-cccccccccccccccc.tar", images.STALE_ARCHIVE_AGE + 1)
+    other_tag = archive("pyproxy-dev-dddddddddddddddd.tar", images.STALE_ARCHIVE_AGE + 1)
+    gone = tmp_path / "pyproxy-0.1.0-eeeeeeeeeeeeeeee.tar"  # removed by another checkout
+    candidates = [target, recent, old, other_tag, gone]
+    assert images.stale_archives(target, candidates, now) == [old]
