@@ -309,6 +309,33 @@ def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
     wait(lambda: refl.status.watches > watches)
 
 
+def test_every_watch_connection_of_the_daemons_client_has_tcp_keepalive() -> None:
+    """A peer gone without a word (its host, a route, a load balancer's state) is found by
+    TCP keepalive as client-go's (30 s idle, 15 s apart, 9 probes), not by the read timeout,
+    which waits for the server's own end of the watch. The `kubernetes` client leaves it off
+    unless asked."""
+    import socket
+
+    from pyproxy.cluster.apiconnection import ApiConnection
+    from pyproxy.config import ProxyConfig
+    from pyproxy.run import _client_for
+
+    with ApiEmulator() as emu:
+        api = _client_for(ApiConnection(server=emu.url, source="test"), ProxyConfig())
+        try:
+            response = services_resource().list_function(api)(
+                watch=True, timeout_seconds=1, _request_timeout=(10, 10))
+            sock = response.connection.sock
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+            assert [sock.getsockopt(socket.IPPROTO_TCP, option) for option in (
+                socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL, socket.TCP_KEEPCNT)] == [30, 15, 9]
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)  # urllib3's own
+            response.close()
+            response.release_conn()
+        finally:
+            api.close()
+
+
 def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
     from pyproxy.cluster.watch import nodes_resource
 

@@ -16,6 +16,7 @@ client's loader (`ApiConnection.client_loader`): pyproxy does not reimplement th
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -40,6 +41,14 @@ SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 TOKEN_REREAD_SECONDS = 60.0
 # Users whose credentials only the `kubernetes` client's loader knows how to get.
 _CLIENT_LOADER_FIELDS = ("exec", "auth-provider", "username")
+# TCP keepalive as client-go dials the API server (k8s.io/client-go transport/cache.go: a 30 s
+# KeepAlive, which Go applies as 30 s idle, then probes 15 s apart, 9 of them): a connection
+# whose peer is gone without a word (its host down, a route or a load balancer's state lost)
+# fails ~165 s after its last byte, however long the watch's read timeout
+# (cluster/watch.py). The `kubernetes` client leaves keepalive off unless asked.
+KEEPALIVE_IDLE = 30
+KEEPALIVE_INTERVAL = 15
+KEEPALIVE_COUNT = 9
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -321,15 +330,28 @@ def _data_file(text: str, suffix: str) -> str:
     return path
 
 
+def keepalive_socket_options() -> list[tuple[int, int, int]]:
+    """urllib3's socket options for every connection to the API server: urllib3's own
+    (TCP_NODELAY; a list given replaces them) and TCP keepalive as client-go's."""
+    from urllib3.connection import HTTPConnection
+
+    return [*HTTPConnection.default_socket_options,
+            (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL),
+            (socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)]
+
+
 def client_configuration(connection: ApiConnection,
                          clock: Callable[[], float] = time.monotonic) -> Any:
     """A `kubernetes.client.Configuration` for the connection (`clock` times the token
-    file's re-reads)."""
+    file's re-reads), its connections with TCP keepalive."""
     from kubernetes import client
 
     configuration = client.Configuration()
+    configuration.socket_options = keepalive_socket_options()
     if connection.client_loader:
-        _load_with_client(connection, configuration)
+        _load_with_client(connection, configuration)  # sets no socket options
         return configuration
     configuration.host = connection.server
     configuration.ssl_ca_cert = connection.ca_file
