@@ -143,9 +143,10 @@ def watch_gone_storm(env: Env, duration: float = 5.0, period: float = 0.25,
 def stalled_watch(env: Env, stall: float = 4.0, wait_alone: bool = False,
                   bench: ApiBench | None = None) -> Result:
     """The daemon's watches go silent (no events, no bookmarks, the connection stays open).
-    `pyproxy run` has no flag for the reflector's read timeout (60 s): with wait_alone the
-    drill measures how long the daemon takes to notice a change on its own; otherwise it
-    checks the rules stay as they were, then un-stalls and measures the catch-up."""
+    `pyproxy run` has no flag for the reflector's read timeout (each watch's timeoutSeconds +
+    30 s: 330 to 630 s): with wait_alone the drill measures how long the daemon takes to
+    notice a change on its own; otherwise it checks the rules stay as they were, then
+    un-stalls and measures the catch-up."""
     r = Result("stalled-watch", f"watches silent for {stall:g} s (connection kept open), "
                "an endpoint change made meanwhile")
     with api_bench(env, bench, "stall") as b:
@@ -183,7 +184,8 @@ def stalled_watch(env: Env, stall: float = 4.0, wait_alone: bool = False,
         probe.finish()
         r.add_probe(probe)
         r.check(probe.failed == 0, f"{probe.failed} connections failed: {probe.tally()}")
-        r.figures["read timeout of `pyproxy run`"] = "150 s, not configurable (no flag)"
+        r.figures["read timeout of `pyproxy run`"] = ("the watch's timeoutSeconds + 30 s "
+                                                       "(330-630 s), not configurable (no flag)")
     return r
 
 

@@ -59,8 +59,9 @@ class TestApiServerFaults:
 
     def test_stalled_watch(self, env: d.Env, api: d.ApiBench) -> None:
         r = passed(d.stalled_watch(env, stall=2.0, bench=api))
-        # `pyproxy run` has no read-timeout flag: with its 150 s default a 2 s stall is not
-        # noticed (the long version measures how long it takes alone).
+        # `pyproxy run` has no read-timeout flag: with its default (the watch's
+        # timeoutSeconds + 30 s) a 2 s stall is not noticed (the long version measures how
+        # long it takes alone).
         assert r.figures["change seen during a 2 s stall"] == "no"
         assert r.failed == 0
 

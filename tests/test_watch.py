@@ -14,11 +14,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pyproxy.cluster import watch as watch_module
 from pyproxy.cluster.codec import JSON
 from pyproxy.cluster.watch import (
     JSON_MEDIA_TYPE,
+    MIN_WATCH_TIMEOUT,
     PROTOBUF_MEDIA_TYPE,
     SLICE_CODEC,
+    WATCH_READ_MARGIN,
     Backoff,
     Expired,
     Handler,
@@ -307,6 +310,76 @@ def test_stalled_watch_is_detected_and_resumed(emu: ApiEmulator,
     wait(lambda: "after-stall" in rec.names())
     # The relist after the timeout may deliver the object before the new watch starts.
     wait(lambda: refl.status.watches > watches)
+
+
+def test_a_watch_is_read_for_longer_than_the_server_keeps_it_open() -> None:
+    """A real API server may send nothing on a healthy watch of a kind nobody changes until
+    it ends the watch at its timeoutSeconds (cluster/watch.py's docstring): the client's read
+    timeout must not run out first. A fixed 150 s did, against timeoutSeconds of 300-600 s:
+    a warning and an error every 150 s for a quiet ServiceCIDR watch (and a flaky
+    test_quiet_watch_relists_zero_times). An explicit read_timeout stays as given."""
+    end = (b'{"type":"BOOKMARK","object":{"metadata":{"resourceVersion":"7",'
+           b'"annotations":{"k8s.io/initial-events-end":"true"}}}}\n')
+    asked: list[dict[str, Any]] = []
+
+    def watch(**kwargs: Any) -> Response:
+        asked.append(kwargs)
+        return Response([end])
+
+    for fixed in (None, 2.0):
+        asked.clear()
+        given = {} if fixed is None else {"read_timeout": fixed}  # the default, or fixed
+        refl = Reflector(None, Resource("Service", lambda _api: watch), Recorder().handle,
+                         lambda: None, threading.Event(), **given)
+        for _ in range(20):
+            refl._watch("1")  # a plain watch
+            refl._stream_list()  # a streamed list, read on as the watch
+            refl._held = None
+        for call in asked:
+            seconds, (_connect, read) = call["timeout_seconds"], call["_request_timeout"]
+            assert MIN_WATCH_TIMEOUT <= seconds < 2 * MIN_WATCH_TIMEOUT
+            assert read == (fixed or seconds + WATCH_READ_MARGIN)
+        assert len({call["timeout_seconds"] for call in asked}) > 1  # still jittered
+
+
+def test_a_silent_watch_is_ended_by_the_server_and_a_hung_one_by_the_read_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No bookmarks (a quiet kind on a real API server): every watch is silent until the
+    server ends it at its timeoutSeconds (2 or 3 s here), and none is given up by the client
+    before. A server that hangs with the connection open (stalled) is still left: at the
+    watch's timeoutSeconds + the margin (2 s here), then resumed, not relisted."""
+    monkeypatch.setattr(watch_module, "WATCH_READ_MARGIN", 2.0)
+    recorder, stop = Recorder(), threading.Event()
+    with ApiEmulator(bookmark_interval=3600.0) as emu:
+        emu.create("services", service("quiet"))
+        refl = Reflector(emu.api_client(), services_resource(), recorder.handle,
+                         recorder.synced.set, stop, watch_timeout=2)
+        refl._backoff.initial, refl._backoff.cap = 0.05, 0.2  # fast retries in tests
+        thread = threading.Thread(target=refl.run, daemon=True)
+        thread.start()
+        try:
+            assert recorder.synced.wait(5)
+            # two whole silent watches, each ended by the server, and a third one
+            wait(lambda: emu.count("watch", "services") >= 3, timeout=15)
+            assert refl.status.errors == 0, refl.status.last_error
+            assert refl.status.events == 0  # silent: no event, no bookmark
+            emu.stall_watches(True)  # now the server hangs: its watches never end
+            stalled = time.monotonic()
+            wait(lambda: refl.status.errors >= 1, timeout=15)
+            # left at its timeoutSeconds + the margin (4 or 5 s) after its last byte, which
+            # came before the stall began (3 s of slack for a busy machine)
+            assert time.monotonic() - stalled <= 5.0 + 3.0
+            assert "timed out" in refl.status.last_error, refl.status.last_error
+            emu.stall_watches(False)
+            emu.create("services", service("after"))
+            wait(lambda: "after" in recorder.names())
+            assert refl.status.lists == 1  # resumed from its position
+        finally:
+            stop.set()
+            emu.stall_watches(False)
+            emu.drop_connections()
+            thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_every_watch_connection_of_the_daemons_client_has_tcp_keepalive() -> None:

@@ -18,7 +18,6 @@ from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_item
 from pyproxy.cluster.watch import (
     JSON_MEDIA_TYPE,
     MIN_WATCH_TIMEOUT,
-    WATCH_READ_TIMEOUT,
     Reflector,
     WatchStatus,
     endpoint_slices_resource,
@@ -160,7 +159,7 @@ class ApiSource:
     node_name: str
     stop: threading.Event
     watch_timeout: int = MIN_WATCH_TIMEOUT
-    read_timeout: float = WATCH_READ_TIMEOUT
+    read_timeout: float | None = None  # None: each watch's timeoutSeconds + a margin
     reflectors: list[Reflector] = field(default_factory=list)
     service_cidrs: bool = True
     # clientConnection.contentType (cluster/watch.py: protobuf on plain watches)

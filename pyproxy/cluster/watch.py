@@ -8,14 +8,28 @@ reads the watch stream's lines itself.
 Behaviour, as a Kubernetes informer's:
 - list, hand every object to the handler, report "synced" once;
 - watch from the list's resourceVersion with bookmarks; every event moves the position on;
-- a stream that ends (server timeout, dropped connection, nothing read for read_timeout) is
-  resumed from the last position it delivered (an event's or a bookmark's, not the one the
-  watch started from): only 410 Gone (history compacted, or an API server restarted since)
-  lists again, after the backoff's next step (below), and reconciles
-  (objects gone meanwhile are reported deleted). A real API server sends a
-  bookmark on a quiet watch only "roughly every minute", so the client's read timeout
-  (150 s) sits well above that; the server ends each watch after timeoutSeconds, drawn
-  between 5 and 10 minutes as client-go does so that many nodes do not reconnect in step;
+- a stream that ends (server timeout, dropped connection, nothing read for the read
+  timeout) is resumed from the last position it delivered (an event's or a bookmark's, not
+  the one the watch started from): only 410 Gone (history compacted, or an API server
+  restarted since) lists again, after the backoff's next step (below), and reconciles
+  (objects gone meanwhile are reported deleted);
+- the server ends each watch after timeoutSeconds, drawn between 5 and 10 minutes as
+  client-go does so that many nodes do not reconnect in step. Until then a healthy watch of
+  a kind nobody changes may stay silent: the watch cache sends a bookmark only with a
+  resourceVersion newer than the watch's (k8s.io/apiserver v0.37.2,
+  storage/cacher/cache_watcher.go `process`; the "about once a minute" of its bookmark
+  timer is when it may, not when it will), and the cache of such a kind learns of newer
+  etcd revisions only from a progress notification on its own etcd watch (every resource's
+  storage has its own etcd client): requested when a consistent list of that kind waits for
+  it, or etcd's own every 10 minutes. So the read timeout of a watch is its timeoutSeconds +
+  WATCH_READ_MARGIN: a quiet but healthy watch is ended by the server, never by the client
+  (the fixed 150 s this had ended the ServiceCIDR watch of a quiet cluster, or any quiet
+  kind's, with a read timeout: a warning and an error counted every 150 s); an API server
+  that hangs with the connection open is still left after that long. A peer that is gone
+  (its host, a route, a load balancer's state) is found sooner by TCP keepalive, which
+  every connection of pyproxy's client has (cluster/apiconnection.py: client-go's 30 s,
+  ~165 s to give up). client-go has no read timeout on a watch at all: it relies on the
+  same server timeout and HTTP/2 pings;
 - lists are read in pages (`limit`/`continue`, client-go's 500): a 10k-object list in one
   piece decodes into ~300 MB of dicts at once, and the converted objects scattered among
   them keep that memory from going back; page by page the peak is one page. A continue
@@ -54,10 +68,13 @@ log = structlog.get_logger(__name__)
 LIST_PAGE_SIZE = 500
 # client-go's reflector asks for timeoutSeconds = minWatchTimeout × (1 + rand), 5 to 10 min.
 MIN_WATCH_TIMEOUT = 300
-# The API server sends a bookmark on a quiet watch about once a minute (not exactly: the
-# timer is checked when the cacher dispatches); a stream silent for 2.5 such intervals is
-# stalled. client-go has HTTP/2 pings for this; urllib3 speaks HTTP/1.1 and has only this.
-WATCH_READ_TIMEOUT = 150.0
+# A watch's read timeout is its timeoutSeconds + this (the module's docstring says why): the
+# server ends a healthy watch at timeoutSeconds from its start, which is before the client's
+# read timeout, counted from the last byte read, can run out; the margin is for a loaded
+# server or node finishing the response late. Only a stream silent past it is stalled.
+WATCH_READ_MARGIN = 30.0
+# The connect timeout of every request.
+CONNECT_TIMEOUT = 10.0
 # handler(key, object or None for a deletion); the object as the resource's codec decodes it
 Handler = Callable[[ObjectKey, Any | None], None]
 
@@ -290,7 +307,7 @@ class Reflector:
     def __init__(self, api_client: Any, resource: Resource, handler: Handler,
                  on_synced: Callable[[], None], stop: threading.Event,
                  watch_timeout: int = MIN_WATCH_TIMEOUT,
-                 read_timeout: float = WATCH_READ_TIMEOUT,
+                 read_timeout: float | None = None,
                  page_size: int = LIST_PAGE_SIZE, watch_list: bool = True,
                  small_list: int = SMALL_LIST, content_type: str = JSON_MEDIA_TYPE) -> None:
         self.api_client = api_client
@@ -301,7 +318,9 @@ class Reflector:
         # The server closes a watch after this to twice this (jittered per watch); a fresh one
         # resumes from the last position.
         self.watch_timeout = watch_timeout
-        # A stream silent for longer (not even a bookmark) is considered stalled.
+        # A watch silent for longer (not even a bookmark) is considered stalled. None: each
+        # watch's timeoutSeconds + WATCH_READ_MARGIN (a fixed one is for tests and drills of
+        # stall detection).
         self.read_timeout = read_timeout
         self.page_size = page_size
         # Ask for a streamed list first; False once the server has refused one.
@@ -369,6 +388,15 @@ class Reflector:
             kwargs["field_selector"] = self.resource.field_selector
         return fn(_preload_content=False, **kwargs)
 
+    def _watch_timeouts(self) -> dict[str, Any]:
+        """The timeouts of the next watch: timeoutSeconds as client-go's reflector draws it,
+        and the client's (connect, read) timeout, the read one above timeoutSeconds."""
+        seconds = int(self.watch_timeout * (1 + random.random()))
+        read = self.read_timeout
+        if read is None:
+            read = seconds + WATCH_READ_MARGIN
+        return {"timeout_seconds": seconds, "_request_timeout": (CONNECT_TIMEOUT, read)}
+
     def _reading(self, response: Any) -> tuple[Codec, Iterator[bytes]]:
         """How to read a watch response, by its Content-Type: JSON lines, or the
         length-prefixed frames of a protobuf watch."""
@@ -418,9 +446,7 @@ class Reflector:
         try:
             response = self._call(
                 watch=True, send_initial_events=True, resource_version_match="NotOlderThan",
-                allow_watch_bookmarks=True,
-                timeout_seconds=int(self.watch_timeout * (1 + random.random())),
-                _request_timeout=(10, self.read_timeout))
+                allow_watch_bookmarks=True, **self._watch_timeouts())
         except Exception as err:
             if getattr(err, "status", None) in (400, 422):
                 raise WatchListRefused(str(err)) from err
@@ -536,7 +562,7 @@ class Reflector:
               token: str) -> tuple[Mapping[str, Any], list[Any], float, float]:
         """One page (its metadata and items), the seconds spent waiting for it (request and
         transfer) and those spent decoding it."""
-        kwargs: dict[str, Any] = {"_request_timeout": (10, 120)}
+        kwargs: dict[str, Any] = {"_request_timeout": (CONNECT_TIMEOUT, 120)}
         if limit:
             kwargs["limit"] = limit
         if token:
@@ -568,8 +594,7 @@ class Reflector:
             try:
                 response = self._call(
                     watch=True, resource_version=version, allow_watch_bookmarks=True,
-                    timeout_seconds=int(self.watch_timeout * (1 + random.random())),
-                    _request_timeout=(10, self.read_timeout), **accept,
+                    **self._watch_timeouts(), **accept,
                 )
             except Exception as err:
                 # A server whose watch cache starts after our position (restarted, or
