@@ -31,6 +31,13 @@ missing=()
 for name in "${binaries[@]}"; do
   [[ -x "$bin/$name" ]] || missing+=("$name")
 done
+# An e2e.test that does not say the release is rebuilt: an unstamped one (v0.0.0-master, as
+# one built without the flags below says) makes the suite pick fixtures by the wrong version
+# (Pod Security's restricted/v0.0 for PodCertificate's mTLS test) and log the wrong one.
+if [[ -x "$bin/e2e.test" ]] && [[ "$("$bin/e2e.test" --version 2>/dev/null)" != "$release" ]]; then
+  echo "make k8s: $bin/e2e.test says $("$bin/e2e.test" --version 2>/dev/null), not $release: rebuilding it" >&2
+  missing+=(e2e.test)
+fi
 if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
@@ -76,7 +83,10 @@ for name in "${missing[@]}"; do
     mv "$tmp/$name" "$bin/$name.partial"
     rm -rf "$tmp"
   elif [[ "$name" == e2e.test ]]; then
+    # `go test -c` takes the same -X stamps (the test binary links k8s.io/component-base).
     go test -c "${flags[@]}" -o "$bin/$name.partial" "$package"
+    stamped="$("$bin/$name.partial" --version)"
+    [[ "$stamped" == "$release" ]] || { echo "make k8s: e2e.test says $stamped, not $release" >&2; exit 1; }
   else
     go build "${flags[@]}" -o "$bin/$name.partial" "$package"
   fi
