@@ -114,6 +114,11 @@ class Pki:
     scheduler_key: Path
     kubelet_client: Path  # the API server's identity towards kubelets (logs, exec)
     kubelet_client_key: Path
+    # The aggregation layer's, as kubeadm makes them: a CA of its own (extension API servers
+    # trust the request headers of a client it signed) and the API server's client of it.
+    front_proxy_ca: Path
+    front_proxy_client: Path
+    front_proxy_client_key: Path
 
 
 def _openssl(*args: str) -> None:
@@ -166,8 +171,17 @@ def make_pki(pki_dir: Path) -> Pki:
     kubelet_client, kubelet_client_key = _issue(
         pki_dir, ca, ca_key, "apiserver-kubelet-client",
         "/O=kubeadm:cluster-admins/CN=kube-apiserver-kubelet-client", client)
+    front_ca_key, front_ca = pki_dir / "front-proxy-ca.key", pki_dir / "front-proxy-ca.crt"
+    _ec_key(front_ca_key)
+    _openssl("req", "-new", "-x509", "-key", str(front_ca_key), "-out", str(front_ca), "-days",
+             "2", "-subj", "/CN=front-proxy-ca", "-addext", "basicConstraints=critical,CA:TRUE",
+             "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+    front_client, front_client_key = _issue(pki_dir, front_ca, front_ca_key,
+                                            "front-proxy-client", "/CN=front-proxy-client",
+                                            client)
     return Pki(ca, ca_key, server, server_key, admin, admin_key, kcm, kcm_key, sa_key,
-               sa_public, scheduler, scheduler_key, kubelet_client, kubelet_client_key)
+               sa_public, scheduler, scheduler_key, kubelet_client, kubelet_client_key,
+               front_ca, front_client, front_client_key)
 
 
 def issue_client(pki: Pki, name: str, subject: str) -> tuple[Path, Path]:
@@ -381,6 +395,17 @@ class ControlPlane:
             "--kubelet-preferred-address-types=InternalIP,Hostname",
             # kube-proxy's own DaemonSet (kubeadm's) runs privileged.
             "--allow-privileged=true",
+            # The aggregation layer, as kubeadm configures it: kube-apiserver proxies to an
+            # extension API server (an APIService's Service) as front-proxy-client, whose
+            # request headers the extension trusts from the front proxy's CA (it reads them
+            # from kube-system/extension-apiserver-authentication).
+            f"--requestheader-client-ca-file={self.pki.front_proxy_ca}",
+            "--requestheader-allowed-names=front-proxy-client",
+            "--requestheader-username-headers=X-Remote-User",
+            "--requestheader-group-headers=X-Remote-Group",
+            "--requestheader-extra-headers-prefix=X-Remote-Extra-",
+            f"--proxy-client-cert-file={self.pki.front_proxy_client}",
+            f"--proxy-client-key-file={self.pki.front_proxy_client_key}",
             "--profiling=false", "-v=1",
             *self.apiserver_args,
         ], log_name=f"kube-apiserver-{self._apiserver_starts}.log", detach=self.detach)
