@@ -98,6 +98,15 @@ KUBELET_TUNABLES = {
 }
 CGROUP_FS = Path("/sys/fs/cgroup")
 NODE_READY_TIMEOUT = 120.0
+# The control plane's own node (RealCluster's control_plane_node), as kind's and kubeadm's:
+# tainted, so only what tolerates every taint (the proxy's DaemonSet) runs there.
+CONTROL_PLANE_NODE = "control-plane"
+CONTROL_PLANE_ROLE = "node-role.kubernetes.io/control-plane"
+# The mirror of registry.k8s.io (RealCluster's mirror): distribution's registry on the fabric's
+# gateway, holding the images built here; every node's containerd resolves registry.k8s.io
+# there first, so a pull with policy Always finds what the node already has.
+MIRROR = f"{GATEWAY}:5000"
+MIRRORED = "registry.k8s.io"
 
 
 class ClusterError(RuntimeError):
@@ -226,11 +235,13 @@ def sweep_stale_cgroups(base: str, fixed_prefix: str | None = None) -> list[str]
 class NodeSpec:
     name: str
     index: int  # 1, 2, ...: the pod CIDR 10.244.<index>.0/24, address .10+index
-    zone: str
+    zone: str  # "": no zone label
+    address: str = ""  # its address on the bridge, when not .10+index (the control plane's)
+    taints: tuple[str, ...] = ()  # key:effect, registered by its kubelet
 
     @property
     def ip(self) -> str:
-        return str(FABRIC.network_address + 10 + self.index)
+        return self.address or str(FABRIC.network_address + 10 + self.index)
 
     @property
     def pod_cidr(self) -> str:
@@ -238,14 +249,15 @@ class NodeSpec:
 
 
 class RealNode:
-    """A worker node: network + mount namespaces, containerd, a kubelet."""
+    """A node: network + mount namespaces, containerd, a kubelet. ``ns``: an existing network
+    namespace to be the node's (the control plane's, for its node), else a new one."""
 
-    def __init__(self, cluster: RealCluster, spec: NodeSpec) -> None:
+    def __init__(self, cluster: RealCluster, spec: NodeSpec, ns: Netns | None = None) -> None:
         self.cluster, self.spec = cluster, spec  # made and started from the main thread
         self.lab = cluster.lab
         self.dir = self.lab.workdir / "nodes" / spec.name
         self.dir.mkdir(parents=True)
-        self.ns: Netns = self.lab.add_ns(spec.name, router=True)
+        self.ns: Netns = ns if ns is not None else self.lab.add_ns(spec.name, router=True)
         self.cgroup = Cgroup(f"{cluster.cgroup_base}/{self.lab.prefix}{spec.name}").create()
         self.system = self.cgroup.child("system").create()
         self.holder: subprocess.Popen[str] | None = None
@@ -332,6 +344,11 @@ class RealNode:
         (c / "root").mkdir(parents=True, exist_ok=True)
         (self.dir / "cni" / "net.d").mkdir(parents=True, exist_ok=True)
         (c / "config.toml").write_text(containerd_config(self.dir, self.cluster.images_pause))
+        if self.cluster.mirror:
+            hosts = c / "certs.d" / MIRRORED / "hosts.toml"
+            hosts.parent.mkdir(parents=True, exist_ok=True)
+            hosts.write_text(f'server = "https://{MIRRORED}"\n\n[host."http://{MIRROR}"]\n'
+                             '  capabilities = ["pull", "resolve"]\n')
         (self.dir / "cni" / "net.d" / "10-ptp.conflist").write_text(
             json.dumps(cni_config(self.spec.pod_cidr, self.dir / "cni" / "ipam"), indent=1))
         (self.dir / "resolv.conf").write_text(f"nameserver {GATEWAY}\n")
@@ -362,12 +379,13 @@ class RealNode:
                 raise ClusterError(f"{self.name}: importing {archive}: {out.stderr.strip()}")
 
     def start_kubelet(self) -> None:
+        labels = ([f"--node-labels=topology.kubernetes.io/zone={self.spec.zone}"]
+                  if self.spec.zone else [])
         self.kubelet = self._popen([
             str(self.cluster.bin / "kubelet"), f"--config={self.dir / 'kubelet.yaml'}",
             f"--kubeconfig={self.dir / 'kubelet.kubeconfig'}",
             f"--hostname-override={self.name}", f"--node-ip={self.spec.ip}",
-            f"--root-dir={self.dir / 'kubelet'}",
-            f"--node-labels=topology.kubernetes.io/zone={self.spec.zone}", "-v=1",
+            f"--root-dir={self.dir / 'kubelet'}", *labels, "-v=1",
         ], "kubelet.log")
 
     def start(self, archives: Sequence[Path]) -> None:
@@ -441,6 +459,9 @@ state = "{c / 'state'}"
   snapshotter = "overlayfs"
   [plugins.'io.containerd.cri.v1.images'.pinned_images]
     sandbox = "{pause_image}"
+  # Registry hosts (hosts.toml): registry.k8s.io's mirror when the cluster has one.
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = "{c / 'certs.d'}"
 
 [plugins.'io.containerd.cri.v1.runtime']
   enable_selinux = false
@@ -506,6 +527,8 @@ def kubelet_config(node: RealNode, serving: Path, serving_key: Path) -> dict[str
         "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
         "nodeStatusUpdateFrequency": "4s", "syncFrequency": "10s",
         "fileCheckFrequency": "5s", "maxPods": 60,
+        "registerWithTaints": [{"key": key, "effect": effect} for key, _, effect
+                               in (taint.rpartition(":") for taint in node.spec.taints)],
     }
 
 
@@ -524,6 +547,14 @@ class RealCluster:
     pyproxy_image: str = ""
     up_seconds: float = 0.0
     cgroup_base: str = field(default_factory=_own_memory_cgroup)
+    # The control plane's namespace a node too (a kubelet and containerd there), so that the
+    # proxy's DaemonSet programs it and kube-apiserver reaches Services (webhooks, aggregated
+    # APIs) at their ClusterIP through the proxy under test, as on kind's control-plane node.
+    control_plane_node: bool = False
+    control_plane: RealNode | None = None
+    # A mirror of registry.k8s.io serving the images built here (MIRROR), for the tests that
+    # pull with policy Always (no registry answers on this machine otherwise).
+    mirror: bool = False
     net: Netns = field(init=False)
     outside: Netns = field(init=False)
 
@@ -552,6 +583,8 @@ class RealCluster:
         self.images = built.ensure_images()
         self.images_pause = built.PAUSE
         self._fabric()
+        if self.mirror:
+            self.start_mirror()
         # Detached: a Ctrl-C at the terminal reaches this process only, which tears down in
         # order, and the control plane dies with this process should it be SIGKILLed.
         self.plane = ControlPlane(self.lab, self.bin, controllers=("*",),
@@ -566,6 +599,10 @@ class RealCluster:
                  for i in range(self.node_count)]
         for spec in specs:
             self.add_node(spec)
+        if self.mirror:
+            self.fill_mirror(self.nodes[0])
+        if self.control_plane_node:
+            self.add_control_plane_node()
         self.wait_nodes_ready()
         self.deploy_coredns()
         return self
@@ -579,6 +616,38 @@ class RealCluster:
         self.lab.link(self.net, self.outside, [f"{OUTSIDE_NET[0]}/24"], [f"{OUTSIDE_NET[1]}/24"],
                       if_b="eth0")
         self.lab.add_route(self.outside, "default", via=OUTSIDE_NET[0])
+
+    def start_mirror(self) -> None:
+        """distribution's registry (make k8s builds it) in ``net``, at the gateway's address
+        every node reaches, storing in the lab's folder."""
+        folder = self.lab.workdir / "mirror"
+        folder.mkdir()
+        config = folder / "config.yml"
+        config.write_text(yaml.safe_dump({
+            "version": 0.1, "log": {"level": "warn", "accesslog": {"disabled": True}},
+            "storage": {"filesystem": {"rootdirectory": str(folder / "storage")}},
+            "http": {"addr": MIRROR},
+        }))
+        # No OpenTelemetry exporter (it would post traces to localhost:4318 every few s).
+        proc = self.lab.popen(self.net, [str(self.bin / "registry"), "serve", str(config)],
+                              log_name="mirror.log", detach=True,
+                              env={**os.environ, "OTEL_TRACES_EXPORTER": "none"})
+        wait_for(lambda: proc.poll() is None and self.lab.run(
+            self.net, ["curl", "-sf", "-o", "/dev/null", f"http://{MIRROR}/v2/"],
+            check=False).returncode == 0, 30, f"the registry answering (log: "
+            f"{self.lab.workdir / 'mirror.log'})", interval=0.2)
+
+    def fill_mirror(self, node: RealNode) -> None:
+        """Every registry.k8s.io image built here, pushed to the mirror from a node's
+        containerd (blobs the mirror has are skipped: the agnhost-based images share theirs)."""
+        for archive in self.images:
+            if not archive.name.startswith(f"{MIRRORED}/"):
+                continue
+            remote = f"{MIRROR}/{archive.name.removeprefix(MIRRORED + '/')}"
+            out = node.ctr("images", "push", "--plain-http", remote, archive.name)
+            if out.returncode != 0:
+                raise ClusterError(f"pushing {archive.name} to the mirror: "
+                                   f"{out.stderr.strip()[-1000:]}")
 
     def _join(self, ns: Netns, ip: str) -> None:
         """A namespace on the bridge, with its default route via net."""
@@ -606,13 +675,39 @@ class RealCluster:
                                                          "podCIDRs": [spec.pod_cidr]}})
         return node
 
+    def add_control_plane_node(self) -> RealNode:
+        """The control plane's namespace as a node, after the workers: a kubelet there with
+        the control plane's address, tainted NoSchedule and labelled with its role (as kubeadm
+        does), holding only the images of what runs there (the proxies' DaemonSets, which
+        tolerate every taint). Its pod CIDR is 10.244.0.0/24, routed by the fabric and every
+        node as a worker's; the control plane already routes every worker's pod CIDR, so the
+        traffic the proxy there DNATs to a pod reaches it."""
+        from testkit import images as built
+
+        spec = NodeSpec(CONTROL_PLANE_NODE, 0, "", address=CP_IP,
+                        taints=(f"{CONTROL_PLANE_ROLE}:NoSchedule",))
+        node = RealNode(self, spec, ns=self.plane.ns)
+        self.control_plane = node
+        self.lab.add_route(self.net, spec.pod_cidr, via=spec.ip)
+        for worker in self.nodes:
+            self.lab.add_route(worker.ns, spec.pod_cidr, via=spec.ip)
+        wanted = {built.PAUSE, built.PYPROXY, built.KUBE_PROXY}
+        node.start([archive.path for archive in self.images if archive.name in wanted])
+        wait_for(lambda: self._node_exists(spec.name), NODE_READY_TIMEOUT,
+                 f"{spec.name} registered")
+        self.kube.core.patch_node(spec.name, {
+            "metadata": {"labels": {CONTROL_PLANE_ROLE: ""}},
+            "spec": {"podCIDR": spec.pod_cidr, "podCIDRs": [spec.pod_cidr]}})
+        return node
+
     def _node_exists(self, name: str) -> bool:
         return any(n.metadata.name == name for n in self.kube.core.list_node().items)
 
     def wait_nodes_ready(self, timeout: float = NODE_READY_TIMEOUT) -> None:
         def ready() -> bool:
             nodes = self.kube.core.list_node().items
-            return len(nodes) >= len(self.nodes) and all(
+            count = len(self.nodes) + (self.control_plane is not None)
+            return len(nodes) >= count and all(
                 any(c.type == "Ready" and c.status == "True" for c in n.status.conditions or [])
                 for n in nodes)
         wait_for(ready, timeout, "every node Ready")
@@ -689,6 +784,8 @@ class RealCluster:
                      f"--timeout={int(timeout)}s", timeout=timeout + 10)
 
     def close(self) -> None:
+        if self.control_plane is not None:
+            self.control_plane.close()
         for node in reversed(self.nodes):
             node.close()
 
@@ -696,14 +793,18 @@ class RealCluster:
 @contextlib.contextmanager
 def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True, prefix: str | None = None,
                     before_teardown: Callable[[], None] | None = None,
-                    ) -> Iterator[RealCluster]:
+                    control_plane_node: bool = False,
+                    mirror: bool = False) -> Iterator[RealCluster]:
     """A cluster for a test, a drill or `make cluster`, torn down on the way out, also when
     it failed to come up half-way (a node's processes live in its cgroups, not in the lab).
-    ``before_teardown`` runs first on the way out (`make cluster`: signals held off)."""
+    ``before_teardown`` runs first on the way out (`make cluster`: signals held off);
+    ``control_plane_node``: the control plane's namespace is a node too; ``mirror``: a mirror
+    of registry.k8s.io (RealCluster's)."""
     from testkit.controlplane import binaries_dir
 
     with Lab(prefix=prefix) as lab:
-        cluster = RealCluster(lab, binaries_dir(), nodes)
+        cluster = RealCluster(lab, binaries_dir(), nodes,
+                              control_plane_node=control_plane_node, mirror=mirror)
         try:
             yield cluster.start(with_pyproxy)
         finally:
@@ -873,6 +974,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
     # Tests: "" names the namespaces and cgroups after this process (ppx-PID-...), so a run
     # does not take `make cluster`'s names and lock.
     parser.add_argument("--prefix", default=LAB_PREFIX, help=argparse.SUPPRESS)
+    parser.add_argument("--control-plane-node", action="store_true",
+                        help="the control plane's namespace a node too (tainted), where the "
+                        "proxy's DaemonSet runs, so that kube-apiserver reaches Services (as "
+                        "make conformance runs it)")
+    parser.add_argument("--mirror", action="store_true",
+                        help="a mirror of registry.k8s.io serving the images built here (for "
+                        "pulls with policy Always, as make conformance runs it)")
     args = parser.parse_args(argv)
     from testkit.controlplane import binaries_dir
 
@@ -885,7 +993,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     try:
         with running_cluster(args.nodes, with_pyproxy=not args.no_pyproxy,
                              prefix=args.prefix or None,
-                             before_teardown=_tearing_down) as cluster:
+                             before_teardown=_tearing_down,
+                             control_plane_node=args.control_plane_node,
+                             mirror=args.mirror) as cluster:
             config = cluster.admin_kubeconfig()
             say(cluster.kubectl("get", "nodes,pods", "-A", "-o", "wide").stdout)
             say(f"cluster up in {cluster.up_seconds:.0f} s; kubectl from "
@@ -927,6 +1037,10 @@ def _up_detached(args: Any) -> int:
     argv = [sys.executable, "-m", "testkit.cluster", "serve", f"--nodes={args.nodes}"]
     if args.no_pyproxy:
         argv.append("--no-pyproxy")
+    if args.control_plane_node:
+        argv.append("--control-plane-node")
+    if args.mirror:
+        argv.append("--mirror")
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True,

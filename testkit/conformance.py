@@ -10,7 +10,11 @@ control plane. The suite runs inside the cluster's ``outside`` namespace: it rea
 server's real address and every node's address (NodePort tests connect from the test
 process), as a test runner beside a real cluster does. Every image the selected tests use is
 already in every node's containerd under the name test/utils/image expects
-(testkit/images.py), so nothing is pulled.
+(testkit/images.py); a pull with policy Always goes to registry.k8s.io's mirror, which holds the
+same images (RealCluster's mirror). The control plane's namespace is a node too, where the
+proxy's DaemonSet runs, so kube-apiserver reaches webhooks and aggregated API servers at their
+Services' ClusterIPs through the proxy under test, as on kind's control-plane node (RealCluster's
+control_plane_node). Both proxies' runs use the same cluster setup.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from testkit.cluster import RealCluster, running_cluster
-from testkit.controlplane import API_IP, binaries_dir, kubeconfig, write_kubeconfig
+from testkit.controlplane import (
+    API_IP,
+    binaries_dir,
+    kubeconfig,
+    wait_for,
+    write_kubeconfig,
+)
 
 # Upstream's nftables jobs (kind, kube-proxy in nftables mode): this focus and skip.
 FOCUS = r"\[sig-network\]|\[Conformance\]"
@@ -55,20 +65,12 @@ LAB_LIMITS = (
     (r"should support configurable pod resolv.conf", "the agnhost built for that run lacked "
      "upstream's /coredns, which the test runs in an agnhost pod (added in 53953ef; run alone "
      "since, it passed with both proxies)"),
-    (r"ImageVolume should succeed with pod and pull policy of Always", "its image volume is "
-     "pulled with policy Always, so containerd asks registry.k8s.io for kitten:1.8 (no registry "
-     "answers here: ErrImagePull) though every node has the one built here, which mounts and "
-     "serves its data.json with policy IfNotPresent; and it expects Alpine's /etc/os-release "
-     "in that image, where the kitten built here (on this lab's agnhost) has Debian's"),
-    (r"should allow server and client pods to establish an mTLS connection", "e2e.test here "
-     "says it is v0.0.0-master (no version stamps), so the Pod Security fixture it asks for, "
-     "restricted/v0.0, does not exist and it fails at once; past that, its pods pull agnhost "
-     "with policy Always from registry.k8s.io, which no registry answers here"),
-    (r"AdmissionWebhook|CustomResourceConversionWebhook|Aggregator Should be able to support",
-     "kube-apiserver calls a webhook's or an aggregated API's Service at its ClusterIP (its "
-     "default service resolver, no --enable-aggregator-routing), and this lab's control plane "
-     "runs outside the nodes with no proxy and no route to the Service CIDR (`connect: network "
-     "is unreachable`); kind runs it on a node with the proxy"),
+    (r"ImageVolume should succeed with pod and pull policy of Always", "it reads "
+     "/etc/os-release from its kitten:1.8 image volume and expects `Alpine Linux` there: "
+     "upstream's kitten is built on agnhost, whose base is Alpine 3.21 "
+     "(test/images/agnhost/BASEIMAGE), and no Alpine is built here: the kitten built here, on "
+     "this lab's agnhost, has Debian bookworm's (its pull with policy Always, from the mirror, "
+     "and its data.json pass)"),
     (r"should set TCP CLOSE_WAIT timeout", "its image, `build-image/distroless-iptables`, is "
      "not built here; and both DaemonSets leave the node's conntrack sysctls alone "
      "(kube-proxy's in this lab: the nodes share one kernel; pyproxy's by design, it runs "
@@ -115,6 +117,11 @@ class Selection:
     skip: str
     procs: int
     nodes: int
+    # The cluster it ran on: the control plane's namespace a node too, where the proxy's
+    # DaemonSet runs (kube-apiserver reaches Services through it), and registry.k8s.io's
+    # mirror. False in the reports of runs from before either existed.
+    control_plane_node: bool = False
+    mirror: bool = False
 
     def save(self, report_dir: Path) -> None:
         (report_dir / SELECTION_FILE).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -136,7 +143,8 @@ def run_suite(cluster: RealCluster, proxy: str, focus: str, skip: str, report_di
               parallel: int = 2, timeout: float = RUN_LIMIT + 600) -> Run:
     bin_dir = binaries_dir()
     report_dir.mkdir(parents=True, exist_ok=True)
-    Selection(focus, skip, parallel, len(cluster.nodes)).save(report_dir)
+    Selection(focus, skip, parallel, len(cluster.nodes), cluster.control_plane is not None,
+              cluster.mirror).save(report_dir)
     config = e2e_kubeconfig(cluster)
     argv = [str(bin_dir / "ginkgo"), f"--procs={parallel}", f"--focus={focus}",
             f"--skip={skip}", f"--timeout={RUN_LIMIT}s", "--no-color", "--junit-report",
@@ -190,10 +198,18 @@ def cluster_with(proxy: str, nodes: int) -> Iterator[RealCluster]:
     """A fresh cluster with one proxy: pyproxy's DaemonSet, or kube-proxy's alone."""
     from drills import cluster_ops as ops
 
-    with running_cluster(nodes, with_pyproxy=proxy == "pyproxy") as cluster:
+    with running_cluster(nodes, with_pyproxy=proxy == "pyproxy",
+                         control_plane_node=True, mirror=True) as cluster:
         if proxy == "kube-proxy":
             ops.deploy_kube_proxy(cluster)
             cluster.rollout("deployment", "coredns")
+        # The DaemonSet's pod on the control plane's node has programmed it: kube-apiserver
+        # reaches webhooks and aggregated APIs at their ClusterIP through it.
+        control_plane = cluster.control_plane
+        assert control_plane is not None
+        table = "kube-proxy" if proxy == "kube-proxy" else "pyproxy"
+        wait_for(lambda: table in ops.node_tables(control_plane).split(), 120,
+                 f"{proxy}'s table on the control plane's node")
         yield cluster
 
 
@@ -245,6 +261,7 @@ def report(parts: Sequence[Part], seconds: float, from_reports: bool) -> str:
         "on one machine, testkit/cluster.py, a fresh one for each run",
         (f"- e2e time of the runs (their JUnit reports): {seconds / 60:.0f} min"
          if from_reports else f"- wall-clock time: {seconds / 60:.0f} min"),
+        *lab_lines(parts),
     ]
     for number, part in enumerate(parts, 1):
         sel = part.selection
@@ -268,6 +285,43 @@ def report(parts: Sequence[Part], seconds: float, from_reports: bool) -> str:
     runs = merged(parts)
     lines += ["", *substitutes(), *failures(runs), table(runs), ""]
     return "\n".join(lines)
+
+
+CONTROL_PLANE_NODE = (
+    "- the control plane reaches Services through the proxy under test: its namespace is a "
+    "node too (a kubelet there, tainted `node-role.kubernetes.io/control-plane:NoSchedule`, "
+    "as kind's control-plane node), where the proxy's DaemonSet runs as on every node, so "
+    "kube-apiserver's calls to a Service's ClusterIP (admission and conversion webhooks, "
+    "aggregated APIs) are DNATed by that proxy and routed to the pod's worker node")
+NO_CONTROL_PLANE_NODE = (
+    "- the control plane ran outside the nodes, with no proxy and no route to the Service "
+    "CIDR: kube-apiserver reached no ClusterIP (`network is unreachable`), so the webhook and "
+    "aggregated-API tests could not pass with either proxy (runs from before `make "
+    "conformance` made the control plane's namespace a node where the proxy's DaemonSet "
+    "runs, through which kube-apiserver now reaches Services)")
+MIRROR = (
+    "- images: built here and loaded in every node's containerd; registry.k8s.io resolves to "
+    "a mirror on the cluster's fabric (distribution's registry, built by `make k8s`) holding "
+    "the same images, so a pull with policy Always finds them")
+NO_MIRROR = ("- images: built here and loaded in every node's containerd; no registry "
+             "answered, so a pull with policy Always failed (ErrImagePull; runs from before "
+             "registry.k8s.io's mirror)")
+
+
+def lab_lines(parts: Sequence[Part]) -> list[str]:
+    """How the cluster of each selection's runs reached Services from the control plane and
+    served images (selections that ran on different clusters are named)."""
+    lines = []
+    for attribute, (yes, no) in (("control_plane_node", (CONTROL_PLANE_NODE,
+                                                          NO_CONTROL_PLANE_NODE)),
+                                 ("mirror", (MIRROR, NO_MIRROR))):
+        values = [getattr(part.selection, attribute) for part in parts]
+        if len(set(values)) == 1:
+            lines.append(yes if values[0] else no)
+            continue
+        for number, value in enumerate(values, 1):
+            lines.append(f"{yes if value else no} (selection {number})")
+    return lines
 
 
 def substitutes() -> list[str]:
@@ -327,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parts = [read_part(Path(folder), proxies, args) for folder in args.part
                  or [args.report_dir]]
     else:
-        parts = [Part(Selection(args.focus, args.skip, args.procs, args.nodes),
+        parts = [Part(Selection(args.focus, args.skip, args.procs, args.nodes,
+                                control_plane_node=True, mirror=True),
                       [run_with(proxy, args) for proxy in proxies])]
     runs = merged(parts)
     print(table(runs))

@@ -6,16 +6,23 @@ upstream's nftables job, with kube-proxy as the control, is `make conformance`."
 from __future__ import annotations
 
 import argparse
+import json
+import re
 from pathlib import Path
 
 import pytest
 
 from testkit.cluster import RealCluster
 from testkit.conformance import (
+    CONTROL_PLANE_NODE,
     LAB_LIMITS,
+    MIRROR,
+    NO_CONTROL_PLANE_NODE,
+    NO_MIRROR,
     SERVICES_CONFORMANCE,
     SKIP,
     Case,
+    Part,
     Run,
     Selection,
     failures,
@@ -95,3 +102,59 @@ def test_a_report_of_several_selections_counts_each_test_once(tmp_path: Path) ->
     assert "- fails with both: [It] b — not explained yet" in text
     # The images built from other sources than upstream's are named with what they are.
     assert "- `registry.k8s.io/e2e-test-images/agnhost:2.55`: test/images/agnhost 2.66.1" in text
+
+
+def test_the_report_says_how_the_control_plane_reached_services(tmp_path: Path) -> None:
+    """A run on a cluster whose control plane is a node (the proxy's DaemonSet there) and
+    has registry.k8s.io's mirror says so; a report folder from before either existed (its
+    selection.json without them) says its control plane reached no ClusterIP."""
+    def part(folder: Path, selection: Selection) -> Part:
+        folder.mkdir()
+        selection.save(folder)
+        for proxy in ("kube-proxy", "pyproxy"):
+            (folder / f"junit-{proxy}.xml").write_text(
+                '<testsuites time="6"><testsuite><testcase name="[It] a" status="passed" '
+                'time="1"/></testsuite></testsuites>')
+        args = argparse.Namespace(focus="cli", skip="cli", procs=1, nodes=2)
+        return read_part(folder, ["kube-proxy", "pyproxy"], args)
+
+    new = part(tmp_path / "new", Selection("f", "s", 2, 2, control_plane_node=True,
+                                           mirror=True))
+    old_dir = tmp_path / "old"
+    part(old_dir, Selection("f", "s", 2, 2))
+    saved = json.loads((old_dir / "selection.json").read_text())
+    del saved["control_plane_node"], saved["mirror"]
+    (old_dir / "selection.json").write_text(json.dumps(saved))
+    old = read_part(old_dir, ["kube-proxy", "pyproxy"], argparse.Namespace())
+    assert (old.selection.control_plane_node, old.selection.mirror) == (False, False)
+
+    text = report([new], 6.0, from_reports=True)
+    assert CONTROL_PLANE_NODE in text and MIRROR in text
+    assert NO_CONTROL_PLANE_NODE not in text and NO_MIRROR not in text
+    assert NO_CONTROL_PLANE_NODE in report([old], 6.0, from_reports=True)
+    both = report([new, old], 12.0, from_reports=True)
+    assert f"{CONTROL_PLANE_NODE} (selection 1)" in both
+    assert f"{NO_CONTROL_PLANE_NODE} (selection 2)" in both
+
+
+def test_the_lab_limits_no_longer_excuse_what_the_lab_now_does() -> None:
+    """The webhook and aggregator tests (the control plane reaches Services through the
+    proxy) and PodCertificate's mTLS test (e2e.test stamped, agnhost pulled from the mirror)
+    pass here with both proxies: no lab limit may explain a failure of theirs away."""
+    names = [
+        "[It] [sig-api-machinery] AdmissionWebhook [Privileged:ClusterAdmin] should be able "
+        "to deny pod and configmap creation [Conformance]",
+        "[It] [sig-api-machinery] Aggregator Should be able to support the 1.17 Sample API "
+        "Server using the current Aggregator [LinuxOnly] [Conformance]",
+        "[It] [sig-api-machinery] CustomResourceConversionWebhook [Privileged:ClusterAdmin] "
+        "should be able to convert from CR v1 to CR v2 [Conformance]",
+        "[It] [sig-auth] Projected PodCertificate [FeatureGate:PodCertificateRequest] "
+        "[FeatureGate:ClusterTrustBundle] [FeatureGate:ClusterTrustBundleProjection] should "
+        "allow server and client pods to establish an mTLS connection "
+        "[MinimumKubeletVersion:1.37] [Conformance]",
+    ]
+    for name in names:
+        assert not [p for p, _ in LAB_LIMITS if re.search(p, name)], name
+    image_volume = ("[It] [sig-node] ImageVolume should succeed with pod and pull policy of "
+                    "Always [LinuxOnly] [MinimumKubeletVersion:1.35] [Conformance]")
+    assert [why for p, why in LAB_LIMITS if re.search(p, image_volume)]

@@ -4,7 +4,9 @@
 # kubectl and kubeadm (k8s.io/kubernetes at the release go.mod pins), an embedded etcd (cmd/etcd), and
 # containerd with its runc shim and ctr (github.com/containerd/containerd/v2 at CONTAINERD, the
 # container runtime of the real nodes, testkit/cluster.py), and upstream's e2e suite (e2e.test,
-# test/e2e of the same release) with its ginkgo runner. A no-op when all of them exist.
+# test/e2e of the same release) with its ginkgo runner, and distribution's registry (the real
+# cluster's mirror of registry.k8s.io, serving the images built here to pulls with policy
+# Always). A no-op when all of them exist.
 #   build.sh            build (progress on stderr), then print nothing
 #   build.sh --path     print the folder holding the binaries (building nothing)
 set -euo pipefail
@@ -16,11 +18,13 @@ release="$(awk '$1 == "k8s.io/kubernetes" && $2 ~ /^v[0-9]/ {print $2; exit}' "$
 cache="${PYPROXY_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyproxy}"
 bin="$cache/k8s-$release/bin"
 binaries=(kube-apiserver kube-controller-manager kube-proxy etcd kube-scheduler kubelet kubectl
-          kubeadm containerd containerd-shim-runc-v2 ctr ginkgo e2e.test)
+          kubeadm containerd containerd-shim-runc-v2 ctr ginkgo e2e.test registry)
 # containerd 2.x: the kubelet learns its cgroup driver from the runtime's RuntimeConfig call
 # (containerd >= 2.0; required from kubelet 1.38), which Debian 12's containerd 1.6 lacks.
 # cgroup v1, which these machines have, stays supported in the 2.x line (deprecated in 2.2).
 containerd_version=v2.4.2
+# github.com/distribution/distribution/v3's registry (CNCF Distribution, what registry:3 runs).
+registry_version=v3.1.2
 
 if [[ "${1:-}" == "--path" ]]; then
   echo "$bin"
@@ -67,6 +71,7 @@ for name in "${missing[@]}"; do
     etcd) package=./cmd/etcd ;;
     containerd|containerd-shim-runc-v2|ctr)
       package="github.com/containerd/containerd/v2/cmd/$name@$containerd_version" ;;
+    registry) package="github.com/distribution/distribution/v3/cmd/registry@$registry_version" ;;
     # Upstream's e2e suite and the ginkgo runner at the version k8s.io/kubernetes requires
     # (testkit/conformance.py runs them against the real cluster).
     ginkgo) package=github.com/onsi/ginkgo/v2/ginkgo ;;
