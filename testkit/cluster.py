@@ -294,7 +294,7 @@ class RealNode:
         log = open(self.dir / log_name, "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(log)
         env = {**os.environ, "CGROUP_PROCS": " ".join(self.system.procs_file_args())}
-        # SIGTERM should this process die (SIGKILLed, say): the node's daemons go with it
+        # SIGKILL should this process die (SIGKILLed, say): the node's daemons go with it
         # (their shims and containers are the holder's to kill, see _start_holder).
         return subprocess.Popen([*self._enter(), *argv], stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, text=True, env=env,

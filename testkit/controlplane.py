@@ -306,7 +306,7 @@ class ControlPlane:
     def __init__(self, lab: Lab, bin_dir: Path, *, controllers: tuple[str, ...] = CONTROLLERS,
                  controller_args: tuple[str, ...] = (),
                  apiserver_args: tuple[str, ...] = (), detach: bool = False) -> None:
-        """``detach``: its processes in sessions of their own, and SIGTERMed should this
+        """``detach``: its processes in sessions of their own, and SIGKILLed should this
         process die (`Lab.popen`'s ``detach``: start them from the main thread)."""
         self.lab = lab
         self.detach = detach

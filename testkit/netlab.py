@@ -16,7 +16,7 @@ A lab with a fixed prefix (`Lab(prefix="pyproxy-demo-")`, the demo's) names its 
 ``<prefix><name>`` and runs one at a time: it holds a lock file while it lives, so whatever
 namespaces with its prefix exist when it takes the lock are leftovers of a run that was
 killed, and it removes them first (`Lab.swept`). Its daemons can be started detached
-(`popen(..., detach=True)`: their own session, SIGTERM should the lab's process die).
+(`popen(..., detach=True)`: their own session, SIGKILL should the lab's process die).
 Backends and clients also come without a process: `Lab.serve_http` and `Lab.probe_http`
 (testkit/inproc.py) serve and probe from threads of the lab's own process.
 
@@ -173,8 +173,10 @@ _LIBC = ctypes.CDLL(None, use_errno=True)  # loaded now: not in a child between 
 
 
 def _die_with_parent() -> None:
-    """In a child between fork and exec: SIGTERM when the parent (thread) dies."""
-    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    """In a child between fork and exec: SIGKILL when the parent (thread) dies. Not SIGTERM:
+    the parent's death is a power cut, and a graceful stop can hang on what died beside it
+    (kube-apiserver, SIGTERMed with its etcd, was still shutting down 30 s later)."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -766,7 +768,7 @@ class Lab:
         block the process). Its log is at ``workdir / log_name`` (default: derived from argv).
 
         ``detach``: the process gets its own session (a Ctrl-C at the terminal reaches only
-        the lab's process, which then stops it in order) and SIGTERM should the lab's process
+        the lab's process, which then stops it in order) and SIGKILL should the lab's process
         die (PR_SET_PDEATHSIG). That signal follows the *thread* that started it, and the
         hook runs between fork and exec: call it from the main thread, before other threads
         (e.g. `serve_http`'s) run.

@@ -105,7 +105,12 @@ def test_a_sigkilled_harness_leaves_no_process_behind(tmp_path: Path) -> None:
         assert {"etcd", "kube-apiserver", "kubelet", "containerd", "pause"} <= running, running
         harness.kill()
         harness.wait(10)
-        wait_for(lambda: not lab_pids(), 30, "every process of the cluster gone")
+        try:
+            wait_for(lambda: not lab_pids(), 30, "every process of the cluster gone")
+        except AssertionError as error:  # say which, and what state each is in
+            left = {pid: (name, _proc_state(pid)) for pid, name in lab_pids().items()}
+            raise AssertionError(f"{error}: {left}\n"
+                                 + (tmp_path / "harness.log").read_text()[-2000:]) from None
         assert not list(cgroups.glob(f"{prefix}*"))  # the holder removed its node's cgroups
     finally:
         timer.cancel()
@@ -116,6 +121,17 @@ def test_a_sigkilled_harness_leaves_no_process_behind(tmp_path: Path) -> None:
         sweep_stale()  # the namespaces and the workdir of a dead run
         sweep_stale_cgroups(_own_memory_cgroup())
     assert not [ns for ns in _list_netns() if ns.startswith(prefix)]
+
+
+def _proc_state(pid: int) -> str:
+    """A process's state line and command line, for a failure's message."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        state = next(line for line in status.splitlines() if line.startswith("State:"))
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        return f"{state.split(':', 1)[1].strip()} {cmdline.decode(errors='replace')[:200]}"
+    except (OSError, StopIteration):
+        return "gone"
 
 
 def test_pyproxy_runs_from_the_shipped_manifests_on_every_node(real_cluster: RealCluster) -> None:
