@@ -195,6 +195,9 @@ class _FakeHTTPResponse:
         self._stop.wait(5)  # a watch that stays open, silent, until the test is done
         return iter(())
 
+    def close(self) -> None:  # a watch ended early is closed, not drained (watch.py)
+        pass
+
     def release_conn(self) -> None:
         pass
 
