@@ -6,7 +6,10 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from bench.bench_vs_kube_proxy import start_timeline
+from prometheus_client import CollectorRegistry
+
+from bench.bench_vs_kube_proxy import start_timeline, trigger_time
+from pyproxy.serve.metrics import Metrics
 
 
 def test_the_start_timeline_is_the_measured_start_only(tmp_path: Path) -> None:
@@ -51,3 +54,19 @@ def test_the_default_text_log_is_read_too(tmp_path: Path) -> None:
         "first_line": 0.0553, "starting": 0.1382, "listed EndpointSlice": 0.256,
         "first_sync_end": 0.4846, "first_sync_render": 0.0308, "first_sync_kernel": 0.1513,
         "first_sync_duration": 0.1952}
+
+
+def test_the_trigger_time_is_rfc3339_nano_in_utc() -> None:
+    """As the EndpointSlice controller writes it (Go's time.RFC3339Nano, UTC: nanoseconds,
+    trailing zeros dropped, no fraction at all on a whole second), and as pyproxy's metrics
+    read it back."""
+    second = int(datetime(2026, 11, 27, 19, 0, 0, tzinfo=UTC).timestamp())
+    assert trigger_time(second * 10**9 + 123456789) == "2026-11-27T19:00:00.123456789Z"
+    assert trigger_time(second * 10**9 + 120000000) == "2026-11-27T19:00:00.12Z"
+    assert trigger_time(second * 10**9) == "2026-11-27T19:00:00Z"
+    metrics = Metrics(CollectorRegistry(), started=second - 1.0)
+    metrics.observe_trigger_times([trigger_time(second * 10**9 + 250_000_000)], second + 1.0)
+    observed = {s.name: s.value for m in metrics.network_programming.collect()
+                for s in m.samples}
+    assert observed["kubeproxy_network_programming_duration_seconds_count"] == 1
+    assert abs(observed["kubeproxy_network_programming_duration_seconds_sum"] - 0.75) < 1e-6
