@@ -20,9 +20,13 @@ the bytes it sent to the proxies (the transmit counters of the control plane's e
 node's veth: everything the proxies received, TLS and TCP included), and from its /metrics
 the watch events it sent (`apiserver_watch_events_sizes`) and its requests by verb; per node
 process: RSS, peak RSS, and CPU with its children's (kube-proxy runs `nft` for every
-transaction). Every request of the proxies' two ServiceAccounts is in an audit log
-(metadata only), so the requests after the restart are counted per node (by its veth
-address): lists (a `watch` with sendInitialEvents is a streamed list and counted as one),
+transaction). In (b), the network programming latency of one probed node (fleet-00), p50 and
+p99 from the growth of its proxy's `kubeproxy_network_programming_duration_seconds` histogram
+over the phase (each write of the churn carries its own time as the slice's
+`endpoints.kubernetes.io/last-change-trigger-time`), interpolated within the buckets as
+Prometheus' histogram_quantile does. Every request of the proxies' two ServiceAccounts is in
+an audit log (metadata only), so the requests after the restart are counted per node (by its
+veth address): lists (a `watch` with sendInitialEvents is a streamed list and counted as one),
 watches, 410s, requests per second at the API server, and when each node's EndpointSlice
 watch was back.
 
@@ -101,6 +105,14 @@ SYNC_GAUGE = re.compile(rb"^kubeproxy_sync_proxy_rules_last_timestamp_seconds(?:
                         rb"(\S+)", re.M)
 SYNC_COUNT = re.compile(rb"^kubeproxy_sync_proxy_rules_duration_seconds_count(?:\{[^}]*\})? "
                         rb"(\S+)", re.M)
+# Network programming latency, from each EndpointSlice's last-change-trigger-time (the churn
+# stamps its writes with it) to the commit of the rules. Both proxies have the same buckets
+# (upstream's: 0.25 s, 0.5 s, 1 to 59 s by 1 s, 60 to 115 s by 5 s, 120 to 300 s by 30 s;
+# pyproxy/serve/metrics.py _NPL_BUCKETS), so p50 and p99 are bucket-interpolated alike:
+# below 1 s they cannot be told apart more finely than 0.25 s.
+NPL_BUCKET = re.compile(rb'^kubeproxy_network_programming_duration_seconds_bucket\{'
+                        rb'(?:[^}]*,)?le="([^"]+)"[^}]*\} (\S+)', re.M)
+PROBED = 0  # the node whose latency is read: fleet-00
 SETTLE = 3.0  # after a phase, for the last events to reach every node
 
 
@@ -234,19 +246,75 @@ def make_nodes(plane: ControlPlane, kube: Kube, count: int) -> list[Node]:
     return nodes
 
 
-def last_sync(node: Node) -> tuple[float, int]:
-    """The node's proxy's last sync (Unix time; 0 before the first) and how many syncs it
-    has made, from its metrics (a process starving for CPU answers slowly: 10 s allowed)."""
+def node_metrics(node: Node) -> bytes | None:
+    """The node's proxy's /metrics (a process starving for CPU answers slowly: 10 s
+    allowed); None when nothing answers."""
     def get() -> bytes:
         with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=10) as r:
             return bytes(r.read())
     try:
-        text = call_in_netns(node.ns.full, get, timeout=15)
+        return call_in_netns(node.ns.full, get, timeout=15)
     except (OSError, TimeoutError):
+        return None
+
+
+def last_sync(node: Node) -> tuple[float, int]:
+    """The node's proxy's last sync (Unix time; 0 before the first) and how many syncs it
+    has made, from its metrics."""
+    text = node_metrics(node)
+    if text is None:
         return 0.0, 0
     found, count = SYNC_GAUGE.search(text), SYNC_COUNT.search(text)
     return (float(found.group(1)) if found else 0.0,
             int(float(count.group(1))) if count else 0)
+
+
+def npl_buckets(text: bytes) -> dict[float, float]:
+    """The cumulative buckets (upper bound → count) of the network programming latency
+    histogram in a /metrics text, its series added up (kube-proxy's has one per IP family)."""
+    out: dict[float, float] = defaultdict(float)
+    for le, count in NPL_BUCKET.findall(text):
+        out[float(le)] += float(count)
+    return dict(out)
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """Prometheus' histogram_quantile over cumulative buckets (upper bound → count, +Inf
+    among them): the bucket the q-th observation falls in, interpolated linearly within it
+    (from 0 for the first bucket); in the +Inf bucket, the highest finite bound. NaN with
+    no observation. A figure read this way is only as fine as the buckets around it."""
+    bounds = sorted(buckets)
+    if len(bounds) < 2 or bounds[-1] != float("inf") or not 0 <= q <= 1:
+        return float("nan")
+    counts = [buckets[b] for b in bounds]
+    for i in range(1, len(counts)):  # as Prometheus: a count never goes down
+        counts[i] = max(counts[i], counts[i - 1])
+    total = counts[-1]
+    if total <= 0:
+        return float("nan")
+    rank = q * total
+    i = next((i for i in range(len(bounds) - 1) if counts[i] >= rank), len(bounds) - 1)
+    if i == len(bounds) - 1:
+        return bounds[-2]
+    if i == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start, below = (0.0, 0.0) if i == 0 else (bounds[i - 1], counts[i - 1])
+    return start + (bounds[i] - start) * (rank - below) / (counts[i] - below)
+
+
+def npl_figures(node: str, before: bytes | None, after: bytes | None) -> dict[str, Any]:
+    """The network programming latency one node's proxy observed between two scrapes of
+    its histogram: the buckets' growth, its count, p50 and p99 (bucket-interpolated)."""
+    if before is None or after is None:
+        return {"node": node, "observations": 0, "p50_s": None, "p99_s": None,
+                "error": "no metrics " + ("before" if before is None else "after")}
+    first, last = npl_buckets(before), npl_buckets(after)
+    grown = {le: count - first.get(le, 0.0) for le, count in last.items()}
+    p50, p99 = histogram_quantile(0.5, grown), histogram_quantile(0.99, grown)
+    return {"node": node, "observations": int(grown.get(float("inf"), 0.0)),
+            "p50_s": None if p50 != p50 else round(p50, 4),
+            "p99_s": None if p99 != p99 else round(p99, 4),
+            "buckets": {str(le): count for le, count in sorted(grown.items()) if count}}
 
 
 def all_figures(pid: int) -> dict[str, float]:
@@ -507,11 +575,16 @@ class Bench:
     def churn(self, seconds: float) -> dict[str, Any]:
         """(b) endpoint changes at --churn-rate for `seconds`."""
         self.generation += 1
+        probed = self.nodes[PROBED]
+        # the probed node's latency histogram right before and right after (no proxy in the
+        # baseline: nothing answers, no figure)
+        npl_before = node_metrics(probed) if probed.proc is not None else None
         before = sample(self.plane, self.nodes)
         with Churn(self.kube, self.synth, self.args.churn_rate, self.generation) as churn:
             time.sleep(seconds)
         changes = churn.done
         time.sleep(SETTLE)
+        npl_after = node_metrics(probed) if probed.proc is not None else None
         after = sample(self.plane, self.nodes)
         # Watches started meanwhile: a streamed list's stream (gzipped) ended, a plain one
         # (not gzipped) took over.
@@ -519,7 +592,9 @@ class Bench:
                           if before.wall <= r.received <= after.wall and r.verb == "watch")
         return {**delta(before, after), "changes": changes,
                 "rate": round(changes / seconds, 2), "procs_before": before.procs,
-                "procs": after.procs, "nodes_whose_watches_rolled_over": len(watches)}
+                "procs": after.procs, "nodes_whose_watches_rolled_over": len(watches),
+                **({"npl_probed_node": npl_figures(probed.name, npl_before, npl_after)}
+                   if probed.proc is not None else {})}
 
     def restart(self, fleet: str | None) -> dict[str, Any]:
         """(c) kube-apiserver killed, down --downtime s, started, watched --after-seconds."""
@@ -704,6 +779,7 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
     start, churn, restart = result["start"], result["churn"], result["restart"]
     node_cpu_churn = [churn["procs"][name]["total_cpu_s"]
                       - churn["procs_before"][name]["total_cpu_s"] for name in churn["procs"]]
+    npl = churn.get("npl_probed_node") or {}
     return [
         ("(a) start: API server CPU s", start["apiserver_cpu_s"]),
         ("(a) start: bytes sent to the proxies, MiB", start["bytes_sent"] / 2**20),
@@ -722,6 +798,9 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
          churn["nodes_whose_watches_rolled_over"]),
         ("(b) node CPU ms per change, p50 (children incl.)",
          1000 * statistics.median(node_cpu_churn) / max(1, churn["changes"])),
+        # from the write's trigger time to the commit of its rules; bucket-interpolated
+        ("(b) NPL of one probed node, p50 / p99 (s)", _or_nan(npl.get("p50_s"))),
+        ("", _or_nan(npl.get("p99_s"))),
         ("(c) API server CPU s, restart + window", restart["apiserver_cpu_s"]),
         ("(c) the same above the restart without proxies", restart["apiserver_cpu_s"]
          - (base["restart"]["apiserver_cpu_s"] if base else float("nan"))),
@@ -739,6 +818,10 @@ def rows(result: dict[str, Any], base: dict[str, Any] | None,
         ("", node_stat(restart["procs"], "rss_mib", "max")),
         ("node peak RSS, max (MiB)", node_stat(restart["procs"], "hwm_mib", "max")),
     ]
+
+
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def table(report: dict[str, Any]) -> str:

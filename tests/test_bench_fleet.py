@@ -1,14 +1,25 @@
 """bench/bench_fleet.py's reading of the API server's audit log: each request once, a streamed
 list counted as a list, requests told apart by node (their veth address) and by fleet (their
-ServiceAccount), and when a node's EndpointSlice watch came back after a restart."""
+ServiceAccount), and when a node's EndpointSlice watch came back after a restart; the probed
+node's network programming latency read off its histogram as Prometheus reads one."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from bench.bench_fleet import USERS, Node, audit_summary, etcd_writes, read_audit
+from bench.bench_fleet import (
+    USERS,
+    Node,
+    audit_summary,
+    etcd_writes,
+    histogram_quantile,
+    npl_buckets,
+    npl_figures,
+    read_audit,
+)
 
 KP = USERS["kube-proxy"]
 
@@ -79,3 +90,54 @@ def test_etcd_writes_from_its_json_watch() -> None:
     assert etcd_writes(text, 3, 6) == [
         {"revision": 3, "type": "PUT", "key": "/registry/a"},
         {"revision": 5, "type": "DELETE", "key": "/registry/b"}]
+
+
+def test_histogram_quantile_interpolates_within_the_bucket_as_prometheus() -> None:
+    inf = float("inf")
+    # 10 observations: 4 up to 0.25 s, 4 in (0.25, 0.5], 2 in (0.5, 1]
+    buckets = {0.25: 4.0, 0.5: 8.0, 1.0: 10.0, 2.0: 10.0, inf: 10.0}
+    assert histogram_quantile(0.5, buckets) == 0.25 + 0.25 * (5 - 4) / 4
+    assert math.isclose(histogram_quantile(0.99, buckets), 0.5 + 0.5 * (9.9 - 8) / 2)
+    # the first bucket is interpolated from 0
+    assert histogram_quantile(0.2, buckets) == 0.25 * 2 / 4
+    # in the +Inf bucket: the highest finite bound
+    assert histogram_quantile(0.99, {0.25: 1.0, 0.5: 1.0, inf: 10.0}) == 0.5
+    # no observation, no +Inf bucket: no figure
+    assert math.isnan(histogram_quantile(0.5, {0.25: 0.0, inf: 0.0}))
+    assert math.isnan(histogram_quantile(0.5, {0.25: 3.0, 0.5: 3.0}))
+
+
+METRICS_BEFORE = b"""\
+# HELP kubeproxy_network_programming_duration_seconds [ALPHA] In Cluster Network Programming
+# TYPE kubeproxy_network_programming_duration_seconds histogram
+kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="0.25"} 1
+kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="0.5"} 2
+kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="1"} 2
+kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv4",le="+Inf"} 2
+kubeproxy_network_programming_duration_seconds_sum{ip_family="IPv4"} 0.6
+kubeproxy_network_programming_duration_seconds_count{ip_family="IPv4"} 2
+kubeproxy_sync_proxy_rules_duration_seconds_bucket{le="0.25"} 7
+"""
+
+
+def test_the_probed_nodes_latency_is_what_its_histogram_grew_by() -> None:
+    after = (METRICS_BEFORE.replace(b'"0.25"} 1', b'"0.25"} 3').replace(b'"0.5"} 2', b'"0.5"} 5')
+             .replace(b'"1"} 2', b'"1"} 6').replace(b'"+Inf"} 2', b'"+Inf"} 6'))
+    # both families' series add up (pyproxy's has none of kube-proxy's labels)
+    after += (b'kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv6",'
+              b'le="1"} 1\n'
+              b'kubeproxy_network_programming_duration_seconds_bucket{ip_family="IPv6",'
+              b'le="+Inf"} 1\n')
+    assert npl_buckets(METRICS_BEFORE) == {0.25: 1.0, 0.5: 2.0, 1.0: 2.0, float("inf"): 2.0}
+    assert npl_buckets(b'kubeproxy_network_programming_duration_seconds_bucket{le="0.5"} 4\n'
+                       ) == {0.5: 4.0}
+    figures = npl_figures("fleet-00", METRICS_BEFORE, after)
+    # grown: 2 up to 0.25 s, 1 in (0.25, 0.5], 2 in (0.5, 1]: 5 observations
+    assert figures["observations"] == 5
+    assert figures["p50_s"] == round(0.25 + 0.25 * (2.5 - 2) / 1, 4)
+    assert figures["p99_s"] == round(0.5 + 0.5 * (4.95 - 3) / 2, 4)
+    assert figures["buckets"] == {"0.25": 2.0, "0.5": 3.0, "1.0": 5.0, "inf": 5.0}
+    # a proxy that did not answer: no figure, and why
+    assert npl_figures("fleet-00", None, after)["p50_s"] is None
+    # no change committed meanwhile: no figure either
+    assert npl_figures("fleet-00", METRICS_BEFORE, METRICS_BEFORE)["p99_s"] is None
