@@ -281,13 +281,22 @@ class Churn:
         self.discovery = client.DiscoveryV1Api(kube.api)
         self.synth, self.rate, self.generation = synth, rate, generation
         self.stop = threading.Event()
-        self.done = 0
+        self.done = 0  # writes made: "changes/s reached" counts these
+        self._turn = 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 
+    def _next_service(self) -> int:
+        """The next Service to change, skipping those with no endpoints (nothing to write),
+        so that every slot of the rate is a write."""
+        for _ in range(self.synth.services):
+            i = (self._turn * 7919) % self.synth.services
+            self._turn += 1
+            if not self.synth.shape(i).no_endpoints:
+                return i
+        raise ValueError("no Service with endpoints to change")
+
     def _change(self, n: int) -> None:
-        i = (n * 7919) % self.synth.services
-        if self.synth.shape(i).no_endpoints:
-            return
+        i = self._next_service()
         eps = self.synth.initial_endpoints(i)
         eps[0] = (ip4((10 << 24) | (200 << 16) | (self.generation << 12) | (n & 0xFFF)),
                   eps[0][1])
