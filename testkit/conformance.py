@@ -71,6 +71,15 @@ LAB_LIMITS = (
      "(test/images/agnhost/BASEIMAGE), and no Alpine is built here: the kitten built here, on "
      "this lab's agnhost, has Debian bookworm's (its pull with policy Always, from the mirror, "
      "and its data.json pass)"),
+    (r"consumable via the environment|consumable as environment variable names", "its pod "
+     "runs `sh -c env` in the busybox image and looks for variables named `data-1`, "
+     "`p-data-1`…: the busybox built here is Debian's busybox-static, whose ash drops "
+     "environment variables whose names are not shell identifiers before `env` runs (checked "
+     "with bookworm's 1.35 and trixie's 1.37: `env data-1=x busybox sh -c env` prints no "
+     "data-1); upstream's busybox image keeps them"),
+    (r"Sysctls \[LinuxOnly\] should support sysctls \[", "its pod execs `/bin/sysctl` in "
+     "the busybox image; Debian's busybox-static lists sysctl as /sbin/sysctl, which is "
+     "where the image built here links it (upstream's image links every applet in /bin)"),
     (r"should set TCP CLOSE_WAIT timeout", "its image, `build-image/distroless-iptables`, is "
      "not built here; and both DaemonSets leave the node's conntrack sysctls alone "
      "(kube-proxy's in this lab: the nodes share one kernel; pyproxy's by design, it runs "
