@@ -328,8 +328,13 @@ def lab_lines(parts: Sequence[Part]) -> list[str]:
         if len(set(values)) == 1:
             lines.append(yes if values[0] else no)
             continue
-        for number, value in enumerate(values, 1):
-            lines.append(f"{yes if value else no} (selection {number})")
+        for value in (True, False):
+            numbers = [str(n) for n, v in enumerate(values, 1) if v == value]
+            which = ", ".join(numbers[:-1]) + " and " + numbers[-1] if len(numbers) > 1 else (
+                numbers[0] if numbers else "")
+            if numbers:
+                lines.append(f"{yes if value else no} (selection{'s' if len(numbers) > 1 else ''}"
+                             f" {which})")
     return lines
 
 

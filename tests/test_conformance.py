@@ -135,6 +135,10 @@ def test_the_report_says_how_the_control_plane_reached_services(tmp_path: Path) 
     both = report([new, old], 12.0, from_reports=True)
     assert f"{CONTROL_PLANE_NODE} (selection 1)" in both
     assert f"{NO_CONTROL_PLANE_NODE} (selection 2)" in both
+    four = report([old, old, new, new], 24.0, from_reports=True)  # one line per kind
+    assert f"{NO_CONTROL_PLANE_NODE} (selections 1 and 2)" in four
+    assert f"{CONTROL_PLANE_NODE} (selections 3 and 4)" in four
+    assert four.count(NO_CONTROL_PLANE_NODE) == 1
 
 
 def test_the_lab_limits_no_longer_excuse_what_the_lab_now_does() -> None:
