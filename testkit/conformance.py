@@ -329,13 +329,16 @@ def lab_lines(parts: Sequence[Part]) -> list[str]:
             lines.append(yes if values[0] else no)
             continue
         for value in (True, False):
-            numbers = [str(n) for n, v in enumerate(values, 1) if v == value]
-            which = ", ".join(numbers[:-1]) + " and " + numbers[-1] if len(numbers) > 1 else (
-                numbers[0] if numbers else "")
-            if numbers:
-                lines.append(f"{yes if value else no} (selection{'s' if len(numbers) > 1 else ''}"
-                             f" {which})")
+            if numbers := [str(n) for n, v in enumerate(values, 1) if v == value]:
+                lines.append(f"{yes if value else no} ({_selections(numbers)})")
     return lines
+
+
+def _selections(numbers: Sequence[str]) -> str:
+    """'selection 3', 'selections 1 and 2', 'selections 1, 2 and 4'."""
+    if len(numbers) == 1:
+        return f"selection {numbers[0]}"
+    return f"selections {', '.join(numbers[:-1])} and {numbers[-1]}"
 
 
 def substitutes() -> list[str]:
