@@ -17,7 +17,7 @@ from pyproxy.core.plan import Cause
 from pyproxy.core.wire import Unreadable
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
-from pyproxy.render.objects import Fragment, Item, Kind
+from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
 from pyproxy.render.ruleset import Shape
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
@@ -205,7 +205,7 @@ def test_updates_failing_half_way_force_a_full_sync() -> None:
     assert result.full and "10.96.0.2" in nft.last and "10.96.0.3" in nft.last
 
 
-_CLUSTER_IPS = Fragment((Item(Kind.SET, "cluster-ips", "", "set type ipv4_addr;"),))
+_CLUSTER_IPS = Fragment((Item(Kind.SET, "cluster-ips", "", SetDecl(("ipv4_addr",))),))
 
 
 def _elements(*ips: str) -> Fragment:

@@ -25,7 +25,8 @@ from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
 from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets, listing_shape
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE
+from pyproxy.render.objects import TABLE, SetDecl
+from pyproxy.render.ruleset import declare
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.proxier import FamilyProxier, render_script
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -349,7 +350,7 @@ def test_the_kernel_holds_what_libnftables_would_have_added(ns: Netns,
     # everything but the interval sets (source ranges, ServiceCIDRs) goes over netlink
     assert {name for name, _, _ in left} <= {"firewall-allow", "service-cidrs"}
     assert {"service-ips", "endpoints-tcp", "hairpin", "cluster-ips"} <= {n for n, _ in encoded}
-    twins = "".join(staging._declare(fam, f"{name}-twin", decl) + "\n"
+    twins = "".join(declare(fam, f"{name}-twin", decl) + "\n"
                     for name, decl, _ in loads if name not in {n for n, _, _ in left})
     nft.run(twins)
     nle.commit(call_in_netns(ns.full, nle.netlink_socket),
@@ -389,8 +390,8 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     proxier = FamilyProxier(IPFamily.IPv4, CONFIG, nft)
     proxier.sync(example_state())
     nft.run("add set ip pyproxy spare { type ipv4_addr; }\n")
-    chunk = ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.1", "10.0.0.2")),
-                          ("no-such-set", "set type ipv4_addr;", ("10.0.0.3",))))
+    chunk = ElementChunk((("spare", SetDecl(("ipv4_addr",)), ("10.0.0.1", "10.0.0.2")),
+                          ("no-such-set", SetDecl(("ipv4_addr",)), ("10.0.0.3",))))
     encoded, _ = nle.encode_loads(chunk.loads)
     with pytest.raises(nle.BatchRefused, match="no-such-set: ENOENT"):
         nle.commit(call_in_netns(ns.full, nle.netlink_socket),
@@ -406,8 +407,8 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     # understand) through libnftables
     nft.run("add set ip pyproxy ranges { type ipv4_addr; flags interval; }\n")
     nft.add_elements("ip", ElementChunk((
-        ("spare", "set type ipv4_addr;", ("10.0.0.1", "10.0.0.2")),
-        ("ranges", "set type ipv4_addr; flags interval;", ("10.1.0.0/16",)))))
+        ("spare", SetDecl(("ipv4_addr",)), ("10.0.0.1", "10.0.0.2")),
+        ("ranges", SetDecl(("ipv4_addr",), flags=("interval",)), ("10.1.0.0/16",)))))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
     assert nft.list_elements("ip", "set", "ranges") == ["10.1.0.0/16"]
 
@@ -418,12 +419,12 @@ def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
     assert nft._netlink is not None
     nft._netlink.close()  # sending on it fails: EBADF
     with capture_logs() as logs:
-        nft.add_elements("ip", ElementChunk((("spare", "set type ipv4_addr;",
+        nft.add_elements("ip", ElementChunk((("spare", SetDecl(("ipv4_addr",)),
                                               ("10.0.0.1",)),)))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
     assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
     assert nft._netlink is None  # libnftables from now on
-    nft.add_elements("ip", ElementChunk((("spare", "set type ipv4_addr;", ("10.0.0.2",)),)))
+    nft.add_elements("ip", ElementChunk((("spare", SetDecl(("ipv4_addr",)), ("10.0.0.2",)),)))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
 
 
@@ -447,7 +448,7 @@ def _spare_set(nft: LibNftables) -> None:
 
 
 def _spare(*addresses: str, name: str = "spare") -> ElementChunk:
-    return ElementChunk(((name, "set type ipv4_addr;", addresses),))
+    return ElementChunk(((name, SetDecl(("ipv4_addr",)), addresses),))
 
 
 def test_in_a_bulk_the_next_chunk_is_made_while_the_kernel_takes_the_last(ns: Netns) -> None:

@@ -12,11 +12,14 @@ from hypothesis import strategies as st
 
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel.nlelements import Layout, Unencodable
+from pyproxy.render.objects import VERDICT, SetDecl
 
-ENDPOINTS = "map typeof ip daddr . tcp dport . numgen random mod 1 : ip daddr . tcp dport;"
-ENDPOINTS6 = "map typeof ip6 daddr . udp dport . numgen random mod 1 : ip6 daddr . udp dport;"
-SERVICE_IPS = ('map type ipv4_addr . inet_proto . inet_service : verdict; comment "x";')
-HAIRPIN = 'set type ipv4_addr . ipv4_addr; comment "endpoint . itself, for hairpin";'
+ENDPOINTS = SetDecl(("ip daddr", "tcp dport", "numgen random mod 1"), ("ip daddr", "tcp dport"),
+                    typeof=True)
+ENDPOINTS6 = SetDecl(("ip6 daddr", "udp dport", "numgen random mod 1"),
+                     ("ip6 daddr", "udp dport"), typeof=True)
+SERVICE_IPS = SetDecl(("ipv4_addr", "inet_proto", "inet_service"), VERDICT, comment="x")
+HAIRPIN = SetDecl(("ipv4_addr", "ipv4_addr"), comment="endpoint . itself, for hairpin")
 
 
 def test_layouts_of_the_declarations_pyproxy_renders() -> None:
@@ -26,20 +29,18 @@ def test_layouts_of_the_declarations_pyproxy_renders() -> None:
     assert Layout.of(SERVICE_IPS) == Layout(("ipv4_addr", "inet_proto", "inet_service"),
                                             "verdict")
     assert Layout.of(HAIRPIN) == Layout(("ipv4_addr", "ipv4_addr"), None)
-    assert Layout.of('set type ipv6_addr; comment "Active ClusterIPs";').key == ("ipv6_addr",)
+    assert Layout.of(SetDecl(("ipv6_addr",), comment="Active ClusterIPs")).key == ("ipv6_addr",)
 
 
 @pytest.mark.parametrize("declaration", [
-    'set type ipv4_addr; flags interval; comment "ServiceCIDRs";',
-    "set type ipv4_addr; flags dynamic,timeout; timeout 10800s;",
-    "set type ether_addr;",
-    "map typeof ip daddr : meta mark;",
-    "map type ipv4_addr;",  # a map without data
-    "set type ipv4_addr : verdict;",  # a set with data
-    "chain x",
-    "",
+    SetDecl(("ipv4_addr",), flags=("interval",), comment="ServiceCIDRs"),
+    SetDecl(("ipv4_addr",), flags=("dynamic", "timeout"), timeout=10800),
+    SetDecl(("ether_addr",)),
+    SetDecl(("ip daddr",), ("meta mark",), typeof=True),
+    SetDecl(("ipv4_addr",), ()),  # a map without data
+    SetDecl(()),  # no key (the elements of a set nobody declares)
 ])
-def test_what_is_left_to_libnftables(declaration: str) -> None:
+def test_what_is_left_to_libnftables(declaration: SetDecl) -> None:
     with pytest.raises(Unencodable):
         Layout.of(declaration)
 
@@ -55,7 +56,7 @@ def test_what_is_left_to_libnftables(declaration: str) -> None:
     (SERVICE_IPS, "10.96.0.1 . tcp . 80 : vmap x"),
     (HAIRPIN, "10.244.0.0/24 . 10.244.0.1"),
 ])
-def test_elements_it_does_not_understand(declaration: str, text: str) -> None:
+def test_elements_it_does_not_understand(declaration: SetDecl, text: str) -> None:
     encoder = Layout.of(declaration).encoder()
     with pytest.raises(Unencodable):
         encoder(text)

@@ -159,7 +159,7 @@ def test_session_affinity_uses_per_service_chains() -> None:
     assert rules[0] == "ip daddr 10.96.0.10 tcp dport 80 ip saddr != 10.244.0.0/16 meta mark " \
                        "set meta mark | 0x00004000"
     sets = [i for i in items if i.kind is Kind.SET]
-    assert len(sets) == 2 and all("timeout 60s" in s.value for s in sets)
+    assert len(sets) == 2 and all(s.value.timeout == 60 for s in sets)
     assert rules[1].startswith("ip saddr @affinity-") and rules[1].endswith(
         f"dnat ip to {A1}:8080")
     assert rules[3].startswith("numgen random mod 2 == 0 update @affinity-")
@@ -201,8 +201,9 @@ def test_new_connections_are_counted_after_dnat_in_dynamic_sets() -> None:
     sets = {i.container: i.value for i in items if i.kind is Kind.SET
             and i.container.startswith("new-connections-")}
     assert sorted(sets) == [f"new-connections-{n}" for n in range(8)]
-    assert all(v.startswith("set type ipv4_addr . inet_proto . inet_service . ipv4_addr . "
-                            "inet_service; size 131072; flags dynamic;") for v in sets.values())
+    assert all(v.body().startswith("type ipv4_addr . inet_proto . inet_service . ipv4_addr . "
+                                   "inet_service; size 131072; flags dynamic;")
+               and v.kind == "set" and v.dynamic for v in sets.values())
     rules = chains(items)["count-new-connections"]
     assert len(rules) == 3 * 8
     assert rules[3] == (

@@ -18,7 +18,7 @@ from pyproxy.cluster.watch import Reflector, service_cidrs_resource
 from pyproxy.core.convert import convert_service_cidr
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, NodeConfig, Skipped
-from pyproxy.render.objects import Kind
+from pyproxy.render.objects import Kind, SetDecl
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.node import NodeProxier
@@ -166,7 +166,7 @@ def test_each_family_drops_its_own_cidrs_after_the_cluster_ip_check() -> None:
     assert v4[(Kind.ELEMENT, "service-cidrs")] == ["10.96.0.0/15"]
     assert v6[(Kind.ELEMENT, "service-cidrs")] == ["fd00:96::/108"]
     assert v4[(Kind.SET, "service-cidrs")] == [
-        'set type ipv4_addr; flags interval; comment "ServiceCIDRs";']
+        SetDecl(("ipv4_addr",), flags=("interval",), comment="ServiceCIDRs")]
     assert v4[(Kind.CHAIN, "cluster-ips-check")][0].split("\n") == [
         'ip daddr @cluster-ips reject comment "invalid port of a ClusterIP"',
         'ip daddr @service-cidrs drop comment "unallocated ClusterIP"']

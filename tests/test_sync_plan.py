@@ -18,7 +18,7 @@ from pyproxy.core.plan import (
 )
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
-from pyproxy.render.objects import Fragment, Item, Kind
+from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
 from testkit.fakes import FakeNft
 
 PERIODS = SyncPeriods(full_sync=3600.0, structure_check=30.0)
@@ -92,7 +92,7 @@ def test_default_facts_plan_the_changes_without_a_check() -> None:
     assert plan_sync(SyncFacts()) == SyncPlan(Scope.CHANGED, Cause.CHANGES)
 
 
-_DECLARED = Fragment((Item(Kind.SET, "cluster-ips", "", "set type ipv4_addr;"),))
+_DECLARED = Fragment((Item(Kind.SET, "cluster-ips", "", SetDecl(("ipv4_addr",))),))
 
 
 def _elements(*ips: str) -> Fragment:
@@ -131,8 +131,8 @@ class TestApplier:
         are chosen so none is: one changed is a rendering bug, and said so."""
         applier = Applier("ip", FakeNft())
         applier.sync({"declared": _DECLARED})
-        redeclared = Fragment((Item(Kind.SET, "cluster-ips", "", "set type ipv4_addr; "
-                                    "flags interval;"),))
+        redeclared = Fragment((Item(Kind.SET, "cluster-ips", "",
+                                    SetDecl(("ipv4_addr",), flags=("interval",))),))
         with pytest.raises(ValueError, match="cluster-ips: a set's declaration cannot change"):
             applier.sync({"declared": redeclared})
         assert not applier.in_step

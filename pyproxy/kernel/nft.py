@@ -17,7 +17,7 @@ import structlog
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel.libnftables import LibNftables, NftError, listing_shape
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, Fragment, Kind
+from pyproxy.render.objects import TABLE, Fragment, Kind, SetDecl
 from pyproxy.render.ruleset import (
     Change,
     Commands,
@@ -366,8 +366,9 @@ class Applier:
         declared: dict[str, str] = {}
         elements: dict[str, set[str]] = {}
         for (kind, container, key), value in self.state.slots():
-            if kind is Kind.SET and "dynamic" not in value:
-                declared[container] = value.split(" ", 1)[0]
+            if isinstance(value, SetDecl):
+                if not value.dynamic:
+                    declared[container] = value.kind
             elif kind is Kind.ELEMENT:
                 elements.setdefault(container, set()).add(" ".join((key + value).split()))
         return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]

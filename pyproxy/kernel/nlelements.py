@@ -29,6 +29,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from pyproxy.render.objects import VERDICT, SetDecl
+
 NETLINK_NETFILTER = 12
 SOL_NETLINK = 270
 NETLINK_CAP_ACK, NETLINK_EXT_ACK = 10, 11
@@ -91,11 +93,6 @@ def netlink_socket() -> socket.socket:
 
 Encoder = Callable[[str], bytes]
 
-_TYPEOF = {"ip daddr": "ipv4_addr", "ip saddr": "ipv4_addr", "ip6 daddr": "ipv6_addr",
-           "ip6 saddr": "ipv6_addr", "tcp dport": "inet_service", "udp dport": "inet_service",
-           "sctp dport": "inet_service", "th dport": "inet_service",
-           "meta l4proto": "inet_proto"}
-
 
 def _ipv4(text: str) -> bytes:
     return socket.inet_pton(socket.AF_INET, text)
@@ -123,18 +120,6 @@ _ENCODERS: dict[str, Encoder] = {"ipv4_addr": _ipv4, "ipv6_addr": _ipv6,
                                  "integer32": _integer32}
 
 
-def _field_type(word: str, typeof: bool) -> str:
-    if not typeof:
-        if word not in _ENCODERS:
-            raise Unencodable(f"type {word!r}")
-        return word
-    if word.startswith("numgen ") and " mod " in word:
-        return "integer32"
-    if word not in _TYPEOF:
-        raise Unencodable(f"typeof {word!r}")
-    return _TYPEOF[word]
-
-
 class _Cached(dict[str, bytes]):
     """text → encoded field; the same addresses and ports recur across a set's elements."""
 
@@ -159,33 +144,22 @@ class Layout:
     data: tuple[str, ...] | str | None
 
     @classmethod
-    def of(cls, declaration: str) -> Layout:
-        """From the store's declaration of a set or map (`staging.static_sets`), e.g.
-        `map typeof ip daddr . tcp dport . numgen random mod 1 : ip daddr . tcp dport;`."""
-        kind, _, body = declaration.partition(" ")
-        if kind not in ("set", "map"):
-            raise Unencodable(f"declaration {declaration!r}")
-        statements = [s.strip() for s in body.split(";") if s.strip()]
-        if not statements:
-            raise Unencodable("declaration without a type")
-        for statement in statements[1:]:
-            word = statement.split(" ", 1)[0]
-            if word not in ("comment", "size"):
-                raise Unencodable(f"set with {statement!r}")  # intervals, timeouts, …
-        first = statements[0]
-        typeof = first.startswith("typeof ")
-        if not typeof and not first.startswith("type "):
-            raise Unencodable(f"declaration {first!r}")
-        types = first.split(" ", 1)[1]
-        key_text, colon, data_text = types.partition(" : ")
-        if (kind == "map") != bool(colon):
-            raise Unencodable(f"declaration {declaration!r}")
-        key = tuple(_field_type(w, typeof) for w in key_text.split(" . "))
-        data: tuple[str, ...] | str | None = None
-        if colon:
-            data = "verdict" if data_text == "verdict" else tuple(
-                _field_type(w, typeof) for w in data_text.split(" . "))
-        return cls(key, data)
+    def of(cls, declaration: SetDecl) -> Layout:
+        """From a set's or map's declaration (`staging.static_sets`)."""
+        if declaration.flags or declaration.timeout is not None:
+            raise Unencodable(f"set with flags {declaration.flags}")  # intervals, timeouts, …
+        try:
+            key, data = declaration.key_types, declaration.data_types
+        except KeyError as err:
+            raise Unencodable(f"typeof {err}") from None
+        for field in (*key, *(data or ())):
+            if field not in _ENCODERS:
+                raise Unencodable(f"type {field!r}")
+        if not key:
+            raise Unencodable("declaration without a key")
+        if declaration.data is not None and not declaration.data:
+            raise Unencodable("map without data")
+        return cls(key, "verdict" if declaration.data == VERDICT else data)
 
     def encoder(self) -> ElementEncoder:
         return ElementEncoder(self)
@@ -481,7 +455,7 @@ def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> N
         raise BatchRefused(errno.EINVAL, "; ".join(errors[:3]))
 
 
-Load = tuple[str, str, tuple[str, ...]]  # set name, its declaration, element texts
+Load = tuple[str, SetDecl, tuple[str, ...]]  # set name, its declaration, element texts
 
 
 def encode_loads(loads: Sequence[Load]) -> tuple[list[tuple[str, list[bytes]]], list[Load]]:
@@ -489,7 +463,7 @@ def encode_loads(loads: Sequence[Load]) -> tuple[list[tuple[str, list[bytes]]], 
     libnftables (whose declaration or any element this encoder does not understand)."""
     encoded: list[tuple[str, list[bytes]]] = []
     left: list[Load] = []
-    encoders: dict[str, ElementEncoder] = {}
+    encoders: dict[SetDecl, ElementEncoder] = {}
     for name, declaration, elements in loads:
         try:
             encoder = encoders.get(declaration)

@@ -87,10 +87,83 @@ def filled_by_packets(name: str) -> bool:
     return name.startswith(FILLED_BY_PACKETS)
 
 
+# What a `typeof` expression of a declaration stores: the field type the kernel keeps (what
+# a `type` declaration names). Only the expressions pyproxy declares with.
+TYPEOF_TYPES = {"ip daddr": "ipv4_addr", "ip saddr": "ipv4_addr", "ip6 daddr": "ipv6_addr",
+                "ip6 saddr": "ipv6_addr", "tcp dport": "inet_service",
+                "udp dport": "inet_service", "sctp dport": "inet_service",
+                "th dport": "inet_service", "meta l4proto": "inet_proto",
+                "numgen random mod 1": "integer32"}
+
+
+# A verdict map's data.
+VERDICT = ("verdict",)
+
+
+class SetDecl(NamedTuple):
+    """A set's or map's declaration: its key's fields, a map's data fields, its flags and
+    limits. The fields are types (`ipv4_addr`) or, with `typeof`, expressions (`ip daddr`:
+    nft derives the type and keeps the expression for listings). A NamedTuple, like `Item`,
+    whose value it is: equal declarations compare and hash as tuples."""
+
+    key: tuple[str, ...]
+    # A map's data: its fields, ("verdict",) for a verdict map; None for a set.
+    data: tuple[str, ...] | None = None
+    typeof: bool = False
+    flags: tuple[str, ...] = ()  # `interval`, `dynamic`, `timeout`
+    timeout: int | None = None  # seconds, for sets with the `timeout` flag
+    size: int | None = None
+    comment: str = ""
+
+    @property
+    def kind(self) -> str:
+        """The nft word: `set` or `map`."""
+        return "set" if self.data is None else "map"
+
+    @property
+    def dynamic(self) -> bool:
+        """Filled by the packet path (`update @set`), never by a sync: declared, never
+        flushed, its elements nobody's to write."""
+        return "dynamic" in self.flags
+
+    @property
+    def key_types(self) -> tuple[str, ...]:
+        return self._types(self.key)
+
+    @property
+    def data_types(self) -> tuple[str, ...] | None:
+        """A map's data field types, ("verdict",) for a verdict map, None for a set."""
+        return None if self.data is None or self.data == VERDICT else \
+            self._types(self.data)
+
+    def _types(self, fields: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(TYPEOF_TYPES[f] for f in fields) if self.typeof else fields
+
+    def body(self) -> str:
+        """The declaration as nft text, inside the braces of `add set|map … { … }`."""
+        types = " . ".join(self.key)
+        if self.data is not None:
+            types += " : " + " . ".join(self.data)
+        parts = [f"{'typeof' if self.typeof else 'type'} {types}"]
+        if self.size is not None:
+            parts.append(f"size {self.size}")
+        if self.flags:
+            parts.append(f"flags {','.join(self.flags)}")
+        if self.timeout is not None:
+            parts.append(f"timeout {self.timeout}s")
+        if self.comment:
+            parts.append(f'comment "{self.comment}"')
+        return "; ".join(parts) + ";"
+
+
 class Kind(StrEnum):
-    SET = "set"  # a set or map declaration; value = "set|map" + body
+    SET = "set"  # a set or map declaration; value = its SetDecl
     CHAIN = "chain"  # value = the rules, one per line
     ELEMENT = "element"  # container = set/map name, key = element key, value = rest
+
+
+# A slot's value: what `Item.value` holds for its kind.
+Value = str | SetDecl
 
 
 class Item(NamedTuple):
@@ -102,7 +175,7 @@ class Item(NamedTuple):
     kind: Kind
     container: str
     key: str
-    value: str
+    value: Value
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from pyproxy.render.objects import (
     Fragment,
     Item,
     Kind,
+    SetDecl,
+    Value,
     base_chain_spec,
 )
 
@@ -31,8 +33,8 @@ Slot = tuple[Kind, str, str]
 class Change:
     """What one update does to the kernel, slot by slot (value None = absent)."""
 
-    before: dict[Slot, str | None] = field(default_factory=dict)
-    after: dict[Slot, str | None] = field(default_factory=dict)
+    before: dict[Slot, Value | None] = field(default_factory=dict)
+    after: dict[Slot, Value | None] = field(default_factory=dict)
 
     def touched(self) -> int:
         return sum(1 for s in self.after if self.before.get(s) != self.after[s])
@@ -41,15 +43,15 @@ class Change:
 class DesiredState:
     """All owners' fragments and the resulting slot values.
 
-    A slot wanted by one owner (almost all of them) stores its value as a plain string; a
-    slot shared or disputed stores {value: owners}. Slots are stored per (kind, container)
+    A slot wanted by one owner (almost all of them) stores its value as it is; a slot
+    shared or disputed stores {value: owners}. Slots are stored per (kind, container)
     and then by key, so no tuple is kept per slot: the element's own key string is the
     dictionary key. This keeps a 10k-service table's store small and its full sync quick."""
 
     def __init__(self) -> None:
         # Each owner's items, flattened (kind, container, key, value, kind, …): 32 bytes an
         # item where a tuple of Items costs 80, and the daemon keeps every owner's.
-        self._fragments: dict[Hashable, tuple[str, ...]] = {}
+        self._fragments: dict[Hashable, tuple[_Field, ...]] = {}
         self._values: dict[tuple[Kind, str], dict[str, _Value]] = {}
 
     def __len__(self) -> int:
@@ -60,13 +62,28 @@ class DesiredState:
         self._fragments.clear()
         self._values.clear()
 
-    def value(self, slot: Slot) -> str | None:
+    def value(self, slot: Slot) -> Value | None:
         kind, container, key = slot
         inner = self._values.get((kind, container))
         current = inner.get(key) if inner is not None else None
-        if current is None or isinstance(current, str):
+        if current is None or not isinstance(current, dict):
             return current
         return min(current)
+
+    def rules(self, chain: str) -> list[str] | None:
+        """The rules of `chain`, None when no owner wants it."""
+        value = self.value((Kind.CHAIN, chain, ""))
+        return None if value is None else [rule for rule in _text(value).split("\n") if rule]
+
+    def element(self, container: str, key: str) -> str | None:
+        """The value of element `key` of `container`, None when no owner wants it."""
+        value = self.value((Kind.ELEMENT, container, key))
+        return None if value is None else _text(value)
+
+    def declaration(self, name: str) -> SetDecl | None:
+        """The declaration of set or map `name`, None when no owner declares it."""
+        value = self.value((Kind.SET, name, ""))
+        return value if isinstance(value, SetDecl) else None
 
     def set(self, owner: Hashable, fragment: Fragment, change: Change | None = None) -> None:
         """Replace an owner's fragment (an empty fragment removes the owner), recording in
@@ -111,7 +128,7 @@ class DesiredState:
         current = inner.get(key)
         if current is None:
             inner[key] = value
-        elif isinstance(current, str):
+        elif not isinstance(current, dict):
             shared = {current: 1}
             shared[value] = shared.get(value, 0) + 1
             inner[key] = shared
@@ -122,7 +139,7 @@ class DesiredState:
         kind, container, key, value = item
         inner = self._values[(kind, container)]
         current = inner[key]
-        if isinstance(current, str):
+        if not isinstance(current, dict):
             del inner[key]
             if not inner:
                 del self._values[(kind, container)]
@@ -133,12 +150,12 @@ class DesiredState:
         if len(current) == 1 and next(iter(current.values())) == 1:
             inner[key] = next(iter(current))
 
-    def slots(self) -> Iterator[tuple[Slot, str]]:
+    def slots(self) -> Iterator[tuple[Slot, Value]]:
         for kind, container, entries in self.containers():
             for key, value in entries:
                 yield (kind, container, key), value
 
-    def containers(self) -> Iterator[tuple[Kind, str, Iterator[tuple[str, str]]]]:
+    def containers(self) -> Iterator[tuple[Kind, str, Iterator[tuple[str, Value]]]]:
         """Per (kind, container): its (key, value) pairs (a full sync writes them in one
         command per container)."""
         for (kind, container), inner in self._values.items():
@@ -152,13 +169,13 @@ class DesiredState:
         disputed = {(kind, container, key): current
                     for (kind, container), inner in self._values.items()
                     for key, current in inner.items()
-                    if not isinstance(current, str) and len(current) > 1}
+                    if isinstance(current, dict) and len(current) > 1}
         if not disputed:
             return []
-        owners: dict[tuple[Slot, str], list[Hashable]] = {}
+        owners: dict[tuple[Slot, Value], list[Hashable]] = {}
         for owner, flat in self._fragments.items():
             for i in range(0, len(flat), 4):
-                slot = (Kind(flat[i]), flat[i + 1], flat[i + 2])
+                slot = (Kind(str(flat[i])), str(flat[i + 1]), str(flat[i + 2]))
                 if slot in disputed:
                     owners.setdefault((slot, flat[i + 3]), []).append(owner)
         return [Dispute(slot, tuple((value, tuple(owners.get((slot, value), ())))
@@ -172,7 +189,7 @@ class Dispute:
     first (the smallest, so the outcome does not depend on the order of events)."""
 
     slot: Slot
-    claims: tuple[tuple[str, tuple[Hashable, ...]], ...]
+    claims: tuple[tuple[Value, tuple[Hashable, ...]], ...]
 
     @property
     def used_by(self) -> tuple[Hashable, ...]:
@@ -183,12 +200,14 @@ class Dispute:
         return tuple(owner for _, owners in self.claims for owner in owners)
 
 
-def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, str]]:
+def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, Value]]:
     for key, current in inner.items():
-        yield key, current if isinstance(current, str) else min(current)
+        yield key, min(current) if isinstance(current, dict) else current
 
 
-_Value = str | dict[str, int]
+_Value = Value | dict[Value, int]
+# A field of an owner's flattened items (kind, container, key, value, kind, …).
+_Field = str | Value
 
 
 # Strings (4 an item) from which an owner's change is compared block by block.
@@ -197,8 +216,8 @@ _BIG_OWNER = 4 * 256
 _BLOCK = 64
 
 
-def _difference(flat_old: tuple[str, ...], new: Iterable[Item],
-                ) -> tuple[list[Item], list[Item], tuple[str, ...]]:
+def _difference(flat_old: tuple[_Field, ...], new: Iterable[Item],
+                ) -> tuple[list[Item], list[Item], tuple[_Field, ...]]:
     """What replacing an owner's items (flat_old) by `new` removes and adds, and the new
     items flattened, made of the strings already stored wherever an item stays (the store's
     keys and values are those objects: an owner changed again and again holds one copy)."""
@@ -210,8 +229,8 @@ def _difference(flat_old: tuple[str, ...], new: Iterable[Item],
     return removed, added, tuple(chain.from_iterable(kept.get(item, item) for item in new))
 
 
-def _block_difference(flat_old: tuple[str, ...], flat_new: tuple[str, ...],
-                      ) -> tuple[list[Item], list[Item], tuple[str, ...]]:
+def _block_difference(flat_old: tuple[_Field, ...], flat_new: tuple[_Field, ...],
+                      ) -> tuple[list[Item], list[Item], tuple[_Field, ...]]:
     """`_difference` for a big owner, mostly unchanged: a 5,000-endpoint service with one
     endpoint more. Its items come in runs per container (its endpoints map's elements in
     slot order, which `keep_slots` keeps), so each run is compared with the same run before
@@ -219,9 +238,9 @@ def _block_difference(flat_old: tuple[str, ...], flat_new: tuple[str, ...],
     item by item. An item is in a fragment once, so an item of a block equal on both sides
     is in no other block of either side."""
     old_runs = _runs(flat_old)
-    pieces: list[tuple[str, ...]] = []  # the new flat items, block by block
+    pieces: list[tuple[_Field, ...]] = []  # the new flat items, block by block
     differing: list[int] = []  # the pieces that differ from the old block at their place
-    old_differing: list[tuple[str, ...]] = []
+    old_differing: list[tuple[_Field, ...]] = []
     for run, (start, end) in _runs(flat_new).items():
         old_start, old_end = old_runs.pop(run, (0, 0))
         for offset in range(0, max(end - start, old_end - old_start), _BLOCK):
@@ -247,11 +266,11 @@ def _block_difference(flat_old: tuple[str, ...], flat_new: tuple[str, ...],
     return removed, added, tuple(chain.from_iterable(pieces))
 
 
-def _runs(flat: tuple[str, ...]) -> dict[tuple[str, str, int], tuple[int, int]]:
+def _runs(flat: tuple[_Field, ...]) -> dict[tuple[_Field, _Field, int], tuple[int, int]]:
     """The runs of consecutive items of one kind and container, as item index ranges, keyed
     by (kind, container, how many runs of them came before)."""
-    runs: dict[tuple[str, str, int], tuple[int, int]] = {}
-    seen: dict[tuple[str, str], int] = {}
+    runs: dict[tuple[_Field, _Field, int], tuple[int, int]] = {}
+    seen: dict[tuple[_Field, _Field], int] = {}
     start = 0
     for (kind, container), items in groupby(zip(flat[0::4], flat[1::4], strict=True)):
         end = start + sum(1 for _ in items)
@@ -262,7 +281,7 @@ def _runs(flat: tuple[str, ...]) -> dict[tuple[str, str, int], tuple[int, int]]:
     return runs
 
 
-def _unflattened(flat: tuple[str, ...]) -> list[Item]:
+def _unflattened(flat: tuple[_Field, ...]) -> list[Item]:
     fields = iter(flat)
     # tuple.__new__: the fields are an Item's already (the kind still a Kind)
     return [tuple.__new__(Item, group)
@@ -303,7 +322,7 @@ def table_shape(state: DesiredState, flushed: Iterable[str] = ()) -> Shape:
     for kind, container, entries in state.containers():
         if kind is Kind.CHAIN:
             for _key, rules in entries:
-                chains[container] = sum(1 for rule in rules.split("\n") if rule)
+                chains[container] = sum(1 for rule in _text(rules).split("\n") if rule)
         elif kind is Kind.SET:
             sets.add(container)
     for name in flushed:
@@ -341,9 +360,22 @@ def _where(family: str, name: str) -> str:
     return f"{family} {TABLE} {name}"
 
 
-def _declare(family: str, name: str, value: str) -> str:
-    word, _, body = value.partition(" ")
-    return f"add {word} {_where(family, name)} {{ {body} }}"
+def declare(family: str, name: str, declaration: SetDecl) -> str:
+    """`add set|map FAMILY pyproxy NAME { … }`."""
+    return f"add {declaration.kind} {_where(family, name)} {{ {declaration.body()} }}"
+
+
+def _text(value: Value) -> str:
+    """A chain's rules or an element's value: text until they are typed too."""
+    if isinstance(value, SetDecl):
+        raise TypeError(f"a declaration where text was expected: {value}")
+    return value
+
+
+def _decl(value: Value | None) -> SetDecl:
+    if not isinstance(value, SetDecl):
+        raise TypeError(f"not a declaration: {value!r}")
+    return value
 
 
 def _add_rules(family: str, chain: str, rules: str) -> list[str]:
@@ -373,10 +405,10 @@ def incremental_commands(family: str, change: Change) -> Commands:
         kind, container, key = slot
         if kind is Kind.SET:
             if before is None and after is not None:
-                cmds.declare.append(_declare(family, container, after))
+                cmds.declare.append(declare(family, container, _decl(after)))
             elif after is None and before is not None:
                 # Deleted last, after the chains that use it were flushed.
-                cmds.delete_sets.append(f"delete {before.split(' ', 1)[0]} "
+                cmds.delete_sets.append(f"delete {_decl(before).kind} "
                                         f"{_where(family, container)}")
             else:
                 # Names are chosen so that no declaration changes in place (an affinity
@@ -391,12 +423,12 @@ def incremental_commands(family: str, change: Change) -> Commands:
             if after is None:
                 cmds.stale_chains.append(container)
             else:
-                cmds.rules.extend(_add_rules(family, container, after))
+                cmds.rules.extend(_add_rules(family, container, _text(after)))
         else:
             if before is not None:
                 delete_elems.append((container, key))
             if after is not None:
-                add_elems.append((container, key + after))
+                add_elems.append((container, key + _text(after)))
     cmds.delete_elements = _group_elements(family, "delete", delete_elems)
     cmds.add_elements = _group_elements(family, "add", add_elems)
     return cmds
@@ -413,21 +445,24 @@ def full_commands(
     listing); those no longer desired are removed."""
     cmds = Commands(family)
     cmds.declare.append(f"add table {family} {TABLE} {{ comment \"rules for pyproxy\"; }}")
-    sets: dict[str, str] = {}
+    sets: dict[str, SetDecl] = {}
     chains: dict[str, str] = {}
     elements: dict[str, list[str]] = {}
     # One pass, no sorting of the (many) elements: their order in a command is irrelevant.
     for kind, container, entries in state.containers():
         if kind is Kind.ELEMENT:
-            elements[container] = [key + value for key, value in entries]
+            elements[container] = [key + value for key, value in entries]  # type: ignore[operator]
         else:
             for _key, value in entries:  # one: chains and sets have no key
-                (chains if kind is Kind.CHAIN else sets)[container] = value
+                if kind is Kind.CHAIN:
+                    chains[container] = _text(value)
+                else:
+                    sets[container] = _decl(value)
     for name in sorted(sets):
-        value = sets[name]
-        cmds.declare.append(_declare(family, name, value))
-        if "dynamic" not in value:
-            cmds.flush.append(f"flush {value.split(' ', 1)[0]} {_where(family, name)}")
+        declaration = sets[name]
+        cmds.declare.append(declare(family, name, declaration))
+        if not declaration.dynamic:
+            cmds.flush.append(f"flush {declaration.kind} {_where(family, name)}")
     for name in BASE_CHAINS:
         if recreate_base_chains:
             # Base chain properties (priority) cannot change in place (kubernetes#123162):

@@ -75,9 +75,11 @@ from pyproxy.render.objects import (
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
     SERVICES_CHAIN,
+    VERDICT,
     Fragment,
     Item,
     Kind,
+    SetDecl,
     connections_set,
     element_comment,
     endpoints_map,
@@ -165,12 +167,14 @@ def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
     )
 
 
-def _endpoints_map_body(ip: str, proto: str) -> str:
-    return f"typeof {ip} daddr . {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+def _endpoints_map_decl(ip: str, proto: str) -> SetDecl:
+    return SetDecl((f"{ip} daddr", f"{proto} dport", "numgen random mod 1"),
+                   (f"{ip} daddr", f"{proto} dport"), typeof=True)
 
 
-def _nodeport_endpoints_map_body(ip: str, proto: str) -> str:
-    return f"typeof {proto} dport . numgen random mod 1 : {ip} daddr . {proto} dport;"
+def _nodeport_endpoints_map_decl(ip: str, proto: str) -> SetDecl:
+    return SetDecl((f"{proto} dport", "numgen random mod 1"), (f"{ip} daddr", f"{proto} dport"),
+                   typeof=True)
 
 
 # A service port with at least this many slots keeps them in an endpoints map of its own.
@@ -185,8 +189,8 @@ OWN_MAP_SLOTS = 1000
 # Item constructors (the types: objects.py)
 
 
-def _set(name: str, body: str, is_map: bool = False) -> Item:
-    return Item(Kind.SET, name, "", ("map " if is_map else "set ") + body)
+def _set(name: str, declaration: SetDecl) -> Item:
+    return Item(Kind.SET, name, "", declaration)
 
 
 def _chain(name: str, rules: Sequence[str]) -> Item:
@@ -208,33 +212,31 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
     """The static part: sets and maps, and the chains every ruleset has. `service_cidrs`
     (of any family; from the ServiceCIDR objects) fill `service-cidrs`."""
     ip, addr = cfg.ip, cfg.addr_type
-    destination = f"{addr} . inet_proto . inet_service"  # the type of `destination()`
+    destination = (addr, "inet_proto", "inet_service")  # the type of `destination()`
+    node_port = ("inet_proto", "inet_service")
     items = [
-        _set(CLUSTER_IPS_SET, f"type {addr}; comment \"Active ClusterIPs\";"),
-        _set(HAIRPIN_SET, f"type {addr} . {addr}; comment \"endpoint . itself, for hairpin\";"),
-        _set(SERVICE_CIDRS_SET, f"type {addr}; flags interval; comment \"ServiceCIDRs\";"),
-        _set(FIREWALL_IPS_SET,
-             f"type {destination}; comment \"destinations with source ranges\";"),
-        _set(FIREWALL_ALLOW_SET, f"type {destination} . {addr}; flags interval; "
-             "comment \"allowed sources per destination\";"),
-        _set(SERVICE_IPS_MAP, f"type {destination} : verdict; comment \"ClusterIP, ExternalIP and "
-             "LoadBalancer IP traffic\";", is_map=True),
-        _set(SERVICE_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
-             "comment \"NodePort traffic\";", is_map=True),
-        _set(NO_ENDPOINT_SERVICES_MAP, f"type {destination} : verdict; comment \"services without "
-             "usable endpoints: reject or drop\";", is_map=True),
-        _set(NO_ENDPOINT_NODEPORTS_MAP, "type inet_proto . inet_service : verdict; "
-             "comment \"nodeports without usable endpoints: reject or drop\";", is_map=True),
+        _set(CLUSTER_IPS_SET, SetDecl((addr,), comment="Active ClusterIPs")),
+        _set(HAIRPIN_SET, SetDecl((addr, addr), comment="endpoint . itself, for hairpin")),
+        _set(SERVICE_CIDRS_SET, SetDecl((addr,), flags=("interval",), comment="ServiceCIDRs")),
+        _set(FIREWALL_IPS_SET, SetDecl(destination, comment="destinations with source ranges")),
+        _set(FIREWALL_ALLOW_SET, SetDecl((*destination, addr), flags=("interval",),
+                                         comment="allowed sources per destination")),
+        _set(SERVICE_IPS_MAP, SetDecl(destination, VERDICT, comment="ClusterIP, ExternalIP and "
+                                      "LoadBalancer IP traffic")),
+        _set(SERVICE_NODEPORTS_MAP, SetDecl(node_port, VERDICT, comment="NodePort traffic")),
+        _set(NO_ENDPOINT_SERVICES_MAP, SetDecl(destination, VERDICT, comment="services without "
+                                               "usable endpoints: reject or drop")),
+        _set(NO_ENDPOINT_NODEPORTS_MAP, SetDecl(node_port, VERDICT, comment="nodeports without "
+                                                "usable endpoints: reject or drop")),
     ]
     for proto in PROTOCOLS:
-        items.append(_set(endpoints_map(proto), _endpoints_map_body(ip, proto), is_map=True))
-        items.append(_set(nodeport_endpoints_map(proto), _nodeport_endpoints_map_body(ip, proto),
-                          is_map=True))
+        items.append(_set(endpoints_map(proto), _endpoints_map_decl(ip, proto)))
+        items.append(_set(nodeport_endpoints_map(proto), _nodeport_endpoints_map_decl(ip, proto)))
     items.extend(_elem(SERVICE_CIDRS_SET, cidr)
                  for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
     if cfg.nodeport_ips is not None:
-        items.append(_set(NODEPORT_IPS_SET, f"type {addr}; comment \"IPs that accept NodePort "
-                          "traffic\";"))
+        items.append(_set(NODEPORT_IPS_SET, SetDecl((addr,),
+                                                    comment="IPs that accept NodePort traffic")))
         items.extend(_elem(NODEPORT_IPS_SET, ip_) for ip_ in cfg.nodeport_ips)
         nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
     else:
@@ -293,8 +295,9 @@ def _localhost_nodeport_rejects(cfg: RenderConfig) -> tuple[Item, ...]:
     if not cfg.localhost_rejected:
         return ()
     return (
-        _set(LOCALHOST_NODEPORT_REJECT_MAP, "type inet_proto . inet_service : verdict; "
-             "comment \"localhost NodePorts rejected by pyproxy\";", is_map=True),
+        _set(LOCALHOST_NODEPORT_REJECT_MAP, SetDecl(("inet_proto", "inet_service"), VERDICT,
+                                                    comment="localhost NodePorts rejected by "
+                                                    "pyproxy")),
         *(_chain(localhost_nodeport_reject_chain(proto), ("counter reject",))
           for proto in cfg.localhost_rejected),
     )
@@ -311,11 +314,10 @@ def _connection_counting(cfg: RenderConfig) -> tuple[Item, ...]:
     # Element keys: service address . protocol . service port (the node port for NodePorts)
     # . endpoint address . endpoint port. `dynamic`: filled by the packet path, never by a
     # sync, and never flushed by a full sync (which would reset the counters).
-    items = [_set(connections_set(shard),
-                  f"type {addr} . inet_proto . inet_service . {addr} . inet_service; "
-                  f"size {CONNECTION_SHARD_SIZE}; flags dynamic; "
-                  f"comment \"new connections per service address and endpoint\";")
-             for shard in range(CONNECTION_SHARDS)]
+    declaration = SetDecl((addr, "inet_proto", "inet_service", addr, "inet_service"),
+                          flags=("dynamic",), size=CONNECTION_SHARD_SIZE,
+                          comment="new connections per service address and endpoint")
+    items = [_set(connections_set(shard), declaration) for shard in range(CONNECTION_SHARDS)]
     mask = "0.0.0.{}" if cfg.family is IPFamily.IPv4 else "::{:x}"
     key = (f"ct original {ip} daddr . meta l4proto . ct original proto-dst . {ip} daddr . "
            "th dport")
@@ -456,10 +458,11 @@ class _ServiceRender:
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
             name = _own_name(nodeport_endpoints_map(proto), suffix)
-            body = _nodeport_endpoints_map_body(ip, proto)
+            declaration = _nodeport_endpoints_map_decl(ip, proto)
         else:
-            name, body = _own_name(endpoints_map(proto), suffix), _endpoints_map_body(ip, proto)
-        return suffix, [_set(name, body, is_map=True)]
+            name = _own_name(endpoints_map(proto), suffix)
+            declaration = _endpoints_map_decl(ip, proto)
+        return suffix, [_set(name, declaration)]
 
     def slot_elements(self, container: str, prefix: str, slots: Sequence[Endpoint],
                       offset: int = 0) -> Sequence[Item]:
@@ -813,8 +816,8 @@ class _AffinityRender:
         for ep in endpoints:
             aff = affinity_set_name(svc.port, ep)
             sets[ep.key] = aff
-            yield _set(aff, f"type {cfg.addr_type}; flags dynamic,timeout; "
-                            f"timeout {svc.port.affinity_timeout}s;")
+            yield _set(aff, SetDecl((cfg.addr_type,), flags=("dynamic", "timeout"),
+                                    timeout=svc.port.affinity_timeout))
             # Every endpoint, drained ones too: a returning client keeps its endpoint, and
             # renews its element, so the timeout is the time it may stay away (kube-proxy's
             # endpoint chains `update` on every connection, new or returning).

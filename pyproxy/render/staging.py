@@ -31,8 +31,8 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from pyproxy.render.objects import BASE_CHAINS, TABLE, Kind
-from pyproxy.render.ruleset import Commands, DesiredState
+from pyproxy.render.objects import BASE_CHAINS, TABLE, Kind, SetDecl
+from pyproxy.render.ruleset import Commands, DesiredState, declare
 
 SHADOW_SUFFIX = "-staged"
 # Elements per transaction: ~35 MiB of libnftables memory at ~1.6 KiB a parsed element.
@@ -43,9 +43,9 @@ _REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")
 @dataclass(frozen=True)
 class ElementChunk:
     """One transaction adding elements to sets and maps that nothing references yet:
-    (set name, its declaration as the store holds it, element texts) for each."""
+    (set name, its declaration, element texts) for each."""
 
-    loads: tuple[tuple[str, str, tuple[str, ...]], ...]
+    loads: tuple[tuple[str, SetDecl, tuple[str, ...]], ...]
 
     def __len__(self) -> int:
         return sum(len(elements) for _, _, elements in self.loads)
@@ -56,19 +56,22 @@ class ElementChunk:
 
 
 Transaction = str | ElementChunk
+# The declaration a load carries for elements of a set nobody declares (the kernel says what
+# is wrong when they are added): no field the netlink encoder could encode.
+_UNDECLARED = SetDecl(())
 
 
 def shadow(name: str) -> str:
     return name + SHADOW_SUFFIX
 
 
-def static_sets(state: DesiredState) -> dict[str, str]:
+def static_sets(state: DesiredState) -> dict[str, SetDecl]:
     """Name → declaration of the sets and maps whose elements the store owns (not dynamic)."""
-    out: dict[str, str] = {}
+    out: dict[str, SetDecl] = {}
     for kind, container, entries in state.containers():
         if kind is Kind.SET:
             for _key, value in entries:
-                if "dynamic" not in value:
+                if isinstance(value, SetDecl) and not value.dynamic:
                     out[container] = value
     return out
 
@@ -96,25 +99,20 @@ def transactions(family: str, state: DesiredState, cmds: Commands, table_exists:
     # The table (someone may have deleted it), the copies, and every chain the new state
     # has (empty until the switch): the copies' verdicts must find their chains.
     declare_shadows = [cmds.declare[0],
-                       *(_declare(family, shadow(n), sets[n]) for n in sorted(sets)),
+                       *(declare(family, shadow(n), sets[n]) for n in sorted(sets)),
                        *(line for line in cmds.declare
                          if line.startswith("add chain ") and not _on_base(line))]
     chain_flushes = [line for line in cmds.flush if line.startswith("flush chain ")]
     switch = [*cmds.declare, *cmds.flush, *(_renamed(line, renamed) for line in cmds.rules),
               *cmds.delete_sets]
     back = [*chain_flushes, *cmds.rules,
-            *(f"delete {sets[n].split(' ', 1)[0]} {family} {TABLE} {shadow(n)}"
+            *(f"delete {sets[n].kind} {family} {TABLE} {shadow(n)}"
               for n in sorted(sets))]
     yield _script(declare_shadows)
     yield from _chunks(state, chunk, sets, renamed)
     yield _script(switch)
     yield from _chunks(state, chunk, sets, {})
     yield _script(back)
-
-
-def _declare(family: str, name: str, value: str) -> str:
-    word, _, body = value.partition(" ")
-    return f"add {word} {family} {TABLE} {name} {{ {body} }}"
 
 
 def _on_base(line: str) -> bool:
@@ -131,11 +129,11 @@ def _script(lines: list[str]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def _chunks(state: DesiredState, chunk: int, sets: dict[str, str],
+def _chunks(state: DesiredState, chunk: int, sets: dict[str, SetDecl],
             renamed: dict[str, str]) -> Iterator[ElementChunk]:
     """Transactions of at most `chunk` elements, in container order; `sets`: the
     declarations (`static_sets`) each load carries."""
-    loads: list[tuple[str, str, tuple[str, ...]]] = []
+    loads: list[tuple[str, SetDecl, tuple[str, ...]]] = []
     size = 0
     for kind, container, entries in state.containers():
         if kind is not Kind.ELEMENT:
@@ -143,14 +141,14 @@ def _chunks(state: DesiredState, chunk: int, sets: dict[str, str],
         name = renamed.get(container, container)
         batch: list[str] = []
         for key, value in entries:
-            batch.append(key + value)
+            batch.append(key + value)  # type: ignore[operator]  # element values: text
             size += 1
             if size >= chunk:
-                loads.append((name, sets.get(container, ""), tuple(batch)))
+                loads.append((name, sets.get(container, _UNDECLARED), tuple(batch)))
                 yield ElementChunk(tuple(loads))
                 loads, batch, size = [], [], 0
         if batch:
-            loads.append((name, sets.get(container, ""), tuple(batch)))
+            loads.append((name, sets.get(container, _UNDECLARED), tuple(batch)))
     if loads:
         yield ElementChunk(tuple(loads))
 

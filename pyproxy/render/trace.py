@@ -92,7 +92,7 @@ class _Walker:
     sport: int | None = None
 
     def element(self, container: str, key: str) -> str | None:
-        value = self.state.value((Kind.ELEMENT, container, key))
+        value = self.state.element(container, key)
         if value is not None:
             self.out.consulted.append((container, " ".join((key + value).split())))
         return value
@@ -155,13 +155,13 @@ class _Walker:
         if not verdict.startswith("goto "):
             return False
         chain = verdict.split(" ", 1)[1]
-        rules = self.state.value((Kind.CHAIN, chain, ""))
+        rules = self.state.rules(chain)
         if rules is None:
             self.note(f"{chain}: chain not found")
             return False
-        if "update @" in rules or "goto " in rules:
-            return self.per_service_chain(chain)
-        return self.pick_chain(chain, rules.split("\n"))
+        if any("update @" in rule or "goto " in rule for rule in rules):
+            return self.per_service_chain(chain, rules)
+        return self.pick_chain(chain, rules)
 
     def pick_chain(self, chain: str, rules: list[str]) -> bool:
         """A shared pick chain: optional masquerade rules, then DNATs through the endpoints
@@ -220,8 +220,7 @@ class _Walker:
         return True
 
     def hairpin(self, address: str) -> bool:
-        return self.state.value((Kind.ELEMENT, HAIRPIN_SET,
-                                 f"{address} . {address}")) is not None
+        return self.state.element(HAIRPIN_SET, f"{address} . {address}") is not None
 
     def pick(self, chain: str, rule: str) -> bool:
         match = _INDEX.search(rule)
@@ -262,17 +261,13 @@ class _Walker:
                   f"0x{seed:08x} = slot {offset + slot} of @{container}")
         return self.dnat([slots[slot]])
 
-    def per_service_chain(self, chain: str) -> bool:
+    def per_service_chain(self, chain: str, rules: list[str]) -> bool:
         """Upstream-shaped chains (session affinity services): `external-…` decides the
         masquerade and goes on to `service-…`/`local-…`, which pick an endpoint."""
-        rules = self.state.value((Kind.CHAIN, chain, ""))
-        if rules is None:
-            self.note(f"{chain}: chain not found")
-            return False
         mark = f"meta mark set meta mark | {self.cfg.mark}"
         local_pods = self.cfg.local_match()
         targets: list[str] = []
-        for rule in rules.split("\n"):
+        for rule in rules:
             if rule == mark:
                 self.out.masquerade = True
                 self.note(f"{chain}: external traffic: masquerade")
@@ -355,7 +350,7 @@ class _Walker:
             if kind is Kind.ELEMENT and container == SERVICE_CIDRS_SET:
                 for key, value in entries:
                     if dst in ip_network(key, strict=False):
-                        self.out.consulted.append((container, key + value))
+                        self.out.consulted.append((container, key + str(value)))
                         return key
         return None
 
