@@ -29,6 +29,9 @@ from pyproxy.config import (
     load_config,
     parse_duration,
 )
+from pyproxy.config.file import FIELDS
+from pyproxy.config.flags import FLAGS
+from pyproxy.config.settings import SETTINGS
 from pyproxy.core.model import IPFamily, LocalMode
 from pyproxy.render.services import render_config
 
@@ -454,22 +457,22 @@ class TestEveryField:
 
     def test_every_v1alpha1_field_is_known(self) -> None:
         """The fields pyproxy knows are exactly the v1alpha1 fields."""
-        assert sorted(V1ALPHA1_FIELDS) == sorted(spec.path for spec in config._FIELDS)
+        assert sorted(V1ALPHA1_FIELDS) == sorted(spec.path for spec in FIELDS)
 
     @pytest.mark.parametrize("path", [p for p in V1ALPHA1_FIELDS if p != "mode"])
     def test_every_v1alpha1_field_is_accepted_at_its_zero_value(self, path: str) -> None:
         """Each field at its Go zero value loads, and says nothing."""
-        spec = next(s for s in config._FIELDS if s.path == path)
+        spec = next(s for s in FIELDS if s.path == path)
         document = {"apiVersion": config.API_VERSION, "kind": config.KIND, "mode": "nftables",
                     **nested(path, ZERO[spec.type])}
         loaded = load_config(json.dumps(document))
         assert loaded.file_notes == ()
 
-    @pytest.mark.parametrize("path", [s.path for s in config._FIELDS
+    @pytest.mark.parametrize("path", [s.path for s in FIELDS
                                       if s.attr is None and s.path != "mode"])
     def test_ignored_fields_are_noted_when_set(self, path: str) -> None:
         """A field pyproxy does not use, set to a value that means something, is noted."""
-        spec = next(s for s in config._FIELDS if s.path == path)
+        spec = next(s for s in FIELDS if s.path == path)
         document = {"apiVersion": config.API_VERSION, "kind": config.KIND, "mode": "nftables",
                     **nested(path, SET[spec.type])}
         loaded = load_config(json.dumps(document))
@@ -999,20 +1002,20 @@ class TestReferenceDoc:
                     assert f"`{option}`" in text
 
     def test_one_row_per_setting_in_the_order_of_proxyconfig(self) -> None:
-        """config._TABLE describes every ProxyConfig setting once, in the class's order,
+        """The settings table describes every ProxyConfig setting once, in the class's order,
         and every file field and flag with a setting comes from its row."""
         settings = [f.name for f in dataclasses.fields(ProxyConfig)
                     if f.name not in ("file_notes", "warnings", "unapplied_fields")]
-        assert [s.attr for s in config._TABLE] == settings
-        for row in config._TABLE:
+        assert [s.attr for s in SETTINGS] == settings
+        for row in SETTINGS:
             assert row.description and row.applied_by, row.attr
-            assert [f.path for f in config._FIELDS if f.attr == row.attr] == list(row.paths)
-            assert [f.name for f in config._FLAGS if f.attr == row.attr] == \
+            assert [f.path for f in FIELDS if f.attr == row.attr] == list(row.paths)
+            assert [f.name for f in FLAGS if f.attr == row.attr] == \
                 ([row.flag] if row.flag else []) + list(row.kube_flags)
 
     def test_every_setting_is_documented(self) -> None:
         """Every ProxyConfig setting is reachable from the file or a flag."""
-        reachable = ({s.attr for s in config._FIELDS} | {f.attr for f in config._FLAGS})
+        reachable = ({s.attr for s in FIELDS} | {f.attr for f in FLAGS})
         settings = {f.name for f in dataclasses.fields(ProxyConfig)} - {
             "file_notes", "warnings", "unapplied_fields"}
         assert settings <= reachable

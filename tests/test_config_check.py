@@ -13,6 +13,7 @@ import yaml
 
 from pyproxy.cli import build_parser, main
 from pyproxy.config import ConfigError, ProxyConfig, apply_flags, load_config, load_config_file
+from pyproxy.config.flags import FLAGS
 from pyproxy.config.view import effective_configuration
 from pyproxy.kernel.host import MIN_KERNEL
 
@@ -234,11 +235,9 @@ class TestView:
         assert dict(load_config(out).unapplied_fields) == {path: value}
 
     def test_every_unapplied_flag_with_a_field_is_listed(self) -> None:
-        from pyproxy.config import _FLAGS
-
-        with_field = {f.name for f in _FLAGS if f.not_applied and f.field}
+        with_field = {f.name for f in FLAGS if f.not_applied and f.field}
         assert with_field == {f.lstrip("-").split("=")[0] for f in self.UNAPPLIED_FLAGS}
-        assert {f.name for f in _FLAGS if f.not_applied and not f.field} == {
+        assert {f.name for f in FLAGS if f.not_applied and not f.field} == {
             "ipvs-sync-period", "ipvs-min-sync-period"}
 
     def test_unapplied_fields_of_the_file_stay(self, tmp_path: Path,

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from pyproxy.cli import build_parser
-from pyproxy.config import _FLAGS, ConfigError, ProxyConfig, from_args
+from pyproxy.config import ConfigError, ProxyConfig, from_args
+from pyproxy.config.flags import FLAGS
 from testkit.controlplane import binaries_dir
 from testkit.netlab import Lab
 
@@ -79,7 +80,7 @@ def test_every_kube_proxy_flag_is_applied_or_warned_about(
         config = from_args(parser.parse_args(["run", *given(name, kind)]))
         changed = dataclasses.replace(config, warnings=()) != default
         assert changed or config.unapplied, name
-        flag = next(f for f in _FLAGS if f.name == name)
+        flag = next(f for f in FLAGS if f.name == name)
         if flag.not_applied:
             assert config.unapplied == (f"--{name}: accepted, not applied "
                                         f"({flag.not_applied})",), name
@@ -96,8 +97,8 @@ def test_kube_proxy_flags_are_type_checked(kube_proxy_flags: dict[str, str]) -> 
 def test_kube_proxy_flags_group_is_kube_proxys(kube_proxy_flags: dict[str, str]) -> None:
     """What `pyproxy run --help` calls kube-proxy's flags are kube-proxy's, and pyproxy's own
     flags are not among kube-proxy's."""
-    kube = {f.name for f in _FLAGS if not f.own}
-    own = {f.name for f in _FLAGS if f.own}
+    kube = {f.name for f in FLAGS if not f.own}
+    own = {f.name for f in FLAGS if f.own}
     assert kube == set(kube_proxy_flags) - {"help", "version"}
     assert not own & set(kube_proxy_flags)
 

@@ -26,45 +26,37 @@ from typing import Any
 
 import yaml
 
-from pyproxy.config import (
-    _TABLE,
-    API_VERSION,
-    KIND,
-    ConfigError,
-    ProxyConfig,
-    _Setting,
-    _Type,
-    apply_flags,
-    format_duration,
-    load_config,
-    load_config_file,
-)
+from pyproxy.config.file import API_VERSION, KIND, load_config, load_config_file
+from pyproxy.config.flags import apply_flags
+from pyproxy.config.proxyconfig import ProxyConfig
+from pyproxy.config.settings import SETTINGS, Setting
+from pyproxy.config.values import ConfigError, ValueType, format_duration
 
 _NFT_SECTION = "nftables."
 
 
-def _file_path(setting: _Setting) -> str | None:
+def _file_path(setting: Setting) -> str | None:
     """The field the document writes: the nftables section's, as the document's mode is."""
     paths = setting.paths
     return next((p for p in paths if p.startswith(_NFT_SECTION)), paths[0] if paths else None)
 
 
-def _plain(setting: _Setting, value: Any) -> Any:
+def _plain(setting: Setting, value: Any) -> Any:
     """A ProxyConfig value as the file spells it."""
     if value is None:
         return ""
-    if setting.type is _Type.DURATION:
+    if setting.type is ValueType.DURATION:
         return format_duration(value)
     if isinstance(value, Enum):
         return str(value.value)
     if isinstance(value, tuple):
-        return ",".join(value) if setting.type is _Type.STRING else list(value)
+        return ",".join(value) if setting.type is ValueType.STRING else list(value)
     if isinstance(value, Mapping):
         return dict(value)
     return value
 
 
-def _flag_text(setting: _Setting, value: Any) -> str:
+def _flag_text(setting: Setting, value: Any) -> str:
     """`--flag=value` giving `value` on the command line."""
     name = setting.flag or setting.kube_flags[0]
     plain = _plain(setting, value)
@@ -109,14 +101,14 @@ def effective_configuration(config: ProxyConfig) -> EffectiveConfiguration:
     """`config` as a KubeProxyConfiguration that loads back to the same settings, and the
     flags for those that do not."""
     document: dict[str, Any] = {"apiVersion": API_VERSION, "kind": KIND, "mode": "nftables"}
-    for setting in _TABLE:
+    for setting in SETTINGS:
         path = _file_path(setting)
         if path is not None:
             _nest(document, path, _plain(setting, getattr(config, setting.attr)))
     for path, value in sorted(config.unapplied_fields.items()):
         _nest(document, path, value)
     reread = load_config(yaml.safe_dump(document))
-    flags = tuple(_flag_text(s, getattr(config, s.attr)) for s in _TABLE
+    flags = tuple(_flag_text(s, getattr(config, s.attr)) for s in SETTINGS
                   if getattr(reread, s.attr) != getattr(config, s.attr))
     return EffectiveConfiguration(document, flags)
 
