@@ -148,6 +148,18 @@ def test_imports_are_absolute() -> None:
     assert not relative, relative
 
 
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A name another module needs is part of its public surface: no `from pyproxy.x import
+    _name`."""
+    private = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.module}.{alias.name}"
+               for path in sorted(PACKAGE.rglob("*.py"))
+               for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+               if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pyproxy")
+               for alias in node.names
+               if alias.name.startswith("_") and not alias.name.startswith("__")]
+    assert not private, private
+
+
 @pytest.mark.parametrize(("module", "imported", "refused"), [
     ("cluster.sources", "pyproxy.sync.node", True),  # up
     ("kernel.nlsets", "pyproxy.serve.connections", True),  # up

@@ -30,12 +30,12 @@ from pyproxy.core.coexistence import (
     findings,
 )
 from pyproxy.core.model import IPFamily
-from pyproxy.kernel.libnftables import _new_context
+from pyproxy.kernel.libnftables import new_context
 
 log = structlog.get_logger(__name__)
 
 
-def read_base_chains(factory: Callable[[], Any] = _new_context) -> tuple[BaseChain, ...]:
+def read_base_chains(factory: Callable[[], Any] = new_context) -> tuple[BaseChain, ...]:
     """The base chains of this network namespace, with how each relevant one ends. A chain
     gone between the two listings is left out (the change that removed it asks again)."""
     ctx = factory()

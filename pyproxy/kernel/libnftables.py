@@ -27,7 +27,8 @@ class NftError(RuntimeError):
     """The kernel or libnftables refused a transaction; nothing of it was applied."""
 
 
-def _new_context() -> Any:
+def new_context() -> Any:
+    """A libnftables context of this network namespace, echo output off."""
     import nftables  # Debian's binding, matching the installed libnftables
 
     ctx = nftables.Nftables()
@@ -171,12 +172,12 @@ class LibNftables:
     default the current one with the default factory; with another factory, none unless
     given (then libnftables adds them too)."""
 
-    def __init__(self, factory: Callable[[], Any] = _new_context,
+    def __init__(self, factory: Callable[[], Any] = new_context,
                  sockets: OwnSockets = OWN_SOCKETS,
                  netlink: Callable[[], socket.socket] | None = None) -> None:
         self._factory = factory
         self._sockets = sockets
-        if netlink is None and factory is _new_context:
+        if netlink is None and factory is new_context:
             netlink = nlelements.netlink_socket
         self._netlink = netlink() if netlink is not None else None
         self._pipelined = False
