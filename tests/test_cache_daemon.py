@@ -209,7 +209,7 @@ _CLUSTER_IPS = Fragment((Item(Kind.SET, "cluster-ips", "", SetDecl(("ipv4_addr",
 
 
 def _elements(*ips: str) -> Fragment:
-    return Fragment(tuple(Item(Kind.ELEMENT, "cluster-ips", ip, "") for ip in ips))
+    return Fragment(tuple(Item(Kind.ELEMENT, "cluster-ips", (ip,), ()) for ip in ips))
 
 
 def test_periodic_sync_without_changes_writes_nothing() -> None:

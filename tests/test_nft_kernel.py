@@ -25,7 +25,7 @@ from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
 from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets, listing_shape
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, SetDecl
+from pyproxy.render.objects import TABLE, ElementValue, Key, SetDecl
 from pyproxy.render.ruleset import declare
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.proxier import FamilyProxier, render_script
@@ -390,8 +390,8 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     proxier = FamilyProxier(IPFamily.IPv4, CONFIG, nft)
     proxier.sync(example_state())
     nft.run("add set ip pyproxy spare { type ipv4_addr; }\n")
-    chunk = ElementChunk((("spare", SetDecl(("ipv4_addr",)), ("10.0.0.1", "10.0.0.2")),
-                          ("no-such-set", SetDecl(("ipv4_addr",)), ("10.0.0.3",))))
+    chunk = ElementChunk((("spare", SetDecl(("ipv4_addr",)), _addresses("10.0.0.1", "10.0.0.2")),
+                          ("no-such-set", SetDecl(("ipv4_addr",)), _addresses("10.0.0.3"))))
     encoded, _ = nle.encode_loads(chunk.loads)
     with pytest.raises(nle.BatchRefused, match="no-such-set: ENOENT"):
         nle.commit(call_in_netns(ns.full, nle.netlink_socket),
@@ -407,8 +407,8 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     # understand) through libnftables
     nft.run("add set ip pyproxy ranges { type ipv4_addr; flags interval; }\n")
     nft.add_elements("ip", ElementChunk((
-        ("spare", SetDecl(("ipv4_addr",)), ("10.0.0.1", "10.0.0.2")),
-        ("ranges", SetDecl(("ipv4_addr",), flags=("interval",)), ("10.1.0.0/16",)))))
+        ("spare", SetDecl(("ipv4_addr",)), _addresses("10.0.0.1", "10.0.0.2")),
+        ("ranges", SetDecl(("ipv4_addr",), flags=("interval",)), _addresses("10.1.0.0/16")))))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
     assert nft.list_elements("ip", "set", "ranges") == ["10.1.0.0/16"]
 
@@ -419,12 +419,11 @@ def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
     assert nft._netlink is not None
     nft._netlink.close()  # sending on it fails: EBADF
     with capture_logs() as logs:
-        nft.add_elements("ip", ElementChunk((("spare", SetDecl(("ipv4_addr",)),
-                                              ("10.0.0.1",)),)))
+        nft.add_elements("ip", _spare("10.0.0.1"))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
     assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
     assert nft._netlink is None  # libnftables from now on
-    nft.add_elements("ip", ElementChunk((("spare", SetDecl(("ipv4_addr",)), ("10.0.0.2",)),)))
+    nft.add_elements("ip", _spare("10.0.0.2"))
     assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
 
 
@@ -448,7 +447,12 @@ def _spare_set(nft: LibNftables) -> None:
 
 
 def _spare(*addresses: str, name: str = "spare") -> ElementChunk:
-    return ElementChunk(((name, SetDecl(("ipv4_addr",)), addresses),))
+    return ElementChunk(((name, SetDecl(("ipv4_addr",)), _addresses(*addresses)),))
+
+
+def _addresses(*addresses: str) -> tuple[tuple[Key, ElementValue], ...]:
+    """Set elements, one address each."""
+    return tuple(((address,), ()) for address in addresses)
 
 
 def test_in_a_bulk_the_next_chunk_is_made_while_the_kernel_takes_the_last(ns: Netns) -> None:

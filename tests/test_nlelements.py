@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel.nlelements import Layout, Unencodable
-from pyproxy.render.objects import VERDICT, SetDecl
+from pyproxy.render.objects import VERDICT, ElementValue, Key, SetDecl, Verdict
 
 ENDPOINTS = SetDecl(("ip daddr", "tcp dport", "numgen random mod 1"), ("ip daddr", "tcp dport"),
                     typeof=True)
@@ -45,30 +45,34 @@ def test_what_is_left_to_libnftables(declaration: SetDecl) -> None:
         Layout.of(declaration)
 
 
-@pytest.mark.parametrize("declaration,text", [
-    (ENDPOINTS, "10.96.0.1 . 80 . 0"),  # a map element without its data
-    (ENDPOINTS, "10.96.0.1 . 80 : 10.244.0.1 . 8080"),  # a field short
-    (ENDPOINTS, "10.96.0.1 . 70000 . 0 : 10.244.0.1 . 8080"),
-    (ENDPOINTS, "10.96.0.1 . http . 0 : 10.244.0.1 . 8080"),
-    (ENDPOINTS, "fd00::1 . 80 . 0 : 10.244.0.1 . 8080"),
-    (SERVICE_IPS, '10.96.0.1 . tcp . 80 comment "a\\"b" : goto x'),
-    (SERVICE_IPS, '10.96.0.1 . tcp . 80 : goto "x"'),
-    (SERVICE_IPS, "10.96.0.1 . tcp . 80 : vmap x"),
-    (HAIRPIN, "10.244.0.0/24 . 10.244.0.1"),
+GOOD = (("10.96.0.9", 80, 1), ("10.244.0.9", 80))
+
+
+@pytest.mark.parametrize("declaration,element", [
+    (ENDPOINTS, (("10.96.0.1", 80, 0), ())),  # a map element without its data
+    (ENDPOINTS, (("10.96.0.1", 80), ("10.244.0.1", 8080))),  # a field short
+    (ENDPOINTS, (("10.96.0.1", 70000, 0), ("10.244.0.1", 8080))),
+    (ENDPOINTS, (("10.96.0.1", "http", 0), ("10.244.0.1", 8080))),
+    (ENDPOINTS, (("fd00::1", 80, 0), ("10.244.0.1", 8080))),
+    (ENDPOINTS, (("10.96.0.1", 80, 0), Verdict("goto", "x"))),  # a verdict in a value map
+    (SERVICE_IPS, (("10.96.0.1", "tcp", 80), Verdict("goto", "x", 'a"b'))),
+    (SERVICE_IPS, (("10.96.0.1", "tcp", 80), Verdict("goto", '"x"'))),
+    (SERVICE_IPS, (("10.96.0.1", "tcp", 80), Verdict("vmap", "x"))),
+    (SERVICE_IPS, (("10.96.0.1", "tcp", 80), ("10.244.0.1", 8080))),  # data, no verdict
+    (HAIRPIN, (("10.244.0.0/24", "10.244.0.1"), ())),
 ])
-def test_elements_it_does_not_understand(declaration: SetDecl, text: str) -> None:
+def test_elements_it_does_not_understand(declaration: SetDecl,
+                                         element: tuple[Key, ElementValue]) -> None:
     encoder = Layout.of(declaration).encoder()
     with pytest.raises(Unencodable):
-        encoder(text)
+        encoder(element)
     # the whole set goes to libnftables then
-    encoded, left = nle.encode_loads([("s", declaration, ("10.96.0.9 . 80 . 1 : 10.244.0.9 . 80",
-                                                          text))])
-    assert encoded == [] and left == [("s", declaration, ("10.96.0.9 . 80 . 1 : 10.244.0.9 . 80",
-                                                          text))]
+    encoded, left = nle.encode_loads([("s", declaration, (GOOD, element))])
+    assert encoded == [] and left == [("s", declaration, (GOOD, element))]
 
 
 def test_an_endpoints_element_byte_by_byte() -> None:
-    element = Layout.of(ENDPOINTS).encoder()("10.96.0.16 . 80 . 3 : 10.244.0.7 . 8080")
+    element = Layout.of(ENDPOINTS).encoder()((("10.96.0.16", 80, 3), ("10.244.0.7", 8080)))
     slot = (3).to_bytes(4, "little" if struct.pack("=H", 1) == b"\1\0" else "big")
     key = bytes([10, 96, 0, 16]) + b"\0\x50\0\0" + slot
     data = bytes([10, 244, 0, 7]) + b"\x1f\x90\0\0"
@@ -81,7 +85,7 @@ def test_an_endpoints_element_byte_by_byte() -> None:
 
 def test_a_verdict_element_with_a_comment() -> None:
     element = Layout.of(SERVICE_IPS).encoder()(
-        '10.96.0.16 . udp . 53 comment "kube-system/dns:dns" : goto svc-x')
+        (("10.96.0.16", "udp", 53), Verdict("goto", "svc-x", "kube-system/dns:dns")))
     assert b"\x00\x14kube-system/dns:dns\x00" in element  # udata: type 0, length, string
     assert struct.pack(">i", -4) in element and b"svc-x\x00" in element  # NFT_GOTO
     assert bytes([10, 96, 0, 16, 17, 0, 0, 0, 0, 53, 0, 0]) in element
@@ -89,33 +93,33 @@ def test_a_verdict_element_with_a_comment() -> None:
 
 addresses = st.integers(0, 2**32 - 1).map(lambda n: ".".join(str(n >> s & 255)
                                                              for s in (24, 16, 8, 0)))
-ports = st.integers(1, 65535).map(str)
-endpoints = st.tuples(addresses, ports, st.integers(0, 5000).map(str), addresses, ports).map(
-    lambda f: f"{f[0]} . {f[1]} . {f[2]} : {f[3]} . {f[4]}")
+ports = st.integers(1, 65535)
+endpoints = st.tuples(addresses, ports, st.integers(0, 5000), addresses, ports).map(
+    lambda f: ((f[0], f[1], f[2]), (f[3], f[4])))
 
 
 @given(st.lists(endpoints, min_size=1, max_size=300))
-def test_column_wise_is_element_by_element(texts: list[str]) -> None:
+def test_column_wise_is_element_by_element(elements: list[tuple[Key, ElementValue]]) -> None:
     encoder = Layout.of(ENDPOINTS).encoder()
-    payloads = encoder.encode(texts)
-    assert b"".join(payloads) == b"".join(encoder(t) for t in texts)
+    payloads = encoder.encode(elements)
+    assert b"".join(payloads) == b"".join(encoder(e) for e in elements)
     assert all(len(p) <= nle.MESSAGE_PAYLOAD for p in payloads)
 
 
-def test_misaligned_texts_are_not_taken_column_wise() -> None:
-    """One element a field long and one a field short add up to the right count of words:
-    the separators' columns catch it, and element by element says what is wrong."""
+def test_misaligned_elements_are_not_taken_column_wise() -> None:
+    """One key a field long and one a field short: element by element says what is
+    wrong."""
     encoder = Layout.of(ENDPOINTS).encoder()
     with pytest.raises(Unencodable):
-        encoder.encode(["10.96.0.1 . 80 . 0 . 7 : 10.244.0.1 . 80",
-                        "10.96.0.1 . 80 : 10.244.0.1 . 80 . 1"])
+        encoder.encode([(("10.96.0.1", 80, 0, 7), ("10.244.0.1", 80)),
+                        (("10.96.0.1", 80), ("10.244.0.1", 80))])
 
 
 def test_messages_hold_whole_elements_within_the_16_bit_length() -> None:
-    texts = [f"10.96.{i // 250}.{i % 250} . 80 . {i} : 10.244.{i // 250}.{i % 250} . 8080"
-             for i in range(10_000)]
-    payloads = Layout.of(ENDPOINTS).encoder().encode(texts)
-    size = len(Layout.of(ENDPOINTS).encoder()(texts[0]))
+    elements = [((f"10.96.{i // 250}.{i % 250}", 80, i), (f"10.244.{i // 250}.{i % 250}", 8080))
+                for i in range(10_000)]
+    payloads = Layout.of(ENDPOINTS).encoder().encode(elements)
+    size = len(Layout.of(ENDPOINTS).encoder()(elements[0]))
     assert len(payloads) > 1 and all(len(p) % size == 0 and len(p) <= nle.MESSAGE_PAYLOAD
                                       for p in payloads)
     batch = nle.build_batch("ip", "pyproxy", [("endpoints-tcp", payloads)], seq=10)

@@ -18,7 +18,7 @@ from pyproxy.cluster.watch import Reflector, service_cidrs_resource
 from pyproxy.core.convert import convert_service_cidr
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, NodeConfig, Skipped
-from pyproxy.render.objects import Kind, SetDecl
+from pyproxy.render.objects import Kind, SetDecl, key_text
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.node import NodeProxier
@@ -154,7 +154,8 @@ def skeleton_items(family: IPFamily, *extra: dict[str, Any]) -> dict[tuple[Kind,
     items = fragments(build_state(objects(*extra)), CONFIG, family)[SKELETON].items
     out: dict[tuple[Kind, str], list[str]] = {}
     for item in items:
-        out.setdefault((item.kind, item.container), []).append(item.key or item.value)
+        out.setdefault((item.kind, item.container), []).append(
+            key_text(item.key) if item.kind is Kind.ELEMENT else item.value)
     return out
 
 
@@ -188,7 +189,7 @@ def test_trace_drops_unallocated_addresses_of_service_cidrs() -> None:
     answer = known("10.96.0.99")
     assert answer.verdict == "DROP", answer
     assert "in ServiceCIDR 10.96.0.0/16 but no ClusterIP" in answer.steps[-1]
-    assert ("service-cidrs", "10.96.0.0/16") in answer.consulted  # for --verify
+    assert ("service-cidrs", ("10.96.0.0/16",), ()) in answer.consulted  # for --verify
     assert known("10.96.0.10", 81).verdict == "REJECT"  # a ClusterIP's other port
     assert known("10.96.0.10").verdict == "DNAT"
     assert known("10.99.0.1").verdict == "NONE"  # outside every ServiceCIDR

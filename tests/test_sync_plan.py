@@ -96,7 +96,7 @@ _DECLARED = Fragment((Item(Kind.SET, "cluster-ips", "", SetDecl(("ipv4_addr",)))
 
 
 def _elements(*ips: str) -> Fragment:
-    return Fragment(tuple(Item(Kind.ELEMENT, "cluster-ips", ip, "") for ip in ips))
+    return Fragment(tuple(Item(Kind.ELEMENT, "cluster-ips", (ip,), ()) for ip in ips))
 
 
 class TestApplier:

@@ -128,7 +128,7 @@ class _Commit:
     own (LibNftables.add_elements): `wait()` returns what the commit raised, if anything."""
 
     def __init__(self, sock: socket.socket, batch: nlelements.Batch, family: str,
-                 loads: tuple[nlelements.Load, ...], background: bool) -> None:
+                 loads: tuple[staging.Load, ...], background: bool) -> None:
         self.family = family
         self.loads = loads
         self._error: BaseException | None = None

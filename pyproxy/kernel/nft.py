@@ -17,7 +17,7 @@ import structlog
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel.libnftables import LibNftables, NftError, listing_shape
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, Fragment, Kind, SetDecl
+from pyproxy.render.objects import TABLE, Fragment, Kind, SetDecl, element_text
 from pyproxy.render.ruleset import (
     Change,
     Commands,
@@ -364,13 +364,11 @@ class Applier:
 
     def _desired_elements(self) -> list[tuple[str, str, set[str]]]:
         declared: dict[str, str] = {}
-        elements: dict[str, set[str]] = {}
-        for (kind, container, key), value in self.state.slots():
-            if isinstance(value, SetDecl):
-                if not value.dynamic:
-                    declared[container] = value.kind
-            elif kind is Kind.ELEMENT:
-                elements.setdefault(container, set()).add(" ".join((key + value).split()))
+        for (_kind, container, _key), value in self.state.slots():
+            if isinstance(value, SetDecl) and not value.dynamic:
+                declared[container] = value.kind
+        elements = {container: {element_text(key, value) for key, value in entries}
+                    for container, entries in self.state.elements()}
         return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]
 
     def cleanup(self) -> None:

@@ -5,8 +5,9 @@ sends anything. Loading the 166k elements of a 10k services × 10 endpoints tabl
 costs 1.18 s of CPU in libnftables and 0.37 s in the kernel (measured). The elements of a
 staged full sync (pyproxy/render/staging.py) go into sets and maps that nothing references
 yet, one transaction per chunk, so nothing about them needs libnftables: they are encoded
-here straight from the store's text into NFT_MSG_NEWSETELEM messages, one netlink batch (one
-transaction, all or nothing) per chunk.
+here straight from the store's typed elements (render/objects.py: a Key of fields, a value)
+into NFT_MSG_NEWSETELEM messages, one netlink batch (one transaction, all or nothing) per
+chunk.
 
 Only what pyproxy renders is understood: sets and maps declared with `type` or `typeof` over
 addresses, protocols, ports and `numgen` values, mapping to such values or to a verdict,
@@ -29,7 +30,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from pyproxy.render.objects import VERDICT, SetDecl
+from pyproxy.render.objects import VERDICT, ElementValue, Field, Key, SetDecl, Verdict
+from pyproxy.render.staging import Load
 
 NETLINK_NETFILTER = 12
 SOL_NETLINK = 270
@@ -91,28 +93,28 @@ def netlink_socket() -> socket.socket:
 
 # ---- declarations ------------------------------------------------------------------------
 
-Encoder = Callable[[str], bytes]
+Encoder = Callable[[Field], bytes]
 
 
-def _ipv4(text: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET, text)
+def _ipv4(address: Field) -> bytes:
+    return socket.inet_pton(socket.AF_INET, str(address))
 
 
-def _ipv6(text: str) -> bytes:
-    return socket.inet_pton(socket.AF_INET6, text)
+def _ipv6(address: Field) -> bytes:
+    return socket.inet_pton(socket.AF_INET6, str(address))
 
 
-def _service(text: str) -> bytes:
-    return int(text).to_bytes(2, "big")  # OverflowError (a ValueError's cousin) if > 65535
+def _service(port: Field) -> bytes:
+    return int(port).to_bytes(2, "big")  # OverflowError (a ValueError's cousin) if > 65535
 
 
-def _protocol(text: str) -> bytes:
-    number = PROTOCOLS.get(text)
-    return bytes((int(text) if number is None else number,))
+def _protocol(protocol: Field) -> bytes:
+    number = PROTOCOLS.get(protocol) if isinstance(protocol, str) else None
+    return bytes((int(protocol) if number is None else number,))
 
 
-def _integer32(text: str) -> bytes:
-    return int(text).to_bytes(4, sys.byteorder)  # numgen's register, in host order
+def _integer32(value: Field) -> bytes:
+    return int(value).to_bytes(4, sys.byteorder)  # numgen's register, in host order
 
 
 _ENCODERS: dict[str, Encoder] = {"ipv4_addr": _ipv4, "ipv6_addr": _ipv6,
@@ -120,18 +122,18 @@ _ENCODERS: dict[str, Encoder] = {"ipv4_addr": _ipv4, "ipv6_addr": _ipv6,
                                  "integer32": _integer32}
 
 
-class _Cached(dict[str, bytes]):
-    """text → encoded field; the same addresses and ports recur across a set's elements."""
+class _Cached(dict[Field, bytes]):
+    """field → encoded field; the same addresses and ports recur across a set's elements."""
 
     def __init__(self, encode: Encoder, pad: int) -> None:
         super().__init__()
         self.encode, self.pad = encode, pad
 
-    def __missing__(self, text: str) -> bytes:
-        value = self.encode(text)
+    def __missing__(self, field: Field) -> bytes:
+        value = self.encode(field)
         # a concatenation's fields each take whole 32-bit registers
         value += b"\0" * (-len(value) % 4 if self.pad else 0)
-        self[text] = value
+        self[field] = value
         return value
 
 
@@ -188,9 +190,9 @@ def _nest(kind: int, payload: bytes) -> bytes:
 
 
 class ElementEncoder:
-    """Element text (as the store holds it) → its NFTA_LIST_ELEM attribute. This runs for
-    every element of a full sync (166k at 10k services × 10 endpoints): the attribute
-    headers around the fixed-size key and data are built once."""
+    """An element (its Key and value) → its NFTA_LIST_ELEM attribute. This runs for every
+    element of a full sync (166k at 10k services × 10 endpoints): the attribute headers
+    around the fixed-size key and data are built once."""
 
     def __init__(self, layout: Layout) -> None:
         self.layout = layout
@@ -198,8 +200,9 @@ class ElementEncoder:
         self._key_size = _size(layout.key)
         self._key_head = _heads(NFTA_SET_ELEM_KEY, self._key_size)
         data = layout.data
-        self._verdicts: dict[str, bytes] = {}
+        self._verdicts: dict[tuple[str, str], bytes] = {}
         self._is_map = data is not None
+        self._is_verdict_map = data == "verdict"
         # value data (not a set, not a verdict map): as fixed in size as the key
         values = data if isinstance(data, tuple) else ()
         self._data = [_Cached(_ENCODERS[t], len(values) > 1).__getitem__
@@ -214,33 +217,31 @@ class ElementEncoder:
         self._element_head = ATTR.pack(4 + len(self._key_head) + self._key_size + data_size,
                                         NFTA_LIST_ELEM | NLA_F_NESTED)
 
-    def __call__(self, text: str) -> bytes:
+    def __call__(self, element: tuple[Key, ElementValue]) -> bytes:
+        key, value = element
         comment = b""
-        at = text.find(' comment "')
-        if at >= 0:
-            end = text.find('"', at + 10)
-            note = text[at + 10:end]
-            if end < 0 or "\\" in note or len(note) > 128:
-                raise Unencodable(f"comment in {text!r}")
-            text = text[:at] + text[end + 1:]
-            comment = attribute(NFTA_SET_ELEM_USERDATA, bytes((NFTNL_UDATA_SET_ELEM_COMMENT,
-                                                           len(note) + 1)) + note.encode() + b"\0")
-        key_text, colon, data_text = text.partition(" : ")
-        if self._is_map != bool(colon):
-            raise Unencodable(f"element {text!r}")
-        payload = self._key_head + self._fields(self._key, key_text, self._key_size)
-        if colon:
-            if self._data is not None:
-                payload += self._data_head + self._fields(self._data, data_text, 0)
-            else:
-                payload += self._verdict(data_text)
+        if isinstance(value, Verdict) != self._is_verdict_map or (
+                bool(value) != self._is_map):
+            raise Unencodable(f"element {element!r}")
+        payload = self._key_head + self._fields(self._key, key, self._key_size)
+        if isinstance(value, Verdict):
+            payload += self._verdict(value)
+            if value.comment:
+                note = value.comment
+                if '"' in note or "\\" in note or len(note.encode()) > 128:
+                    raise Unencodable(f"comment in {element!r}")
+                comment = attribute(NFTA_SET_ELEM_USERDATA, bytes(
+                    (NFTNL_UDATA_SET_ELEM_COMMENT, len(note.encode()) + 1))
+                    + note.encode() + b"\0")
+        elif self._data is not None:
+            payload += self._data_head + self._fields(self._data, value, 0)
         payload += comment
         return ATTR.pack(len(payload) + 4, NFTA_LIST_ELEM | NLA_F_NESTED) + payload
 
-    def encode(self, texts: Sequence[str]) -> list[bytes]:
-        """Every element of `texts`, grouped into message payloads (whole elements, at most
+    def encode(self, elements: Sequence[tuple[Key, ElementValue]]) -> list[bytes]:
+        """Every element, grouped into message payloads (whole elements, at most
         MESSAGE_PAYLOAD bytes each)."""
-        fixed = self._column_wise(texts)
+        fixed = self._column_wise(elements)
         if fixed is not None:
             whole, size = fixed
             step = max(1, MESSAGE_PAYLOAD // size) * size
@@ -248,45 +249,38 @@ class ElementEncoder:
         payloads: list[bytes] = []
         pending: list[bytes] = []
         length = 0
-        for text in texts:
-            element = self(text)
-            if length + len(element) > MESSAGE_PAYLOAD and pending:
+        for element in elements:
+            encoded = self(element)
+            if length + len(encoded) > MESSAGE_PAYLOAD and pending:
                 payloads.append(b"".join(pending))
                 pending, length = [], 0
-            pending.append(element)
-            length += len(element)
+            pending.append(encoded)
+            length += len(encoded)
         if pending:
             payloads.append(b"".join(pending))
         return payloads
 
-    def _column_wise(self, texts: Sequence[str]) -> tuple[bytes, int] | None:
-        """The elements of a set or value map without comments (the endpoints, hairpin and
-        address sets: all but ~10k of a large table's elements) are the same fields in the
-        same order, words between single spaces: encoded a field at a time over all elements
-        (~5× faster than one element at a time). Returns the elements' bytes and each one's
-        size, or None where the texts are not all of that shape (then element by element,
-        which says what is wrong)."""
+    def _column_wise(self, elements: Sequence[tuple[Key, ElementValue]],
+                     ) -> tuple[bytes, int] | None:
+        """The elements of a set or value map (the endpoints, hairpin and address sets: all
+        but ~10k of a large table's elements) are fields of fixed size: encoded a field at a
+        time over all elements (~5× faster than one element at a time). Returns the
+        elements' bytes and each one's size, or None where they are not all of that shape
+        (then element by element, which says what is wrong)."""
         data = self._data
-        if not texts or (self._is_map and data is None):
+        if not elements or (self._is_map and data is None):
             return None
-        joined = " ".join(texts)
-        if '"' in joined:
-            return None
-        words = joined.split(" ")
         key_fields, data_fields = len(self._key), len(data or ())
-        stride = 2 * (key_fields + data_fields) - 1
-        count = len(texts)
-        if len(words) != count * stride:
+        keys, values = zip(*elements, strict=True)
+        if {len(k) for k in keys} != {key_fields} or {len(v) for v in values} != {data_fields}:
             return None
-        # every separator where it belongs in every element: the fields are aligned
-        for at in range(1, stride, 2):
-            expected = ":" if at == 2 * key_fields - 1 else "."
-            if set(words[at::stride]) != {expected}:
-                return None
+        count = len(elements)
         try:
-            columns = [list(map(encode, words[2 * i::stride]))
-                       for i, encode in enumerate([*self._key_columns, *self._data_columns])]
-        except (ValueError, OverflowError, OSError):
+            columns = [list(map(encode, column)) for encode, column in zip(
+                [*self._key_columns, *self._data_columns],
+                [*zip(*keys, strict=True), *(zip(*values, strict=True) if data else ())],
+                strict=True)]
+        except (ValueError, OverflowError, OSError, TypeError):
             return None
         width = len(columns) + 1 + bool(data)
         parts: list[bytes] = [b""] * (count * width)
@@ -303,22 +297,23 @@ class ElementEncoder:
             return None
         return whole, size
 
-    def _fields(self, encoders: list[Encoder], text: str, size: int) -> bytes:
-        words = text.split(" . ")
+    def _fields(self, encoders: list[Encoder], fields: tuple[Field, ...], size: int) -> bytes:
         try:
-            if len(words) == len(encoders):
-                pairs = zip(encoders, words, strict=True)
-                value = b"".join([encode(word) for encode, word in pairs])
+            if len(fields) == len(encoders):
+                pairs = zip(encoders, fields, strict=True)
+                value = b"".join([encode(field) for encode, field in pairs])
                 if size == 0 or len(value) == size:
                     return value
-        except (ValueError, OverflowError, OSError) as err:  # inet_pton raises OSError
-            raise Unencodable(f"{text!r}: {err}") from None
-        raise Unencodable(f"{text!r}: not {len(encoders)} fields of the declared types")
+        except (ValueError, OverflowError, OSError, TypeError) as err:  # inet_pton: OSError
+            raise Unencodable(f"{fields!r}: {err}") from None
+        raise Unencodable(f"{fields!r}: not {len(encoders)} fields of the declared types")
 
-    def _verdict(self, text: str) -> bytes:
-        cached = self._verdicts.get(text)
+    def _verdict(self, verdict: Verdict) -> bytes:
+        code, chain = verdict.code, verdict.chain
+        cached = self._verdicts.get((code, chain))
         if cached is None:
-            cached = self._verdicts[text] = _nest(NFTA_SET_ELEM_DATA, _verdict(text))
+            cached = self._verdicts[(code, chain)] = _nest(NFTA_SET_ELEM_DATA,
+                                                           _verdict(code, chain))
         return cached
 
 
@@ -348,15 +343,14 @@ def _heads(kind: int, size: int) -> bytes:
     return ATTR.pack(8 + size, kind | NLA_F_NESTED) + ATTR.pack(4 + size, NFTA_DATA_VALUE)
 
 
-def _verdict(text: str) -> bytes:
-    words = text.split(" ")
-    if len(words) == 1 and words[0] in VERDICTS:
-        inner = attribute(NFTA_VERDICT_CODE, _VERDICT.pack(VERDICTS[words[0]]))
-    elif len(words) == 2 and words[0] in CHAIN_VERDICTS and '"' not in words[1]:
-        inner = (attribute(NFTA_VERDICT_CODE, _VERDICT.pack(CHAIN_VERDICTS[words[0]]))
-                 + attribute(NFTA_VERDICT_CHAIN, words[1].encode() + b"\0"))
+def _verdict(code: str, chain: str) -> bytes:
+    if not chain and code in VERDICTS:
+        inner = attribute(NFTA_VERDICT_CODE, _VERDICT.pack(VERDICTS[code]))
+    elif chain and code in CHAIN_VERDICTS and '"' not in chain:
+        inner = (attribute(NFTA_VERDICT_CODE, _VERDICT.pack(CHAIN_VERDICTS[code]))
+                 + attribute(NFTA_VERDICT_CHAIN, chain.encode() + b"\0"))
     else:
-        raise Unencodable(f"verdict {text!r}")
+        raise Unencodable(f"verdict {code} {chain}")
     return _nest(NFTA_DATA_VERDICT, inner)
 
 
@@ -455,11 +449,8 @@ def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> N
         raise BatchRefused(errno.EINVAL, "; ".join(errors[:3]))
 
 
-Load = tuple[str, SetDecl, tuple[str, ...]]  # set name, its declaration, element texts
-
-
 def encode_loads(loads: Sequence[Load]) -> tuple[list[tuple[str, list[bytes]]], list[Load]]:
-    """Split (set name, declaration, element texts) into the encoded ones and those left to
+    """Split (set name, declaration, elements) into the encoded ones and those left to
     libnftables (whose declaration or any element this encoder does not understand)."""
     encoded: list[tuple[str, list[bytes]]] = []
     left: list[Load] = []

@@ -156,25 +156,69 @@ class SetDecl(NamedTuple):
         return "; ".join(parts) + ";"
 
 
+# An element's field: an address, a CIDR or a protocol name as nft writes it; a port or an
+# index as a number.
+Field = str | int
+# An element's key: its fields, in the order of the declaration's key.
+Key = tuple[Field, ...]
+
+
+class Verdict(NamedTuple):
+    """A verdict map element's value (`goto CHAIN`, `drop`), with the element's comment (the
+    Service it belongs to: only these elements carry one)."""
+
+    code: str  # goto, jump, drop, accept, return
+    chain: str = ""  # for goto and jump
+    comment: str = ""
+
+    def text(self) -> str:
+        """The verdict as nft writes it."""
+        return f"{self.code} {self.chain}" if self.chain else self.code
+
+
+# An element's value: a set element's is (); a map element's its data fields, or a Verdict.
+ElementValue = tuple[Field, ...]
+
+
+def key_text(key: Key) -> str:
+    """An element's key as nft writes it: `10.96.0.1 . tcp . 80`."""
+    return " . ".join([str(field) for field in key])
+
+
+def value_text(value: ElementValue) -> str:
+    """What follows an element's key in nft text: ` comment "…" : goto chain`, ` : 10.0.0.1
+    . 80`, or nothing (a set element)."""
+    if isinstance(value, Verdict):
+        comment = f' comment "{value.comment}"' if value.comment else ""
+        return f"{comment} : {value.text()}"
+    return " : " + " . ".join([str(field) for field in value]) if value else ""
+
+
+def element_text(key: Key, value: ElementValue) -> str:
+    """An element as nft writes it (in `add element … { … }`) and lists it."""
+    return key_text(key) + value_text(value)
+
+
 class Kind(StrEnum):
     SET = "set"  # a set or map declaration; value = its SetDecl
     CHAIN = "chain"  # value = the rules, one per line
-    ELEMENT = "element"  # container = set/map name, key = element key, value = rest
+    ELEMENT = "element"  # container = set/map name, key = its Key, value = its ElementValue
 
 
 # A slot's value: what `Item.value` holds for its kind.
-Value = str | SetDecl
+Value = str | SetDecl | ElementValue
 
 
 class Item(NamedTuple):
     """One desired object. Items with the same (kind, container, key) are one slot in the
     kernel; several owners may want the same slot (a pick chain shared by many services).
-    A tuple, not a dataclass: hundreds of thousands of them go through set operations on
+    A set, map or chain has the key "", an element its Key (`element_text` writes it). A
+    tuple, not a dataclass: hundreds of thousands of them go through set operations on
     every full sync, and tuple hashing is the fast path."""
 
     kind: Kind
     container: str
-    key: str
+    key: str | Key
     value: Value
 
 

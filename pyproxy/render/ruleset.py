@@ -13,20 +13,27 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, groupby
+from typing import cast
 
 from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
     BASE_CHAINS,
     TABLE,
+    ElementValue,
     Fragment,
     Item,
+    Key,
     Kind,
     SetDecl,
     Value,
     base_chain_spec,
+    element_text,
+    key_text,
 )
 
-Slot = tuple[Kind, str, str]
+# A slot's key within its container: "" for a set, map or chain, the Key for an element.
+SlotKey = str | Key
+Slot = tuple[Kind, str, SlotKey]
 
 
 @dataclass
@@ -52,7 +59,7 @@ class DesiredState:
         # Each owner's items, flattened (kind, container, key, value, kind, …): 32 bytes an
         # item where a tuple of Items costs 80, and the daemon keeps every owner's.
         self._fragments: dict[Hashable, tuple[_Field, ...]] = {}
-        self._values: dict[tuple[Kind, str], dict[str, _Value]] = {}
+        self._values: dict[tuple[Kind, str], dict[SlotKey, _Value]] = {}
 
     def __len__(self) -> int:
         return sum(len(inner) for inner in self._values.values())
@@ -75,10 +82,10 @@ class DesiredState:
         value = self.value((Kind.CHAIN, chain, ""))
         return None if value is None else [rule for rule in _text(value).split("\n") if rule]
 
-    def element(self, container: str, key: str) -> str | None:
+    def element(self, container: str, key: Key) -> ElementValue | None:
         """The value of element `key` of `container`, None when no owner wants it."""
         value = self.value((Kind.ELEMENT, container, key))
-        return None if value is None else _text(value)
+        return None if value is None else _element_value(value)
 
     def declaration(self, name: str) -> SetDecl | None:
         """The declaration of set or map `name`, None when no owner declares it."""
@@ -155,12 +162,18 @@ class DesiredState:
             for key, value in entries:
                 yield (kind, container, key), value
 
-    def containers(self) -> Iterator[tuple[Kind, str, Iterator[tuple[str, Value]]]]:
+    def containers(self) -> Iterator[tuple[Kind, str, Iterator[tuple[SlotKey, Value]]]]:
         """Per (kind, container): its (key, value) pairs (a full sync writes them in one
         command per container)."""
         for (kind, container), inner in self._values.items():
             yield kind, container, _resolved(inner)
 
+
+    def elements(self) -> Iterator[tuple[str, Iterator[tuple[Key, ElementValue]]]]:
+        """Per set or map: its elements, (key, value)."""
+        for (kind, container), inner in self._values.items():
+            if kind is Kind.ELEMENT:  # an element's slot holds a Key and an ElementValue
+                yield container, cast(Iterator[tuple[Key, ElementValue]], _resolved(inner))
 
     def disputes(self) -> list[Dispute]:
         """Slots owners want with different values (two Services claiming one external IP and
@@ -175,7 +188,7 @@ class DesiredState:
         owners: dict[tuple[Slot, Value], list[Hashable]] = {}
         for owner, flat in self._fragments.items():
             for i in range(0, len(flat), 4):
-                slot = (Kind(str(flat[i])), str(flat[i + 1]), str(flat[i + 2]))
+                slot = (Kind(str(flat[i])), str(flat[i + 1]), _slot_key(flat[i + 2]))
                 if slot in disputed:
                     owners.setdefault((slot, flat[i + 3]), []).append(owner)
         return [Dispute(slot, tuple((value, tuple(owners.get((slot, value), ())))
@@ -200,7 +213,7 @@ class Dispute:
         return tuple(owner for _, owners in self.claims for owner in owners)
 
 
-def _resolved(inner: dict[str, _Value]) -> Iterator[tuple[str, Value]]:
+def _resolved(inner: dict[SlotKey, _Value]) -> Iterator[tuple[SlotKey, Value]]:
     for key, current in inner.items():
         yield key, min(current) if isinstance(current, dict) else current
 
@@ -366,10 +379,30 @@ def declare(family: str, name: str, declaration: SetDecl) -> str:
 
 
 def _text(value: Value) -> str:
-    """A chain's rules or an element's value: text until they are typed too."""
-    if isinstance(value, SetDecl):
-        raise TypeError(f"a declaration where text was expected: {value}")
+    """A chain's rules: text until they are typed too."""
+    if not isinstance(value, str):
+        raise TypeError(f"not a chain's rules: {value!r}")
     return value
+
+
+def _element_value(value: Value) -> ElementValue:
+    if isinstance(value, str | SetDecl):
+        raise TypeError(f"not an element's value: {value!r}")
+    return value
+
+
+def _slot_key(field: _Field) -> SlotKey:
+    if isinstance(field, str):
+        return field
+    if isinstance(field, SetDecl):
+        raise TypeError(f"not a slot's key: {field!r}")
+    return field
+
+
+def _key(key: SlotKey) -> Key:
+    if isinstance(key, str):
+        raise TypeError(f"not an element's key: {key!r}")
+    return key
 
 
 def _decl(value: Value | None) -> SetDecl:
@@ -426,9 +459,9 @@ def incremental_commands(family: str, change: Change) -> Commands:
                 cmds.rules.extend(_add_rules(family, container, _text(after)))
         else:
             if before is not None:
-                delete_elems.append((container, key))
+                delete_elems.append((container, key_text(_key(key))))
             if after is not None:
-                add_elems.append((container, key + _text(after)))
+                add_elems.append((container, element_text(_key(key), _element_value(after))))
     cmds.delete_elements = _group_elements(family, "delete", delete_elems)
     cmds.add_elements = _group_elements(family, "add", add_elems)
     return cmds
@@ -447,12 +480,11 @@ def full_commands(
     cmds.declare.append(f"add table {family} {TABLE} {{ comment \"rules for pyproxy\"; }}")
     sets: dict[str, SetDecl] = {}
     chains: dict[str, str] = {}
-    elements: dict[str, list[str]] = {}
-    # One pass, no sorting of the (many) elements: their order in a command is irrelevant.
+    # No sorting of the (many) elements: their order in a command is irrelevant.
+    elements = {container: [element_text(key, value) for key, value in entries]
+                for container, entries in state.elements()}
     for kind, container, entries in state.containers():
-        if kind is Kind.ELEMENT:
-            elements[container] = [key + value for key, value in entries]  # type: ignore[operator]
-        else:
+        if kind is not Kind.ELEMENT:
             for _key, value in entries:  # one: chains and sets have no key
                 if kind is Kind.CHAIN:
                     chains[container] = _text(value)

@@ -76,10 +76,13 @@ from pyproxy.render.objects import (
     SERVICE_NODEPORTS_MAP,
     SERVICES_CHAIN,
     VERDICT,
+    ElementValue,
     Fragment,
     Item,
+    Key,
     Kind,
     SetDecl,
+    Verdict,
     connections_set,
     element_comment,
     endpoints_map,
@@ -199,12 +202,12 @@ def _chain(name: str, rules: Sequence[str]) -> Item:
 
 # Item(...) goes through the NamedTuple's Python-level __new__; building the tuple directly
 # halves the cost, which counts at a few hundred thousand elements per full render.
-_new_tuple: Callable[[type[Item], tuple[Kind, str, str, str]], Item] = (
+_new_tuple: Callable[[type[Item], tuple[Kind, str, Key, ElementValue]], Item] = (
     tuple.__new__)
 _ELEMENT = Kind.ELEMENT
 
 
-def _elem(container: str, key: str, value: str = "") -> Item:
+def _elem(container: str, key: Key, value: ElementValue = ()) -> Item:
     return _new_tuple(Item, (_ELEMENT, container, key, value))
 
 
@@ -232,12 +235,12 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
     for proto in PROTOCOLS:
         items.append(_set(endpoints_map(proto), _endpoints_map_decl(ip, proto)))
         items.append(_set(nodeport_endpoints_map(proto), _nodeport_endpoints_map_decl(ip, proto)))
-    items.extend(_elem(SERVICE_CIDRS_SET, cidr)
+    items.extend(_elem(SERVICE_CIDRS_SET, (cidr,))
                  for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
     if cfg.nodeport_ips is not None:
         items.append(_set(NODEPORT_IPS_SET, SetDecl((addr,),
                                                     comment="IPs that accept NodePort traffic")))
-        items.extend(_elem(NODEPORT_IPS_SET, ip_) for ip_ in cfg.nodeport_ips)
+        items.extend(_elem(NODEPORT_IPS_SET, (ip_,)) for ip_ in cfg.nodeport_ips)
         nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
     else:
         nodeport_match = f"fib daddr type local {ip} daddr != {cfg.loopback}"
@@ -349,16 +352,25 @@ class _ServiceRender:
         self.port, self.sel, self.cfg, self.cip = port, sel, cfg, cip
         self.proto = port.protocol.lower()
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
-        self._comment = f' comment "{element_comment(str(port.name))}"'
+        self._comment = element_comment(str(port.name))
+        self._drop = Verdict("drop", "", self._comment)
         self._picker: _Picker | None = None
 
-    def comment(self) -> str:
-        return self._comment
+    def goto(self, chain: str) -> Verdict:
+        """A dispatch element's value: to `chain`, commented with the service's name."""
+        return Verdict("goto", chain, self._comment)
 
-    def destination(self, addr: str) -> str:
+    def drop(self) -> Verdict:
+        return self._drop
+
+    def destination(self, addr: str) -> Key:
         """The key of a destination (address . protocol . port) in the service-ips,
         no-endpoint-services and firewall sets."""
-        return f"{addr} . {self.proto} . {self.port.port}"
+        return (addr, self.proto, self.port.port)
+
+    def node_port_key(self) -> Key:
+        """The key of the node port (protocol . port) in the node port maps."""
+        return (self.proto, self.port.node_port)
 
     def externals(self) -> tuple[str, ...]:
         return self.port.external_ips_of(self.cfg.family) + self.port.load_balancer_vips(
@@ -368,17 +380,17 @@ class _ServiceRender:
     def items(self) -> list[Item]:
         # One list, extended: nested generators cost a resumption per item and level, and
         # this runs for every element of a full render.
-        out = [_elem(CLUSTER_IPS_SET, self.cip), *self.localhost_node_port()]
+        out = [_elem(CLUSTER_IPS_SET, (self.cip,)), *self.localhost_node_port()]
         if self.port.source_ranges:
             out += self.firewall()
         if not self.sel.has_any_endpoints:
-            out += self.no_endpoints(f"goto {REJECT_CHAIN}", self.all_entries())
+            out += self.no_endpoints(self.goto(REJECT_CHAIN), self.all_entries())
             return out
         # Only this node's endpoints, as kube-proxy's hairpin-connections set: a pod reaches
         # its own service through the node it runs on, never through another one. At 100
         # nodes that is 1 % of the elements the set would hold with every endpoint.
         node = self.cfg.node_name
-        out += [_new_tuple(Item, (_ELEMENT, HAIRPIN_SET, f"{ep.ip} . {ep.ip}", ""))
+        out += [_new_tuple(Item, (_ELEMENT, HAIRPIN_SET, (ep.ip, ep.ip), ()))
                 for ep in self.sel.all_reachable if node is None or ep.node_name == node]
         if self.port.session_affinity:
             out += _AffinityRender(self).items()
@@ -394,19 +406,20 @@ class _ServiceRender:
         """A NodePort of a protocol rejected on loopback, with or without endpoints."""
         if not self.port.node_port or self.proto not in self.cfg.localhost_rejected:
             return []
-        return [_elem(LOCALHOST_NODEPORT_REJECT_MAP, f"{self.proto} . {self.port.node_port}",
-                      f" : goto {localhost_nodeport_reject_chain(self.proto)}")]
+        return [_elem(LOCALHOST_NODEPORT_REJECT_MAP, self.node_port_key(),
+                      Verdict("goto", localhost_nodeport_reject_chain(self.proto)))]
 
-    def all_entries(self) -> Iterator[tuple[str, str]]:
+    def all_entries(self) -> Iterator[tuple[str, Key]]:
         yield NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip)
         for addr in self.externals():
             yield NO_ENDPOINT_SERVICES_MAP, self.destination(addr)
         if self.port.node_port:
-            yield NO_ENDPOINT_NODEPORTS_MAP, f"{self.proto} . {self.port.node_port}"
+            yield NO_ENDPOINT_NODEPORTS_MAP, self.node_port_key()
 
-    def no_endpoints(self, verdict: str, entries: Iterator[tuple[str, str]]) -> Iterator[Item]:
+    def no_endpoints(self, verdict: Verdict, entries: Iterator[tuple[str, Key]],
+                     ) -> Iterator[Item]:
         for container, key in entries:
-            yield _elem(container, key, f"{self.comment()} : {verdict}")
+            yield _elem(container, key, verdict)
 
     def internal_list(self) -> tuple[Endpoint, ...]:
         if self.port.internal_policy is TrafficPolicy.LOCAL:
@@ -434,18 +447,16 @@ class _ServiceRender:
         endpoints = self.weighted(self.internal_list())
         if not endpoints:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
-            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip),
-                          f"{self.comment()} : drop")]
+            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip), self.drop())]
         suffix, declared = self.own_map(len(endpoints), nodeport=False)
         if suffix:
             chain = _build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
         else:
             chain = _cluster_pick_chain(self.picker(), len(endpoints))
         return [*declared, chain,
-                _elem(SERVICE_IPS_MAP, self.destination(self.cip),
-                      f"{self.comment()} : goto {chain.container}"),
+                _elem(SERVICE_IPS_MAP, self.destination(self.cip), self.goto(chain.container)),
                 *self.slot_elements(_own_name(endpoints_map(self.proto), suffix),
-                                    f"{self.cip} . {self.port.port}", endpoints)]
+                                    (self.cip, self.port.port), endpoints)]
 
     def own_map(self, slot_count: int, nodeport: bool) -> tuple[str, list[Item]]:
         """For a service port with OWN_MAP_SLOTS slots or more: the suffix of its own
@@ -464,31 +475,30 @@ class _ServiceRender:
             declaration = _endpoints_map_decl(ip, proto)
         return suffix, [_set(name, declaration)]
 
-    def slot_elements(self, container: str, prefix: str, slots: Sequence[Endpoint],
+    def slot_elements(self, container: str, prefix: Key, slots: Sequence[Endpoint],
                       offset: int = 0) -> Sequence[Item]:
-        """The endpoints map's element of each slot, from index `offset` on."""
+        """The endpoints map's element of each slot, from index `offset` on: key `prefix`
+        and the index."""
         # the bulk of a full render: one element per slot
         if len(slots) >= OWN_MAP_SLOTS:
             return _big_list_elements(container, prefix, slots, offset)
-        return [_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
-                                  f" : {ep.ip} . {ep.port}"))
+        return [_new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
                 for i, ep in enumerate(slots, offset)]
 
     def external(self) -> Iterator[Item]:
         for addr in self.externals():
             yield from self.external_entry(
                 SERVICE_IPS_MAP, self.destination(addr), NO_ENDPOINT_SERVICES_MAP,
-                endpoints_map(self.proto), f"{addr} . {self.port.port}", nodeport=False)
+                endpoints_map(self.proto), (addr, self.port.port), nodeport=False)
 
     def node_port(self) -> Iterator[Item]:
         if self.port.node_port:
-            key = f"{self.proto} . {self.port.node_port}"
             yield from self.external_entry(
-                SERVICE_NODEPORTS_MAP, key, NO_ENDPOINT_NODEPORTS_MAP,
-                nodeport_endpoints_map(self.proto), str(self.port.node_port), nodeport=True)
+                SERVICE_NODEPORTS_MAP, self.node_port_key(), NO_ENDPOINT_NODEPORTS_MAP,
+                nodeport_endpoints_map(self.proto), (self.port.node_port,), nodeport=True)
 
-    def external_entry(self, dispatch: str, key: str, no_endpoints: str, container: str,
-                       prefix: str, nodeport: bool) -> Iterator[Item]:
+    def external_entry(self, dispatch: str, key: Key, no_endpoints: str, container: str,
+                       prefix: Key, nodeport: bool) -> Iterator[Item]:
         """`container`: the shared endpoints map the slots go in (or the service's own)."""
         cluster = self.weighted(self.sel.cluster or ())
         if not self.external_is_local():
@@ -496,19 +506,19 @@ class _ServiceRender:
                 # Endpoints exist, but none for this node's cluster traffic (topology keys
                 # matched none while iTP=Local keeps the service alive): reject, as when a
                 # service has no endpoints.
-                yield _elem(no_endpoints, key, f"{self.comment()} : goto {REJECT_CHAIN}")
+                yield _elem(no_endpoints, key, self.goto(REJECT_CHAIN))
                 return
             suffix, declared = self.own_map(len(cluster), nodeport)
             yield from declared
             chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport,
                                          suffix)
             yield chain
-            yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+            yield _elem(dispatch, key, self.goto(chain.container))
             yield from self.slot_elements(_own_name(container, suffix), prefix, cluster)
             return
         local = self.weighted(self.sel.local or ())
         if not cluster and not local:
-            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+            yield _elem(no_endpoints, key, self.drop())
             return
         suffix, declared = self.own_map(len(cluster) + len(local), nodeport)
         yield from declared
@@ -516,13 +526,13 @@ class _ServiceRender:
         chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport,
                                      suffix)
         yield chain
-        yield _elem(dispatch, key, f"{self.comment()} : goto {chain.container}")
+        yield _elem(dispatch, key, self.goto(chain.container))
         yield from self.slot_elements(container, prefix, local)
         yield from self.slot_elements(container, prefix, cluster, offset=len(local))
         if not local:
             # Traffic from outside falls through the chain un-DNATed and is dropped here;
             # pod and host traffic was short-circuited to the cluster list before.
-            yield _elem(no_endpoints, key, f"{self.comment()} : drop")
+            yield _elem(no_endpoints, key, self.drop())
 
     def firewall(self) -> Iterator[Item]:
         # Overlapping ranges would be conflicting intervals in the set: collapse them. A
@@ -543,7 +553,7 @@ class _ServiceRender:
         for vip in vips:
             yield _elem(FIREWALL_IPS_SET, self.destination(vip))
             for source in allowed:
-                yield _elem(FIREWALL_ALLOW_SET, f"{self.destination(vip)} . {source}")
+                yield _elem(FIREWALL_ALLOW_SET, (*self.destination(vip), source))
 
 
 # The slot elements last rendered for each big list (OWN_MAP_SLOTS or more), by (container,
@@ -559,25 +569,23 @@ class _ServiceRender:
 # The live CLI's handlers render too, in their own threads: the bookkeeping is single dict
 # operations (each atomic under the GIL) on snapshots, so no lock is needed (nor allowed in
 # this pure module).
-_BIG_LIST_ELEMENTS: dict[tuple[str, str, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
+_BIG_LIST_ELEMENTS: dict[tuple[str, Key, int], tuple[Sequence[Endpoint], tuple[Item, ...]]] = {}
 BIG_LIST_ELEMENTS_KEPT = 100_000
 
 
-def _big_list_elements(container: str, prefix: str, slots: Sequence[Endpoint],
+def _big_list_elements(container: str, prefix: Key, slots: Sequence[Endpoint],
                        offset: int) -> tuple[Item, ...]:
     key = (container, prefix, offset)
     last = _BIG_LIST_ELEMENTS.get(key)
     if last is None:
-        items = tuple([_new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
-                                         f" : {ep.ip} . {ep.port}"))
+        items = tuple([_new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
                        for i, ep in enumerate(slots, offset)])
     else:
         before, rendered = last
         size = len(before)
         items = tuple([
             rendered[i - offset] if i - offset < size and before[i - offset] is ep
-            else _new_tuple(Item, (_ELEMENT, container, f"{prefix} . {i}",
-                                   f" : {ep.ip} . {ep.port}"))
+            else _new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
             for i, ep in enumerate(slots, offset)])
     if len(items) <= BIG_LIST_ELEMENTS_KEPT:
         _BIG_LIST_ELEMENTS.pop(key, None)
@@ -765,26 +773,22 @@ class _AffinityRender:
             yield from self.policy_chain(self.chain("local"), svc.sel.local,
                                          internal == self.chain("local"))
         if svc.internal_list():
-            yield _elem(SERVICE_IPS_MAP, svc.destination(svc.cip),
-                        f"{svc.comment()} : goto {internal}")
+            yield _elem(SERVICE_IPS_MAP, svc.destination(svc.cip), svc.goto(internal))
         else:
-            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(svc.cip),
-                        f"{svc.comment()} : drop")
+            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(svc.cip), svc.drop())
         if not svc.externals() and not svc.port.node_port:
             return
         external = self.chain("external")
         yield _chain(external, self.external_rules())
         for addr in svc.externals():
-            yield _elem(SERVICE_IPS_MAP, svc.destination(addr),
-                        f"{svc.comment()} : goto {external}")
+            yield _elem(SERVICE_IPS_MAP, svc.destination(addr), svc.goto(external))
             if svc.external_is_local() and not svc.sel.local:
-                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(addr),
-                            f"{svc.comment()} : drop")
+                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(addr), svc.drop())
         if svc.port.node_port:
-            key = f"{svc.proto} . {svc.port.node_port}"
-            yield _elem(SERVICE_NODEPORTS_MAP, key, f"{svc.comment()} : goto {external}")
+            key = svc.node_port_key()
+            yield _elem(SERVICE_NODEPORTS_MAP, key, svc.goto(external))
             if svc.external_is_local() and not svc.sel.local:
-                yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, f"{svc.comment()} : drop")
+                yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, svc.drop())
 
     def external_rules(self) -> list[str]:
         svc, cfg = self.svc, self.svc.cfg

@@ -31,7 +31,15 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from pyproxy.render.objects import BASE_CHAINS, TABLE, Kind, SetDecl
+from pyproxy.render.objects import (
+    BASE_CHAINS,
+    TABLE,
+    ElementValue,
+    Key,
+    Kind,
+    SetDecl,
+    element_text,
+)
 from pyproxy.render.ruleset import Commands, DesiredState, declare
 
 SHADOW_SUFFIX = "-staged"
@@ -43,18 +51,21 @@ _REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")
 @dataclass(frozen=True)
 class ElementChunk:
     """One transaction adding elements to sets and maps that nothing references yet:
-    (set name, its declaration, element texts) for each."""
+    (set name, its declaration, its elements as (key, value)) for each."""
 
-    loads: tuple[tuple[str, SetDecl, tuple[str, ...]], ...]
+    loads: tuple[Load, ...]
 
     def __len__(self) -> int:
         return sum(len(elements) for _, _, elements in self.loads)
 
     def script(self, family: str) -> str:
         """The same transaction as nft text."""
-        return _script([_add(family, name, list(elements)) for name, _, elements in self.loads])
+        return _script([_add(family, name, [element_text(key, value) for key, value in elements])
+                        for name, _, elements in self.loads])
 
 
+# A set or map's name, its declaration, elements.
+Load = tuple[str, SetDecl, tuple[tuple[Key, ElementValue], ...]]
 Transaction = str | ElementChunk
 # The declaration a load carries for elements of a set nobody declares (the kernel says what
 # is wrong when they are added): no field the netlink encoder could encode.
@@ -133,15 +144,13 @@ def _chunks(state: DesiredState, chunk: int, sets: dict[str, SetDecl],
             renamed: dict[str, str]) -> Iterator[ElementChunk]:
     """Transactions of at most `chunk` elements, in container order; `sets`: the
     declarations (`static_sets`) each load carries."""
-    loads: list[tuple[str, SetDecl, tuple[str, ...]]] = []
+    loads: list[Load] = []
     size = 0
-    for kind, container, entries in state.containers():
-        if kind is not Kind.ELEMENT:
-            continue
+    for container, entries in state.elements():
         name = renamed.get(container, container)
-        batch: list[str] = []
-        for key, value in entries:
-            batch.append(key + value)  # type: ignore[operator]  # element values: text
+        batch: list[tuple[Key, ElementValue]] = []
+        for element in entries:
+            batch.append(element)
             size += 1
             if size >= chunk:
                 loads.append((name, sets.get(container, _UNDECLARED), tuple(batch)))

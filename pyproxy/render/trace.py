@@ -8,6 +8,7 @@ change together (tests compare its answers with real packets).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
@@ -22,10 +23,15 @@ from pyproxy.render.objects import (
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
     NODEPORT_IPS_SET,
+    REJECT_CHAIN,
     SERVICE_CIDRS_SET,
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
-    Kind,
+    ElementValue,
+    Key,
+    Verdict,
+    key_text,
+    value_text,
 )
 from pyproxy.render.ruleset import DesiredState
 from pyproxy.render.services import RenderConfig
@@ -35,7 +41,6 @@ _INDEX = re.compile(
     r"|jhash (?P<hk>.+?) mod (?P<n2>\d+) seed (?P<seed>0x[0-9a-f]+))"
     r"(?: offset (?P<off>\d+))? map @(?P<map>\S+)$")
 _DNAT = re.compile(r"dnat ip6? to \[?([0-9a-fA-F.:]+?)\]?:(\d+)$")
-_COMMENT = re.compile(r'comment "([^"]*)"')
 
 
 @dataclass
@@ -52,9 +57,9 @@ class Trace:
     # (endpoint "IP:port", probability)
     candidates: list[tuple[str, float]] = field(default_factory=list)
     masquerade: bool = False
-    # Every element the answer relied on, (set or map, "key" + "value" as nft prints it),
-    # so that `--verify` can check them against the kernel.
-    consulted: list[tuple[str, str]] = field(default_factory=list)
+    # Every element the answer relied on, (set or map, key, value), so that `--verify` can
+    # check them against the kernel.
+    consulted: list[tuple[str, Key, ElementValue]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -77,7 +82,7 @@ def trace(state: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
     if walker.firewall_drops():
         return out
     verdict = walker.dispatch()
-    if verdict is not None and walker.follow(verdict):
+    if verdict is not None and verdict.code == "goto" and walker.follow(verdict.chain):
         return out
     walker.no_dnat()
     return out
@@ -91,33 +96,41 @@ class _Walker:
     from_node: bool
     sport: int | None = None
 
-    def element(self, container: str, key: str) -> str | None:
+    def element(self, container: str, key: Key) -> ElementValue | None:
         value = self.state.element(container, key)
         if value is not None:
-            self.out.consulted.append((container, " ".join((key + value).split())))
+            self.out.consulted.append((container, key, value))
         return value
 
-    def destination(self) -> str:
+    def elements(self, container: str) -> Iterator[tuple[Key, ElementValue]]:
+        """Every element of `container` (for the interval sets: no exact-key lookup)."""
+        for name, entries in self.state.elements():
+            if name == container:
+                yield from entries
+
+    def destination(self) -> Key:
         """The packet's destination as the service-ips and firewall sets key it."""
-        return f"{self.out.dst} . {self.out.protocol} . {self.out.port}"
+        return (self.out.dst, self.out.protocol, self.out.port)
+
+    def node_port(self) -> Key:
+        """The packet's destination port as the node port maps key it."""
+        return (self.out.protocol, self.out.port)
 
     def note(self, text: str) -> None:
         self.out.steps.append(text)
 
-    def set_service(self, value: str) -> None:
-        match = _COMMENT.search(value)
-        if match and not self.out.service:
-            self.out.service = match.group(1)
+    def set_service(self, value: Verdict) -> None:
+        if value.comment and not self.out.service:
+            self.out.service = value.comment
 
     # -- filter prerouting / output: LoadBalancer source ranges -------------------------------
 
     def firewall_drops(self) -> bool:
         if self.element(FIREWALL_IPS_SET, self.destination()) is None:
             return False
-        prefix = f"{self.destination()} . "
-        allowed = [key[len(prefix):] for (kind, container, key), _ in self.state.slots()
-                   if kind is Kind.ELEMENT and container == FIREWALL_ALLOW_SET
-                   and key.startswith(prefix)]
+        destination = self.destination()
+        allowed = [str(key[-1]) for key, _ in self.elements(FIREWALL_ALLOW_SET)
+                   if key[:-1] == destination]
         src = ip_address(self.out.src)
         if any(src in ip_network(a, strict=False) for a in allowed):
             self.note(f"firewall-check: source allowed by {', '.join(allowed)}")
@@ -128,19 +141,21 @@ class _Walker:
 
     # -- nat: services ---------------------------------------------------------------------------
 
-    def dispatch(self) -> str | None:
+    def dispatch(self) -> Verdict | None:
         value = self.element(SERVICE_IPS_MAP, self.destination())
-        if value is not None:
+        if isinstance(value, Verdict):
             self.set_service(value)
-            self.note(f"services: {self.destination()} in @{SERVICE_IPS_MAP}{value}")
-            return value.rsplit(": ", 1)[1]
+            self.note(f"services: {key_text(self.destination())} in @{SERVICE_IPS_MAP}"
+                      f"{value_text(value)}")
+            return value
         if self.is_nodeport_address():
-            key = f"{self.out.protocol} . {self.out.port}"
+            key = self.node_port()
             value = self.element(SERVICE_NODEPORTS_MAP, key)
-            if value is not None:
+            if isinstance(value, Verdict):
                 self.set_service(value)
-                self.note(f"services: node port {key} in @{SERVICE_NODEPORTS_MAP}{value}")
-                return value.rsplit(": ", 1)[1]
+                self.note(f"services: node port {key_text(key)} in @{SERVICE_NODEPORTS_MAP}"
+                          f"{value_text(value)}")
+                return value
         self.note("services: no service address or node port matches")
         return None
 
@@ -148,13 +163,10 @@ class _Walker:
         if self.cfg.nodeport_ips is None:
             # every local address: for a trace, the node's known addresses
             return self.out.dst in self.cfg.node_ips
-        return self.element(NODEPORT_IPS_SET, self.out.dst) is not None
+        return self.element(NODEPORT_IPS_SET, (self.out.dst,)) is not None
 
-    def follow(self, verdict: str) -> bool:
-        """Walk the chain a dispatch verdict points to; True when it DNATs."""
-        if not verdict.startswith("goto "):
-            return False
-        chain = verdict.split(" ", 1)[1]
+    def follow(self, chain: str) -> bool:
+        """Walk the chain a verdict goes to; True when it DNATs."""
         rules = self.state.rules(chain)
         if rules is None:
             self.note(f"{chain}: chain not found")
@@ -220,7 +232,7 @@ class _Walker:
         return True
 
     def hairpin(self, address: str) -> bool:
-        return self.state.element(HAIRPIN_SET, f"{address} . {address}") is not None
+        return self.state.element(HAIRPIN_SET, (address, address)) is not None
 
     def pick(self, chain: str, rule: str) -> bool:
         match = _INDEX.search(rule)
@@ -230,16 +242,17 @@ class _Walker:
         count = int(match["n1"] or match["n2"])
         offset = int(match["off"] or 0)
         container = match["map"]
+        prefix: Key
         if container.startswith("nodeport-"):
-            prefix = str(self.out.port)
+            prefix = (self.out.port,)
         else:
-            prefix = f"{self.out.dst} . {self.out.port}"
+            prefix = (self.out.dst, self.out.port)
         slots = []
         for i in range(offset, offset + count):
-            value = self.element(container, f"{prefix} . {i}")
+            value = self.element(container, (*prefix, i))
             if value is not None:
-                address, target_port = value.split(": ", 1)[1].split(" . ")
-                slots.append(_endpoint(address, target_port))
+                address, target_port = value
+                slots.append(_endpoint(str(address), str(target_port)))
         if match["ng"]:
             how = "at random" if match["ng"] == "random" else "in turn (round robin)"
             self.note(f"{chain}: one of {count} slots of @{container} {how}")
@@ -273,16 +286,16 @@ class _Walker:
                 self.note(f"{chain}: external traffic: masquerade")
             elif rule.startswith("goto "):
                 self.note(f"{chain}: {rule}")
-                return self.follow(rule)
+                return self.follow(rule.split(" ", 1)[1])
             elif local_pods and rule.startswith(f"{local_pods} goto ") and self.from_pod():
                 self.note(f"{chain}: pod traffic short-circuits to the cluster chain")
-                return self.follow(rule[len(local_pods) + 1:])
+                return self.follow(rule[len(local_pods) + 1:].split(" ", 1)[1])
             elif rule.startswith("fib saddr type local") and self.from_node:
                 if mark in rule:
                     self.out.masquerade = True
                 if " goto " in rule:
                     self.note(f"{chain}: traffic from the node: {rule}")
-                    return self.follow("goto " + rule.split(" goto ", 1)[1])
+                    return self.follow(rule.split(" goto ", 1)[1])
             elif " daddr " in rule and mark in rule:
                 if "saddr !=" not in rule or not self.from_pod():
                     self.out.masquerade = True
@@ -300,19 +313,17 @@ class _Walker:
     def no_dnat(self) -> None:
         value = self.element(NO_ENDPOINT_SERVICES_MAP, self.destination())
         if value is None and self.is_nodeport_address():
-            value = self.element(NO_ENDPOINT_NODEPORTS_MAP,
-                                 f"{self.out.protocol} . {self.out.port}")
-        if value is not None:
+            value = self.element(NO_ENDPOINT_NODEPORTS_MAP, self.node_port())
+        if isinstance(value, Verdict):
             self.set_service(value)
-            verdict = value.rsplit(": ", 1)[1]
-            self.out.verdict = "REJECT" if "reject" in verdict else "DROP"
+            self.out.verdict = "REJECT" if value.chain == REJECT_CHAIN else "DROP"
             why = ("no usable endpoints" if self.out.verdict == "REJECT"
                    else "Local traffic policy and no local endpoint")
             self.note(f"service-endpoints-check: {why}: {self.out.verdict}")
             return
         if ip_address(self.out.dst).is_loopback and self.localhost_node_port():
             return
-        if self.element(CLUSTER_IPS_SET, self.out.dst) is not None:
+        if self.element(CLUSTER_IPS_SET, (self.out.dst,)) is not None:
             self.out.verdict = "REJECT"
             self.note("cluster-ips-check: a ClusterIP on a port no service uses: REJECT")
             return
@@ -328,17 +339,18 @@ class _Walker:
     def localhost_node_port(self) -> bool:
         """A NodePort on loopback (KEP-6032): rejected where the map says so; TCP otherwise
         goes to the userspace proxy's listener, if there is one (not in the ruleset)."""
-        key = f"{self.out.protocol} . {self.out.port}"
+        key = self.node_port()
         value = self.element(LOCALHOST_NODEPORT_REJECT_MAP, key)
         if value is not None:
             self.out.verdict = "REJECT"
-            self.note(f"nodeport-endpoints-check: localhost NodePort {key} in "
-                      f"@{LOCALHOST_NODEPORT_REJECT_MAP}{value}: REJECT")
+            self.note(f"nodeport-endpoints-check: localhost NodePort {key_text(key)} in "
+                      f"@{LOCALHOST_NODEPORT_REJECT_MAP}{value_text(value)}: REJECT")
             return True
         if self.out.protocol == "tcp" and self.cfg.localhost_nodeports is (
                 LocalhostNodePorts.PROXY) and self.element(SERVICE_NODEPORTS_MAP, key):
-            self.note(f"localhost NodePort {key}: to pyproxy's userspace proxy listening on "
-                      f"{self.out.dst}:{self.out.port}, which connects to an endpoint itself")
+            self.note(f"localhost NodePort {key_text(key)}: to pyproxy's userspace proxy "
+                      f"listening on {self.out.dst}:{self.out.port}, which connects to an "
+                      "endpoint itself")
             return True
         return False
 
@@ -346,12 +358,10 @@ class _Walker:
         """The element of @service-cidrs holding the destination (an interval set: no
         exact-key lookup)."""
         dst = ip_address(self.out.dst)
-        for kind, container, entries in self.state.containers():
-            if kind is Kind.ELEMENT and container == SERVICE_CIDRS_SET:
-                for key, value in entries:
-                    if dst in ip_network(key, strict=False):
-                        self.out.consulted.append((container, key + str(value)))
-                        return key
+        for key, value in self.elements(SERVICE_CIDRS_SET):
+            if dst in ip_network(str(key[0]), strict=False):
+                self.out.consulted.append((SERVICE_CIDRS_SET, key, value))
+                return str(key[0])
         return None
 
 

@@ -16,6 +16,7 @@ from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
+from pyproxy.render.objects import ElementValue, Key, element_text, key_text
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.serve.connections import ConnectionCounters, CountingContext, Series, endpoint_family
@@ -124,13 +125,15 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
     raise ValueError(f"this node does not proxy {family}")
 
 
-def verify(proxier: FamilyProxier, consulted: list[tuple[str, str]]) -> list[str]:
+def verify(proxier: FamilyProxier, consulted: list[tuple[str, Key, ElementValue]],
+           ) -> list[str]:
     """Check every element the trace relied on against the kernel: the answer holds for
     the kernel only if each is there with the same value. Returns the mismatches."""
     problems = []
-    for container, element in consulted:
-        key = element.split(" : ", 1)[0].split(" comment ", 1)[0]
-        found = proxier.applier.nft.get_element(proxier.applier.family, container, key)
+    for container, key, value in consulted:
+        element = element_text(key, value)
+        found = proxier.applier.nft.get_element(proxier.applier.family, container,
+                                                key_text(key))
         if found != element:
             problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
     return problems

@@ -22,7 +22,7 @@ from pyproxy.core.model import (
 from pyproxy.core.plan import Scope, SyncPlan
 from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.memory import gc_paused, trim_heap
-from pyproxy.render.objects import Fragment
+from pyproxy.render.objects import Fragment, key_text
 from pyproxy.render.ruleset import Change, DesiredState, full_commands
 from pyproxy.render.services import render_config, render_service, skeleton
 
@@ -153,7 +153,7 @@ def disputes_report(tables: Iterable[tuple[IPFamily, DesiredState]],
             claimants = tuple(sorted({str(owner) for owner in dispute.owners}))
             used = tuple(sorted({str(owner) for owner in dispute.used_by}))
             found.setdefault((str(family), claimants, used), []).append(
-                f"{container} {{ {key} }}")
+                f"{container} {{ {key_text(key) if isinstance(key, tuple) else key} }}")
     return [{"family": family, "elements": elements, "claimedBy": list(claimants),
              "used": list(used)}
             for (family, claimants, used), elements in found.items()]
