@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from pyproxy.cluster.apirequest import request
+from pyproxy.cluster.apirequest import describe_error, request
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +68,7 @@ def record_start(api_client: Any, node_name: str, stop: threading.Event,
             except Exception as err:
                 status = getattr(err, "status", None)
                 log.warning("event_not_recorded", attempt=attempt, status=status,
-                            error=f"{type(err).__name__}: {err}"[:200])
+                            error=describe_error(err))
                 if status in (401, 403, 422):  # retrying cannot help
                     return
             if stop.wait(retry_seconds * attempt):

@@ -55,7 +55,7 @@ from typing import Any
 
 import structlog
 
-from pyproxy.cluster.apirequest import request
+from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error, request
 from pyproxy.cluster.codec import JSON, Codec, ProtobufCodec, TypedCodec
 from pyproxy.core import protobuf
 from pyproxy.core.model import ObjectKey
@@ -362,7 +362,7 @@ class Reflector:
                 delay = 0.0 if answered else self._backoff.next()
                 answered = False
                 log.info("watch_expired_listing_again", kind=self.resource.kind,
-                         version=self._position or version, reason=str(err)[:200],
+                         version=self._position or version, reason=str(err)[:REASON_LIMIT],
                          list_in=round(delay, 2))
                 version = None
                 self.stop.wait(delay)
@@ -373,7 +373,9 @@ class Reflector:
                 answered = isinstance(status, int) and status != 429
                 self.status.connected = False
                 self.status.errors += 1
-                self.status.last_error = f"{type(err).__name__}: {err}"[:300]
+                # The reason whole (a 403's Status message, a TLS failure), not the
+                # client's text, which starts with every response header or the URL.
+                self.status.last_error = describe_error(err)
                 delay = self._backoff.next()
                 log.warning("api_unavailable_retrying", kind=self.resource.kind,
                             error=self.status.last_error, retry_in=round(delay, 2),
@@ -427,7 +429,7 @@ class Reflector:
                 # parameters (400/422); it is asked once per reflector.
                 self.watch_list = False
                 log.info("streaming_list_not_served",
-                         kind=self.resource.kind, reason=str(err)[:200])
+                         kind=self.resource.kind, reason=str(err)[:REASON_LIMIT])
         return self._paged_list()
 
     def _stream_list(self, first_page: Mapping[ObjectKey, str] | None = None) -> str:
@@ -449,7 +451,7 @@ class Reflector:
                 allow_watch_bookmarks=True, **self._watch_timeouts())
         except Exception as err:
             if getattr(err, "status", None) in (400, 422):
-                raise WatchListRefused(str(err)) from err
+                raise WatchListRefused(describe_error(err)) from err
             raise
         self.status.connected = True
         seen: set[ObjectKey] = set()
@@ -600,7 +602,7 @@ class Reflector:
                 # A server whose watch cache starts after our position (restarted, or
                 # history compacted) refuses the watch with 410 instead of an ERROR event.
                 if getattr(err, "status", None) == 410:
-                    raise Expired(str(err)) from err
+                    raise Expired(describe_error(err)) from err
                 raise
             codec, lines = self._reading(response)
         self.status.watches += 1

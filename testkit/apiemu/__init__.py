@@ -4,7 +4,8 @@ events.k8s.io Events (stored as written: the daemon records one when it starts).
 
 It speaks the real list/watch HTTP protocol over a socket (resourceVersions, label/field
 selectors, chunked watch streams, bookmarks, 410 Expired), so pyproxy's watch layer can be tested
-against the unmodified ``kubernetes`` client. See `ApiEmulator` for the test hooks.
+against the unmodified ``kubernetes`` client. See `ApiEmulator` for the test hooks (among them
+``forbid``: RBAC's 403 for every resource request; ``tls=(cert, key)``: HTTPS).
 
 Typical use::
 

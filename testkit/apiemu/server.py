@@ -15,11 +15,13 @@ import queue
 import select
 import socket
 import socketserver
+import ssl
 import struct
 import sys
 import threading
 import time
 import traceback
+import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -230,8 +232,14 @@ class _Handler(BaseHTTPRequestHandler):
             data = gzip.compress(data, compresslevel=1)
             self.emu._gzipped += 1
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        # As kube-apiserver, on every answer: the audit ID and the priority-and-fairness
+        # UIDs (the client prints every header before the body of an error).
+        self.send_header("Audit-Id", str(uuid.uuid4()))
         self.send_header("Cache-Control", "no-cache, private")
+        self.send_header("Content-Type", "application/json")
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("X-Kubernetes-Pf-Flowschema-Uid", self.emu._flow_schema_uid)
+        self.send_header("X-Kubernetes-Pf-Prioritylevel-Uid", self.emu._priority_level_uid)
         if gzipped:
             self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(data)))
@@ -324,6 +332,8 @@ class _Handler(BaseHTTPRequestHandler):
             raise ApiError(
                 503, "ServiceUnavailable", "the server is currently unable to handle the request"
             )
+        if rt is not None and self.emu.forbidden_user is not None:
+            raise _forbidden(self.emu.forbidden_user, verb, rt)
         if rt is None or rt.resource.plural in self.emu.unserved:
             self._serve_non_resource(path)
             return
@@ -639,6 +649,8 @@ class _WatchStream:
         sock = self.h.connection
         try:
             readable, _, _ = select.select([sock], [], [], 0)
+            if isinstance(sock, ssl.SSLSocket):  # no peeking under TLS; a watch's client
+                return bool(readable)            # sends nothing but its close
             return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
@@ -665,6 +677,15 @@ class _Server(ThreadingHTTPServer):
         host, port = self.server_address[:2]
         self.server_name, self.server_port = str(host), int(port)
 
+    def get_request(self) -> tuple[Any, Any]:
+        request, client_address = super().get_request()
+        if self.emulator.tls is not None:
+            # The handshake is the connection thread's (a client that fails it must not
+            # hold up the accepting one).
+            request = self.emulator.tls.wrap_socket(request, server_side=True,
+                                                    do_handshake_on_connect=False)
+        return request, client_address
+
     def verify_request(self, request: Any, client_address: Any) -> bool:
         if self.emulator._unavailable_mode == "reset":
             # Abortive close: linger 0 makes close() send RST, as a crashing server would.
@@ -685,6 +706,8 @@ class _Server(ThreadingHTTPServer):
 
     def _serve_connection(self, request: Any, client_address: Any) -> None:
         try:
+            if isinstance(request, ssl.SSLSocket):
+                request.do_handshake()  # a client refusing the certificate ends it here
             self.finish_request(request, client_address)
         except (ConnectionError, OSError):
             pass  # the client or a test hook closed the socket
@@ -729,7 +752,19 @@ class ApiEmulator:
         request_log_size: int = 100_000,
         unserved: Iterable[str] = (),
         watch_list: bool = True,
+        tls: tuple[str | os.PathLike[str], str | os.PathLike[str]] | None = None,
     ) -> None:
+        # (certificate, key): serve HTTPS with them (a client that does not trust their
+        # CA fails its handshake, as with a real API server).
+        self.tls: ssl.SSLContext | None = None
+        if tls is not None:
+            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.tls.load_cert_chain(*tls)
+        # Set: every resource request is answered 403 Forbidden for this user, as RBAC
+        # answers a service account without the rights (`forbid`).
+        self.forbidden_user: str | None = None
+        self._flow_schema_uid = str(uuid.uuid4())
+        self._priority_level_uid = str(uuid.uuid4())
         # False: refuse sendInitialEvents as a server with the WatchList feature off does.
         self.watch_list = watch_list
         # Resources (plurals) answered 404 like an API the server does not have (an older
@@ -823,7 +858,7 @@ class ApiEmulator:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     # --- test hooks
 
@@ -877,6 +912,13 @@ class ApiEmulator:
     @property
     def available(self) -> bool:
         return self._unavailable_mode is None
+
+    def forbid(self, user: str | None = "system:serviceaccount:kube-system:pyproxy") -> None:
+        """Answer every resource request 403 Forbidden with RBAC's message for `user` (None:
+        serve again). Open watches are dropped: their next try meets the refusal."""
+        self.forbidden_user = user
+        if user is not None:
+            self.drop_connections()
 
     @property
     def rejected_connections(self) -> int:
@@ -1126,3 +1168,18 @@ def _resolve(resource: str | R.ResourceDef) -> R.ResourceDef:
         if wanted in (res.plural, res.singular, res.kind.lower(), *res.short_names):
             return res
     raise KeyError(f"apiemu does not emulate {resource!r}; known: {sorted(R.RESOURCES)}")
+
+
+def _forbidden(user: str, verb: str, rt: Route) -> ApiError:
+    """RBAC's refusal, worded as kube-apiserver words it (a 403 Status)."""
+    res = rt.resource
+    name = f' "{rt.name}"' if rt.name else ""
+    scope = f'in the namespace "{rt.namespace}"' if rt.namespace else "at the cluster scope"
+    message = (f'{res.plural}{name} is forbidden: User "{user}" cannot {verb} resource '
+               f'"{res.plural}" in API group "{res.group}" {scope}')
+    details: Obj = {"kind": res.plural}
+    if rt.name:
+        details["name"] = rt.name
+    if res.group:
+        details["group"] = res.group
+    return ApiError(403, "Forbidden", message, details)

@@ -1,0 +1,124 @@
+"""Failures of the API connection an operator can see (issue 35, point 4): the reason of a
+refusal or of a TLS failure reaches the log whole, every request is counted as client-go
+counts it, each watch's state is a metric, and `pyproxy status` says when a watch has been
+down too long. Against the API emulator over a socket, with the real `kubernetes` client."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+from kubernetes import client as kubernetes_client
+
+from pyproxy.cluster import apiconnection
+from pyproxy.cluster.apiconnection import ApiConnection
+from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error
+from pyproxy.cluster.watch import Reflector, services_resource
+from testkit.apiemu import ApiEmulator
+from testkit.controlplane import make_pki
+from testkit.waits import until
+
+SERVICE_ACCOUNT = "system:serviceaccount:kube-system:pyproxy"
+RBAC_MESSAGE = (f'services is forbidden: User "{SERVICE_ACCOUNT}" cannot list resource '
+                f'"services" in API group "" at the cluster scope')
+
+
+def start(reflector: Reflector) -> threading.Thread:
+    reflector._backoff.initial, reflector._backoff.cap = 0.05, 0.2  # fast retries in tests
+    thread = threading.Thread(target=reflector.run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.fixture
+def reflect() -> Iterator[Callable[[Any], Reflector]]:
+    """A Reflector of Services through an API client, running until the test ends."""
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+
+    def make(api_client: Any) -> Reflector:
+        reflector = Reflector(api_client, services_resource(), lambda key, obj: None,
+                              lambda: None, stop, watch_timeout=30, read_timeout=2.0)
+        threads.append(start(reflector))
+        return reflector
+
+    yield make
+    stop.set()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def errors_logged(captured: list[dict[str, Any]]) -> list[str]:
+    return [entry["error"] for entry in captured if entry["event"] == "api_unavailable_retrying"]
+
+
+def test_a_refusal_is_logged_with_rbacs_message(reflect: Callable[[Any], Reflector]) -> None:
+    """A 403 reaches the log as its status and its Status message, whatever headers the
+    server sent (the client's text starts with all of them: cut at 300 characters it ended
+    at `"status": "Fail`)."""
+    with ApiEmulator() as api, structlog.testing.capture_logs() as captured:
+        api.forbid(SERVICE_ACCOUNT)
+        reflector = reflect(api.api_client())
+        until(lambda: reflector.status.errors >= 1, 10, "a refused list")
+        assert reflector.status.last_error == f"403 Forbidden: {RBAC_MESSAGE}"
+    assert errors_logged(captured)[0] == f"403 Forbidden: {RBAC_MESSAGE}"
+
+
+@pytest.fixture(scope="module")
+def pkis(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """Two certificate authorities: the API server's, and another."""
+    base = tmp_path_factory.mktemp("pki")
+    return make_pki(base / "cluster"), make_pki(base / "other")
+
+
+def tls_client(api: ApiEmulator, ca: Path) -> Any:
+    connection = ApiConnection(server=api.url, source="test", ca_file=str(ca))
+    return kubernetes_client.ApiClient(apiconnection.client_configuration(connection))
+
+
+def test_a_tls_failure_is_logged_with_its_reason(reflect: Callable[[Any], Reflector],
+                                                 pkis: tuple[Any, Any]) -> None:
+    """A server whose certificate the CA given does not sign: the log says the certificate
+    failed verification and why (cut at 300 characters it ended at `[SSL: CER`, after the
+    whole URL)."""
+    cluster, other = pkis
+    with ApiEmulator(tls=(cluster.server, cluster.server_key)) as api, \
+            structlog.testing.capture_logs() as captured:
+        trusted = reflect(tls_client(api, cluster.ca))
+        refused = reflect(tls_client(api, other.ca))
+        until(lambda: trusted.status.synced, 10, "a list over TLS with the right CA")
+        until(lambda: refused.status.errors >= 1, 10, "a refused handshake")
+        last_error = refused.status.last_error
+        assert trusted.status.errors == 0
+    [error, *_] = errors_logged(captured)
+    assert error.startswith("SSLCertVerificationError: [SSL: CERTIFICATE_VERIFY_FAILED] "
+                            "certificate verify failed: unable to get local issuer certificate")
+    assert error.endswith(f"({api.host}:{api.port})")
+    assert last_error == error
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    pytest.param('{"kind":"Status","message":"nope","reason":"Forbidden","code":403}',
+                 "403 Forbidden: nope", id="a Status: its message"),
+    pytest.param('{"kind":"Status","reason":"Forbidden","code":403}',
+                 "403 Forbidden: Forbidden", id="a Status without a message: its reason"),
+    pytest.param("<html>\n<b>bad gateway</b>\n</html>", "403 Forbidden: <html> <b>bad "
+                 "gateway</b> </html>", id="another body: on one line"),
+    pytest.param("", "403 Forbidden", id="no body"),
+])
+def test_an_answer_is_described_by_its_status(body: str, expected: str) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    assert describe_error(ApiException(403, "Forbidden", body=body)) == expected
+
+
+def test_a_giant_body_is_cut_after_the_reason() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    text = describe_error(ApiException(502, "Bad Gateway", body="x" * 100_000))
+    assert text.startswith("502 Bad Gateway: xxx") and len(text) == REASON_LIMIT
