@@ -23,6 +23,7 @@ import structlog
 
 from pyproxy.cluster import apiconnection
 from pyproxy.cluster.apiconnection import ApiConnection
+from pyproxy.cluster.apirequest import observe_requests
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.cluster.events import record_start
 from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
@@ -428,6 +429,8 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
     families = _families(node_config.node_ips)
     timing = sync_timing(config)
     metrics = Metrics()
+    if api_client is not None:
+        observe_requests(api_client, metrics)  # client-go's rest_client_* metrics
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
@@ -468,6 +471,8 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
         else ApiSource(api_client, proxier, node_name, stop,
                        service_cidrs=config.watches_service_cidrs,
                        content_type=config.content_type))
+    if isinstance(source, ApiSource):
+        metrics.watch_api(source.status)
     return Daemon(cache, proxier, runner, health, metrics, observer, localhost, connections,
                   coexistence, source, address_check)
 

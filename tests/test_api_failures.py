@@ -16,8 +16,17 @@ from kubernetes import client as kubernetes_client
 
 from pyproxy.cluster import apiconnection
 from pyproxy.cluster.apiconnection import ApiConnection
-from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error
-from pyproxy.cluster.watch import Reflector, services_resource
+from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error, observe_requests
+from pyproxy.cluster.events import record_start
+from pyproxy.cluster.watch import (
+    CONNECTED,
+    CONNECTING,
+    DISCONNECTED,
+    Reflector,
+    WatchStatus,
+    services_resource,
+)
+from pyproxy.serve.metrics import Metrics
 from testkit.apiemu import ApiEmulator
 from testkit.controlplane import make_pki
 from testkit.waits import until
@@ -122,3 +131,56 @@ def test_a_giant_body_is_cut_after_the_reason() -> None:
 
     text = describe_error(ApiException(502, "Bad Gateway", body="x" * 100_000))
     assert text.startswith("502 Bad Gateway: xxx") and len(text) == REASON_LIMIT
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_every_request_is_counted_as_client_go_counts_it(
+        reflect: Callable[[Any], Reflector]) -> None:
+    """rest_client_requests_total{code, method, host} and rest_client_request_duration_seconds
+    {verb, host} for every request through the client: lists, watches, the start Event; a
+    request that got no answer as code "<error>". And the watch's state beside them."""
+    metrics = Metrics()
+    with ApiEmulator(bookmark_interval=0.2) as api:
+        host = f"{api.host}:{api.port}"
+        api_client = observe_requests(api.api_client(), metrics)
+        reflector = reflect(api_client)
+        metrics.watch_api(lambda: [reflector.status])
+
+        def requests(code: str, method: str = "GET") -> float:
+            return sample(metrics, "rest_client_requests_total", code=code, method=method,
+                          host=host)
+
+        def state(name: str) -> float:
+            return sample(metrics, "pyproxy_watch_state", resource="Service", state=name)
+
+        until(lambda: reflector.status.synced, 10, "the list")
+        api.wait_for_watches(1, "services")
+        assert requests("200") == 2  # the list, the watch
+        assert (state("connected"), state("disconnected"), state("connecting")) == (1, 0, 0)
+        record_start(api_client, "node-a", threading.Event()).join(10)
+        assert requests("201", "POST") == 1
+        api.forbid(SERVICE_ACCOUNT)
+        until(lambda: requests("403") >= 1, 10, "a refused request")
+        assert (state("connected"), state("disconnected")) == (0, 1)
+        api.forbid(None)
+        api.set_available(False, "refuse")
+        until(lambda: requests("<error>") >= 1, 10, "a request without an answer")
+    answered = sum(requests(code) for code in ("200", "403", "<error>"))
+    assert sample(metrics, "rest_client_request_duration_seconds_count", verb="GET",
+                  host=host) == answered
+    assert sample(metrics, "rest_client_request_duration_seconds_count", verb="POST",
+                  host=host) == 1
+
+
+def test_a_watch_that_never_answered_is_connecting_then_disconnected() -> None:
+    status = WatchStatus("Service", state_since=1000.0)
+    assert (status.state, status.down_for(1010.0)) == (CONNECTING, 10.0)
+    status.set_connected(False, now=1005.0)  # the first try failed: down since the start
+    assert (status.state, status.down_for(1010.0)) == (DISCONNECTED, 10.0)
+    status.set_connected(True, now=1020.0)
+    assert (status.state, status.down_for(1030.0)) == (CONNECTED, 0.0)
+    status.set_connected(False, now=1040.0)
+    assert status.down_for(1050.0) == 10.0

@@ -125,8 +125,10 @@ def test_kube_proxy_names_and_types() -> None:
     assert exported["process_resident_memory_bytes"] == "gauge"
     assert exported["process_cpu_seconds_total"] == "counter"
     assert re.search(r"^process_resident_memory_bytes [1-9]", exposition(metrics), re.MULTILINE)
-    # pyproxy's own are prefixed, never in kube-proxy's namespace.
-    own = {name for name in exported if not name.startswith(("kubeproxy_", "process_"))}
+    # pyproxy's own are prefixed, never in kube-proxy's namespace (client-go's rest_client_*
+    # are kube-proxy's too).
+    own = {name for name in exported
+           if not name.startswith(("kubeproxy_", "process_", "rest_client_"))}
     assert own and all(name.startswith("pyproxy_") for name in own)
     assert exported["pyproxy_service_topology_mode"] == "gauge"
     # iptables-only metrics would tell users something about rules we do not write.
@@ -140,6 +142,13 @@ def test_histogram_buckets_are_upstreams() -> None:
                  "kubeproxy_sync_full_proxy_rules_duration_seconds",
                  "kubeproxy_sync_partial_proxy_rules_duration_seconds"):
         assert buckets(metrics, name) == pytest.approx(sync)
+    # client-go's (k8s.io/component-base metrics/prometheus/restclient)
+    metrics.request_done("GET", "10.0.0.1:6443", "200", 0.01)
+    client_go = re.findall(r'^rest_client_request_duration_seconds_bucket'
+                           r'{host="10.0.0.1:6443",le="([^"]+)",verb="GET"}',
+                           exposition(metrics), re.MULTILINE)
+    assert [float(le) for le in client_go if le != "+Inf"] == pytest.approx(
+        [0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0])
     # 0.25 s, 0.5 s, 1..59 s, 60..115 s by 5, 120..300 s by 30 (pkg/proxy/metrics).
     npl = [0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30)]
     assert buckets(metrics, "kubeproxy_network_programming_duration_seconds") == npl

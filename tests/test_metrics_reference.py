@@ -18,6 +18,7 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.cluster.snapshot import build_state
+from pyproxy.cluster.watch import WatchStatus
 from pyproxy.core.topology import PortSelection, select_all
 from pyproxy.serve.connections import Series
 from pyproxy.serve.metrics import RULES_FILE, SPECS, Metrics, reference_markdown
@@ -56,6 +57,7 @@ def scrape() -> dict[str, set[str]]:
     metrics.watch_selections(selections)
     metrics.watch_connections(lambda: {Series("demo/web", "http", "10.244.1.5:8080", "node"): 1})
     metrics.watch_localhost_nodeports(lambda: {("IPv4", "UDP"): 1})  # the gate's default: on
+    metrics.watch_api(lambda: [WatchStatus("Service")])
     for attribute in vars(metrics).values():  # one series per labelled metric
         if isinstance(attribute, (Counter, Gauge, Histogram)):
             spec = next(s for s in SPECS if s.family == attribute.describe()[0].name)
@@ -95,6 +97,7 @@ def test_the_reference_lists_exactly_what_the_daemon_exports() -> None:
     metrics.watch_selections(list)
     metrics.watch_connections(dict)
     metrics.watch_localhost_nodeports(dict)  # as the daemon with the gate on, the default
+    metrics.watch_api(list)  # as the daemon fed by the API server
     exported = {family.name: family.type for family in metrics.registry.collect()}
     assert exported == {spec.family: spec.type for spec in SPECS}
 

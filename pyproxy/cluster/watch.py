@@ -49,8 +49,8 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -279,6 +279,19 @@ class Backoff:
         return current * (1.0 + self.jitter * self.rand())
 
 
+# A watch's state (the metric pyproxy_watch_state, `pyproxy status`): no answer yet since
+# start, an answer on the last try, or an error on it.
+CONNECTING = "connecting"
+CONNECTED = "connected"
+DISCONNECTED = "disconnected"
+WATCH_STATES = (CONNECTING, CONNECTED, DISCONNECTED)
+# `pyproxy status` fails when a watch has been without an answer this long (docs/metrics.md):
+# twice the longest pause between tries (client-go's backoff: 30 s jittered to 30-60 s), so
+# an API server that is back has been tried again within it, and a watch that stays down
+# (a 403, a CA that does not sign the server's certificate, no route) is reported.
+DISCONNECTED_BOUND = 120.0
+
+
 @dataclass
 class WatchStatus:
     """What `pyproxy status` and the metrics show about one watch."""
@@ -286,6 +299,9 @@ class WatchStatus:
     kind: str
     synced: bool = False
     connected: bool = False
+    state: str = CONNECTING
+    # Unix time the state began (for a watch that never connected: when it started).
+    state_since: float = field(default_factory=time.time)
     resource_version: str = ""
     lists: int = 0
     watches: int = 0
@@ -301,6 +317,36 @@ class WatchStatus:
     # How the current watch's events come: "json", or "protobuf" (clientConnection.contentType
     # on a server that speaks it); a streamed list's stream read on as the watch is JSON.
     watch_encoding: str = ""
+
+    def set_connected(self, connected: bool, now: float | None = None) -> None:
+        """The last try was answered (connected) or failed: the state, and since when (a
+        watch that never connected has been down since it started)."""
+        state = CONNECTED if connected else DISCONNECTED
+        self.connected = connected
+        if connected != (self.state == CONNECTED):
+            self.state_since = time.time() if now is None else now
+        self.state = state
+
+    def down_for(self, now: float) -> float:
+        """Seconds without an answer (0 while connected)."""
+        return 0.0 if self.state == CONNECTED else max(0.0, now - self.state_since)
+
+
+def watch_problems(statuses: Iterable[WatchStatus], now: float,
+                   bound: float | None = None) -> list[str]:
+    """Why `pyproxy status` fails on the API side: each watch without an answer for longer
+    than `bound` (DISCONNECTED_BOUND), with its last error."""
+    bound = DISCONNECTED_BOUND if bound is None else bound
+    problems = []
+    for status in statuses:
+        down = status.down_for(now)
+        if down <= bound:
+            continue
+        never = ", never listed" if not status.synced else ""
+        why = f": {status.last_error}" if status.last_error else ""
+        problems.append(f"watch {status.kind} {status.state} for {down:.0f} s "
+                        f"(more than {bound:.0f} s{never}){why}")
+    return problems
 
 
 class Reflector:
@@ -371,7 +417,7 @@ class Reflector:
                     version = self._position or version
                 status = getattr(err, "status", None)
                 answered = isinstance(status, int) and status != 429
-                self.status.connected = False
+                self.status.set_connected(False)
                 self.status.errors += 1
                 # The reason whole (a 403's Status message, a TLS failure), not the
                 # client's text, which starts with every response header or the URL.
@@ -453,7 +499,7 @@ class Reflector:
             if getattr(err, "status", None) in (400, 422):
                 raise WatchListRefused(describe_error(err)) from err
             raise
-        self.status.connected = True
+        self.status.set_connected(True)
         seen: set[ObjectKey] = set()
         version: str | None = None
         handling = 0.0
@@ -547,7 +593,7 @@ class Reflector:
                 decoding: float) -> None:
         """A complete list: status, reconciliation, and "synced" the first time."""
         self.status.lists += 1
-        self.status.connected = True
+        self.status.set_connected(True)
         self.status.last_list_seconds = round(time.monotonic() - started, 3)
         self.status.last_list_server_seconds = round(waited, 3)
         self.status.last_list_decode_seconds = round(decoding, 3)
@@ -580,7 +626,7 @@ class Reflector:
             decoded = time.monotonic() - started - waited
         finally:
             response.release_conn()
-        self.status.connected = True
+        self.status.set_connected(True)
         return meta, items, waited, decoded
 
     def _watch(self, version: str) -> str:
@@ -606,7 +652,7 @@ class Reflector:
                 raise
             codec, lines = self._reading(response)
         self.status.watches += 1
-        self.status.connected = True
+        self.status.set_connected(True)
         drained = False
         try:
             for line in lines:

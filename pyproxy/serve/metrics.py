@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pyproxy.cluster.watch import WATCH_STATES, WatchStatus
 from pyproxy.core.model import TrafficPolicy
 from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection
 from pyproxy.serve.connections import Series
@@ -27,6 +28,8 @@ _SYNC_BUCKETS = tuple(0.001 * 2**i for i in range(15))
 # Network programming latency, upstream's buckets: 0.25 s, 0.5 s, 1..59 s by 1 s, 60..115 s by
 # 5 s, 120..300 s by 30 s.
 _NPL_BUCKETS = (0.25, 0.5, *range(1, 60), *range(60, 120, 5), *range(120, 301, 30))
+# client-go's request latency buckets (k8s.io/component-base metrics/prometheus/restclient).
+_REST_CLIENT_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 log = structlog.get_logger(__name__)
 
 # What Go's time.Parse(time.RFC3339Nano, …) accepts; anything else is no trigger time.
@@ -47,7 +50,7 @@ class MetricSpec:
     meaning: str
     labels: tuple[str, ...] = ()
     source: str = "pyproxy"
-    """Who defines it: pyproxy, or prometheus_client's process collector."""
+    """Who defines it: pyproxy, client-go, or prometheus_client's process collector."""
 
     @property
     def family(self) -> str:
@@ -56,6 +59,7 @@ class MetricSpec:
 
 
 _PROCESS = "prometheus_client's process collector (as kube-proxy's Go runtime exports them)"
+_CLIENT_GO = "client-go's name (kube-proxy exports it too)"
 SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("kubeproxy_sync_proxy_rules_duration_seconds", "histogram",
                "SyncProxyRules latency in seconds",
@@ -112,6 +116,18 @@ SPECS: tuple[MetricSpec, ...] = (
                "service ports with internal/externalTrafficPolicy Local and no endpoint on "
                "this node (their traffic from that side is dropped); computed at scrape time",
                labels=("traffic_policy", "ip_family")),
+    MetricSpec("rest_client_requests_total", "counter",
+               "Number of HTTP requests, partitioned by status code, method, and host.",
+               "requests to the API server (lists, watches, the start Event) by HTTP status, or "
+               "`<error>` when none came (refused, TLS, timeout); client-go's name and labels, "
+               "`host` the server's host:port", labels=("code", "method", "host"),
+               source=_CLIENT_GO),
+    MetricSpec("rest_client_request_duration_seconds", "histogram",
+               "Request latency in seconds. Broken down by verb, and host.",
+               "from asking (the qps/burst wait included) to the response's headers, for "
+               "every request, watches too (client-go also reads a list's body within it, "
+               "and leaves watches out); `verb` is the HTTP method, as client-go's",
+               labels=("verb", "host"), source=_CLIENT_GO),
     MetricSpec("pyproxy_invalid_objects_total", "counter", "API objects skipped as invalid",
                "API objects skipped as invalid (the log and `pyproxy explain` say why)",
                labels=("kind",)),
@@ -133,6 +149,13 @@ SPECS: tuple[MetricSpec, ...] = (
                "what pyproxy accepts: above 0, NodePorts or ClusterIPs may be broken whatever "
                "pyproxy does; the log (`other_table_drops`), `pyproxy status` and `explain` "
                "name them (docs/deploying.md, \"Other firewalls on the node\")"),
+    MetricSpec("pyproxy_watch_state", "gauge",
+               "State of each watch of the API server (1 = the state it is in)",
+               "per watched resource (Service, EndpointSlice, Node, ServiceCIDR): `connecting` "
+               "(no answer yet since start), `connected` (the last try was answered), "
+               "`disconnected` (it failed: the log's `api_unavailable_retrying` and `pyproxy "
+               "status` say why); computed at scrape time",
+               labels=("resource", "state")),
     MetricSpec("pyproxy_service_topology_mode", "gauge",
                "Topology mode in force per service port on this node (1 = in force)",
                "the topology mode (PreferSameZone, PreferSameNode, topology keys…) in force per "
@@ -242,6 +265,19 @@ class Metrics:
         self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")
         # Other tables' base chains that can drop our connections (kernel/basechains.py).
         self.other_table_drops = _gauge(r, "pyproxy_other_table_drop_chains")
+        # Every request to the API server, as client-go counts them (cluster/apirequest.py).
+        self.rest_client_requests = _counter(r, "rest_client_requests_total")
+        self.rest_client_duration = _histogram(r, "rest_client_request_duration_seconds",
+                                               _REST_CLIENT_BUCKETS)
+
+    def request_done(self, method: str, host: str, code: str, seconds: float) -> None:
+        """One request to the API server (cluster/apirequest.py's RequestObserver)."""
+        self.rest_client_requests.labels(code=code, method=method, host=host).inc()
+        self.rest_client_duration.labels(verb=method, host=host).observe(seconds)
+
+    def watch_api(self, statuses: Callable[[], Iterable[WatchStatus]]) -> None:
+        """Each watch's state, read at scrape time."""
+        self.registry.register(_WatchCollector(statuses))
 
     def watch_localhost_nodeports(self, rejected: Callable[[], Mapping[tuple[str, str], int]]
                                   ) -> None:
@@ -320,6 +356,21 @@ class _SelectionCollector(Collector):
             no_local.add_metric([policy, family], count)
         yield no_local
         yield topology
+
+
+class _WatchCollector(Collector):
+    def __init__(self, statuses: Callable[[], Iterable[WatchStatus]]) -> None:
+        self.statuses = statuses
+
+    def describe(self) -> Iterator[Metric]:
+        yield _gauge_family("pyproxy_watch_state")
+
+    def collect(self) -> Iterator[Metric]:
+        family = _gauge_family("pyproxy_watch_state")
+        for status in list(self.statuses()):
+            for state in WATCH_STATES:
+                family.add_metric([status.kind, state], 1 if status.state == state else 0)
+        yield family
 
 
 class _ConnectionCollector(Collector):
