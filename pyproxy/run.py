@@ -6,7 +6,6 @@ with health, metrics and conntrack cleanup listening to every sync.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import queue
@@ -585,7 +584,7 @@ def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
         if isinstance(source, SnapshotSource):
             return {"snapshot": source.path, "loads": source.loads, "errors": source.errors,
                     "lastError": source.last_error}
-        status: dict[str, Any] = {"api": [dataclasses.asdict(s) for s in source.status()]}
+        status: dict[str, Any] = source.report()
         if address_check is not None:
             status["apiServer"] = {"host": address_check.host,
                                    "problem": address_check.problem}

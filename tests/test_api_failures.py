@@ -14,10 +14,12 @@ import pytest
 import structlog
 from kubernetes import client as kubernetes_client
 
-from pyproxy.cluster import apiconnection
+from pyproxy import cli, run
+from pyproxy.cluster import apiconnection, watch
 from pyproxy.cluster.apiconnection import ApiConnection
 from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error, observe_requests
 from pyproxy.cluster.events import record_start
+from pyproxy.cluster.sources import ApiSource
 from pyproxy.cluster.watch import (
     CONNECTED,
     CONNECTING,
@@ -25,7 +27,10 @@ from pyproxy.cluster.watch import (
     Reflector,
     WatchStatus,
     services_resource,
+    watch_problems,
 )
+from pyproxy.config import ProxyConfig
+from pyproxy.serve.debug import DebugError, ask
 from pyproxy.serve.metrics import Metrics
 from testkit.apiemu import ApiEmulator
 from testkit.controlplane import make_pki
@@ -184,3 +189,80 @@ def test_a_watch_that_never_answered_is_connecting_then_disconnected() -> None:
     assert (status.state, status.down_for(1030.0)) == (CONNECTED, 0.0)
     status.set_connected(False, now=1040.0)
     assert status.down_for(1050.0) == 10.0
+
+
+@pytest.fixture
+def daemon_on(tmp_path: Path) -> Iterator[Callable[[ApiEmulator], str]]:
+    """The daemon's parts as `pyproxy run` builds them, fed by the emulator, its debug
+    socket served (no rules are written: the sync loop is not run)."""
+    stop = threading.Event()
+    servers: list[Any] = []
+
+    def start_on(api: ApiEmulator) -> str:
+        socket_path = str(tmp_path / "debug.sock")
+        config = ProxyConfig(healthz_bind_address=None, metrics_bind_address=None,
+                             debug_socket=socket_path)
+        node_config = config.node_config("node-a", ("192.168.50.1",))
+        daemon = run.build_daemon(config, "node-a", ("192.168.50.1",), node_config,
+                                  api.api_client(), stop)
+        assert isinstance(daemon.source, ApiSource)
+        for reflector_thread in daemon.source.start():
+            assert reflector_thread.is_alive()
+        servers.append(run._start_debug(config, daemon.proxier, daemon.health,
+                                        daemon.runner, daemon.source))
+        return socket_path
+
+    yield start_on
+    stop.set()
+    for server in servers:
+        server.stop()
+
+
+def status_command(socket_path: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = cli.main(["status", "--socket", socket_path])
+    return code, capsys.readouterr().out
+
+
+def test_status_fails_when_a_watch_is_down_too_long(
+        daemon_on: Callable[[ApiEmulator], str], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Every watch refused (403) since the start: `pyproxy status` said "healthy: yes" and
+    exited 0. Past the bound (2 minutes; a second here) it exits 1 and says which watch,
+    for how long, and why."""
+    monkeypatch.setattr(watch, "DISCONNECTED_BOUND", 1.0)
+    with ApiEmulator() as api:
+        api.forbid(SERVICE_ACCOUNT)
+        socket_path = daemon_on(api)
+        until(lambda: ask(socket_path, "/status")["source"]["problems"], 10,
+              "the watches down for more than the bound", ignore=(DebugError,))
+        code, out = status_command(socket_path, capsys)
+        assert code == 1, out
+        [service] = [line for line in out.splitlines() if "watch Service " in line
+                     and line.startswith("api watches:")]
+        assert service.startswith("api watches:       FAILING: watch Service disconnected for ")
+        assert f"(more than 1 s, never listed): 403 Forbidden: {RBAC_MESSAGE}" in service
+        assert "watch Service       DISCONNECTED" in out
+        # Served again: every watch lists, and status is well again.
+        api.forbid(None)
+        until(lambda: not ask(socket_path, "/status")["source"]["problems"], 20,
+              "the watches back")
+        code, out = status_command(socket_path, capsys)
+        assert code == 0, out
+        assert "FAILING" not in out
+
+
+@pytest.mark.parametrize(("since", "state", "synced", "problems"), [
+    pytest.param(0.0, CONNECTED, True, [], id="connected for long: well"),
+    pytest.param(500.0, DISCONNECTED, True, [], id="down for less than the bound: well"),
+    pytest.param(500.0, CONNECTING, False, [], id="starting: well"),
+    pytest.param(300.0, DISCONNECTED, True,
+                 ["watch Node disconnected for 300 s (more than 120 s): 403 Forbidden: no"],
+                 id="down for longer"),
+    pytest.param(0.0, CONNECTING, False,
+                 ["watch Node connecting for 600 s (more than 120 s, never listed): "
+                  "403 Forbidden: no"], id="never answered"),
+])
+def test_watch_problems(since: float, state: str, synced: bool, problems: list[str]) -> None:
+    status = WatchStatus("Node", synced=synced, state=state, state_since=since,
+                         last_error="403 Forbidden: no")
+    assert watch_problems([status], now=600.0) == problems

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyproxy.cli.formats import format_history, format_services, format_status, format_trace
+from pyproxy.cli.formats import (
+    api_problems,
+    format_history,
+    format_services,
+    format_status,
+    format_trace,
+)
 from pyproxy.cluster.snapshot import SnapshotError, load_snapshot, nothing_usable
 from pyproxy.config import (
     NODE_SETTINGS,
@@ -420,7 +426,9 @@ def _live_commands(commands: Any) -> None:
     status = commands.add_parser(
         "status", help="the running daemon: sync health, last syncs, counts, API connection",
         description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
-                    "healthy, 3 the daemon cannot be reached.")
+                    "healthy (the rules are stale, damaged, or a watch of the API server has "
+                    "had no answer for more than 2 minutes: the output says which), 3 the "
+                    "daemon cannot be reached.")
     status.add_argument("-o", "--output", choices=("table", "json"), default="table")
     _socket_flag(status)
     status.set_defaults(handler=_cmd_status)
@@ -483,7 +491,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         _print_json(status)
     else:
         sys.stdout.write(format_status(status))
-    return EXIT_OK if status["healthy"] else EXIT_ERROR
+    return EXIT_OK if status["healthy"] and not api_problems(status) else EXIT_ERROR
 
 
 def _cmd_services(args: argparse.Namespace) -> int:

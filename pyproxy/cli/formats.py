@@ -40,6 +40,7 @@ def format_status(s: dict[str, Any]) -> str:
         f"node:              {s['node']} ({', '.join(s['families'])})",
         f"healthy:           {'yes' if s['healthy'] else 'NO'}"
         f" (node eligible for traffic: {'yes' if s['nodeEligible'] else 'no'})",
+        *(f"api watches:       FAILING: {problem}" for problem in api_problems(s)),
         "initial lists:     " + ", ".join(
             f"{name} {'done' if done else 'PENDING'}" for name, done in s["sources"].items()),
         f"services:          {s['services']} ({s['servicePorts']} service ports programmed)",
@@ -70,10 +71,10 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(f"api server:        {api_server['host']}"
                      + (f": WARNING: {problem}" if problem else ""))
     for watch in source.get("api", []):
-        state = "connected" if watch["connected"] else "DISCONNECTED"
+        state = "connected" if watch["connected"] else watch.get("state", "disconnected").upper()
         if watch.get("watch_encoding"):  # a daemon before protobuf watches has none
             state += f" ({watch['watch_encoding']})"
-        lines.append(f"watch {watch['kind']:<13}{state}, resourceVersion "
+        lines.append(f"watch {watch['kind']:<14}{state}, resourceVersion "
                      f"{watch['resource_version'] or '-'}, {watch['events']} events, "
                      f"{watch['lists']} lists (last {watch['last_list_seconds']:.2f} s: "
                      f"server {watch['last_list_server_seconds']:.2f}, decode "
@@ -81,6 +82,11 @@ def format_status(s: dict[str, Any]) -> str:
                      f"{watch['errors']} errors"
                      + (f" (last: {watch['last_error']})" if watch["last_error"] else ""))
     return "\n".join(lines) + "\n"
+
+
+def api_problems(s: dict[str, Any]) -> list[str]:
+    """Why the API side is not well (a daemon before these were reported has none)."""
+    return list((s.get("source") or {}).get("problems") or ())
 
 
 def _endpoints(value: list[str] | None) -> str:

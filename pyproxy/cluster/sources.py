@@ -4,10 +4,12 @@ this point is the same code path."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +26,7 @@ from pyproxy.cluster.watch import (
     nodes_resource,
     service_cidrs_resource,
     services_resource,
+    watch_problems,
 )
 from pyproxy.core.model import ObjectKey, Skipped
 from pyproxy.core.wire import SliceDoc
@@ -223,3 +226,10 @@ class ApiSource:
 
     def status(self) -> list[WatchStatus]:
         return [r.status for r in self.reflectors]
+
+    def report(self, now: float | None = None) -> dict[str, Any]:
+        """For `pyproxy status`: each watch, and why the API side is not well (a watch
+        without an answer for longer than watch.DISCONNECTED_BOUND)."""
+        statuses = self.status()
+        return {"api": [dataclasses.asdict(s) for s in statuses],
+                "problems": watch_problems(statuses, time.time() if now is None else now)}

@@ -473,6 +473,17 @@ kubeadm's ConfigMap) to scrape it, knowing that the metrics describe the cluster
 
 {alerts}
 
+## The API connection
+
+Every request to the API server is counted as client-go counts kube-proxy's
+(`rest_client_requests_total`, `rest_client_request_duration_seconds`), and each watch's state
+is `pyproxy_watch_state`. A watch that has had no answer for more than **2 minutes** (twice the
+longest pause between tries, 30-60 s, so a server that is back has been tried again within it)
+makes `pyproxy status` exit 1 with a line `api watches: FAILING: watch KIND disconnected for N
+s …: REASON` (a 403's RBAC message, a TLS failure); the rules programmed before stay in place
+meanwhile, so /healthz does not fail for it. The log says the same at each try
+(`api_unavailable_retrying`, its `error` the reason whole, docs/logging.md).
+
 tests/test_metrics_reference.py checks every expression: each metric it selects is one the
 daemon exports, by the name Prometheus sees (`_total`, `_bucket`), each label it matches or
 groups by is one those series carry (or the scrape adds), `rate`/`increase` only over
