@@ -9,6 +9,7 @@ the names and labels Prometheus would store.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -161,3 +162,90 @@ def test_service_monitor_reaches_the_daemonsets_pods() -> None:
     assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     # The job label the alerts match is the Service's name (the Operator's default).
     assert service["metadata"]["name"] == "pyproxy-metrics"
+
+
+class Instant:
+    """One target's unlabelled series at one instant, for `evaluate`: a value, or None for an
+    empty result (no series, or filtered out by a comparison)."""
+
+    def __init__(self, value: float | None) -> None:
+        self.value = value
+
+    def _both(self, other: Instant | float) -> tuple[float | None, float | None]:
+        return self.value, other.value if isinstance(other, Instant) else other
+
+    def __sub__(self, other: Instant | float) -> Instant:
+        a, b = self._both(other)
+        return Instant(None if a is None or b is None else a - b)
+
+    def __rsub__(self, other: float) -> Instant:
+        return Instant(None if self.value is None else other - self.value)
+
+    def _filter(self, other: Instant | float, keep: Callable[[float, float], bool]) -> Instant:
+        a, b = self._both(other)
+        return Instant(a if a is not None and b is not None and keep(a, b) else None)
+
+    def __gt__(self, other: Instant | float) -> Instant:  # type: ignore[override]
+        return self._filter(other, lambda a, b: a > b)
+
+    def __eq__(self, other: object) -> Instant:  # type: ignore[override]
+        assert isinstance(other, (Instant, int, float))
+        return self._filter(other, lambda a, b: a == b)
+
+    def __and__(self, other: Instant) -> Instant:
+        return Instant(self.value if other.value is not None else None)
+
+    def __or__(self, other: Instant) -> Instant:
+        return self if self.value is not None else other
+
+
+def evaluate(expr: str, series: Mapping[str, float], now: float) -> float | None:
+    """An instant query over one target's unlabelled series (PromQL's `-`, `>`, `==`, `and`,
+    `or`, `time()`), for the rules that use only those: each selector is the series' value,
+    and `and`/`or` become Python's `&`/`|`, which bind tighter than PromQL's: the rule
+    parenthesizes each side of them (asserted)."""
+    for operator in (" and ", " or "):
+        for side in expr.split(operator)[1:]:
+            assert side.lstrip().startswith("("), f"parenthesize {side!r}"
+    text = expr.replace("time()", f"Instant({now!r})")
+    text = re.sub(r"([A-Za-z_:][\w:]*)\{[^}]*\}",
+                  lambda m: f"Instant(series.get({m.group(1)!r}))", text)
+    text = text.replace(" and ", " & ").replace(" or ", " | ")
+    result = eval(text, {"Instant": Instant, "series": series})  # the rule file, ours
+    return result.value if isinstance(result, Instant) else None
+
+
+def stalled_rule() -> str:
+    return next(rule["expr"] for rule in rules() if rule["alert"] == "PyproxySyncStalled")
+
+
+def fresh_daemon_series() -> dict[str, float]:
+    """What a daemon that has never listed exports: its Metrics as built, nothing observed."""
+    registry = Metrics().registry
+    names = ("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
+             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
+             "process_start_time_seconds")
+    return {name: registry.get_sample_value(name) or 0.0 for name in names}
+
+
+def test_the_stalled_sync_alert_fires_on_a_node_that_never_listed() -> None:
+    """Both sync timestamps of a daemon that never listed are 0: their difference alone (the
+    rule before) never fired, however long the API server refused it."""
+    series = fresh_daemon_series()
+    started = series["process_start_time_seconds"]
+    assert started > 0 and series["kubeproxy_sync_proxy_rules_last_timestamp_seconds"] == 0
+    assert evaluate(stalled_rule(), series, started + 300) == pytest.approx(300)
+    assert evaluate(stalled_rule(), series, started + 30) is None  # starting: not yet
+
+
+@pytest.mark.parametrize(("last_sync", "last_queued", "fires"), [
+    pytest.param(990.0, 995.0, False, id="synced 10 s ago, a change queued since: well"),
+    pytest.param(900.0, 980.0, True, id="a change waiting 80 s past the last sync"),
+    pytest.param(100.0, 50.0, False, id="nothing queued since a sync long ago: well"),
+])
+def test_the_stalled_sync_alert_on_a_node_that_synced(last_sync: float, last_queued: float,
+                                                      fires: bool) -> None:
+    series = {"kubeproxy_sync_proxy_rules_last_timestamp_seconds": last_sync,
+              "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds": last_queued,
+              "process_start_time_seconds": 10.0}
+    assert (evaluate(stalled_rule(), series, 1000.0) is not None) == fires
