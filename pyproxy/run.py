@@ -57,6 +57,7 @@ from pyproxy.kernel.host import MIN_KERNEL, Outcome, apply_host_settings, kernel
 from pyproxy.kernel.libnftables import OWN_SOCKETS
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.nlsets import KernelCounters, rule_packets
+from pyproxy.kernel.privileges import require_privileges
 from pyproxy.logs import setup_logging
 from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
@@ -507,6 +508,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     names, the servers' ports under bindAddressHardFail) and raises ConfigError: nothing on
     the host (sysctls, oom_score_adj, rules) changes before the configuration is usable."""
     setup_logging(config.logging_format, config.verbosity)
+    require_privileges()  # CAP_NET_ADMIN, or one clear error (kernel/privileges.py)
     if not config.snapshot and api_client is None:
         api_client = _client_for(apiconnection.load(config), config)
     for warning in config.unapplied:

@@ -32,6 +32,7 @@ from pyproxy.core.explain import conflict_text, explain_report, format_table
 from pyproxy.core.model import ClusterState, IPFamily, NodeConfig, ServiceKey, override_ips
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
+from pyproxy.kernel.privileges import MissingPrivilege
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.services import render_config
@@ -571,7 +572,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(fmt, cache=False)
     try:
         code: int = args.handler(args)
-    except (SnapshotError, NftError) as err:
+    except (SnapshotError, NftError, MissingPrivilege) as err:
         print(f"pyproxy: {err}", file=sys.stderr)
         return EXIT_ERROR
     except DebugError as err:
