@@ -283,9 +283,12 @@ class Daemon:
         livez, _, livez_body = self.http("/livez")
         livez_at = time.monotonic()
         node_port, _, port_body = self.http("/", f"{self.env.cluster.node_ip4}:{LB_HEALTH_PORT}")
-        return Health(asked, code, json.loads(body).get("reason", ""), livez,
-                      json.loads(livez_body).get("reason", ""), node_port,
-                      json.loads(port_body or b"{}").get("reason", ""), livez_at)
+        healthz, livez_json = json.loads(body), json.loads(livez_body)
+        return Health(asked, code, healthz.get("reason", ""), livez,
+                      livez_json.get("reason", ""), node_port,
+                      json.loads(port_body or b"{}").get("reason", ""), livez_at,
+                      healthz.get("tableReplaced", {}).get("reason", ""),
+                      livez_json.get("tableReplaced", {}).get("reason", ""))
 
     def metrics(self) -> str:
         return self.http("/metrics", METRICS)[2].decode()
@@ -314,6 +317,9 @@ class Health:
     # When /livez's answer arrived: the latest its verdict can have been made (/healthz's
     # round trip comes first, under load 0.1 s and more after `at`).
     livez_at: float = 0.0
+    # Why our table was last replaced whole, as /healthz and /livez say ("": never)
+    replaced: str = ""
+    livez_replaced: str = ""
 
 
 class HealthWatch:

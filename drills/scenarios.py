@@ -89,13 +89,17 @@ from drills.security import (
     unprivileged_connect,
 )
 from drills.tamper import (
+    CLASHES,
+    ELEMENTS,
     HANGING,
     TAMPERS,
     tamper,
 )
 
 __all__ = [
+    "CLASHES",
     "DOOMED",
+    "ELEMENTS",
     "FRESH",
     "GONE_LOG",
     "HANGING",

@@ -42,10 +42,21 @@ TAMPERS = {
     "element of map endpoints-tcp changed": [
         f"delete element ip pyproxy endpoints-tcp {{ {WEB} . 80 . 0 }}",
         f"add element ip pyproxy endpoints-tcp {{ {WEB} . 80 . 0 : {POD_C} . 8080 }}"],
+    # Clashes (issue 35, point 1): what no patch can turn into our table. Replaced whole by
+    # the repair itself: the first records no layout, the second ours but is refused.
+    "table ip pyproxy made anew, cluster-ips of another type": [
+        "delete table ip pyproxy", "add table ip pyproxy",
+        "add set ip pyproxy cluster-ips { type ipv4_addr . inet_service; }"],
+    "map service-ips redeclared as a set": [
+        "flush chain ip pyproxy services", "delete map ip pyproxy service-ips",
+        "add set ip pyproxy service-ips { type ipv4_addr . inet_proto . inet_service; }"],
 }
+CLASHES = ("table ip pyproxy made anew, cluster-ips of another type",
+           "map service-ips redeclared as a set")
 # Tampers after which a connection started meanwhile is left hanging, not refused: with the
 # table gone nothing rejects its SYN, which is routed on (to the ServiceCIDR's sink here).
 HANGING = ("table ip pyproxy deleted", "table ip6 pyproxy deleted")
+ELEMENTS = ("element of map service-ips deleted", "element of map endpoints-tcp changed")
 
 # On any real node something else uses conntrack (firewalld, Docker, the kubelet's rules, a
 # CNI). Without it, deleting our table leaves the namespace with no conntrack user at all:
@@ -145,6 +156,9 @@ def _one_tamper(env: Env, b: SnapshotBench, r: Result, label: str,
     after = daemon.health()
     r.check(after.healthz == 200 and after.node_port == 200,
             f"{label}: not healthy after the repair: {after}")
+    if label in CLASHES:
+        r.check(after.replaced.startswith("IPv4: ") and after.replaced == after.livez_replaced,
+                f"{label}: /healthz and /livez do not say the table was replaced: {after}")
     return tampered_wall, end
 
 

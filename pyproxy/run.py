@@ -166,6 +166,9 @@ class DaemonObserver:
         if record.cause is Cause.REPAIR:
             m.table_repairs.inc()
             self._after_repair(state)
+        for family, why in record.replaced:
+            m.table_replacements.labels(ip_family=family).inc()
+            self.health.table_replaced(f"{family}: {why}")
         failures = sum(p.applier.cleanup_failures for p in proxier.proxiers)
         m.cleanup_failures.inc(failures - self._cleanup_failures)
         self._cleanup_failures = failures

@@ -132,6 +132,10 @@ class FakeKernel:
         table = self.tables.get((family, "pyproxy"))
         return ([], []) if table is None else (list(table.chains), list(table.sets))
 
+    def table_comment(self, family: str) -> str | None:
+        table = self.tables.get((family, "pyproxy"))
+        return None if table is None else table.comment.strip('"')
+
     # --- for tests -----------------------------------------------------------------------
 
     def list_ruleset(self) -> str:
@@ -190,10 +194,11 @@ class FakeKernel:
     def _table(self, tables: dict[tuple[str, str], _Table], verb: str,
                where: tuple[str, str], rest: str) -> None:
         if verb == "add":
-            table = tables.setdefault(where, _Table())
-            comment = re.search(r'comment ("[^"]*")', rest)
-            if comment:
-                table.comment = comment[1]
+            # as the kernel: a comment is the table's from its creation on (an `add` of a
+            # table that exists leaves it as it was)
+            if where not in tables:
+                comment = re.search(r'comment ("[^"]*")', rest)
+                tables[where] = _Table(comment=comment[1] if comment else "")
         elif verb == "delete" and where in tables:
             del tables[where]
         elif verb == "flush" and where in tables:

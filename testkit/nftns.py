@@ -8,6 +8,7 @@ never touches its ruleset.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pyproxy.cluster.snapshot import build_state
@@ -17,6 +18,7 @@ from pyproxy.kernel.libnftables import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.inproc import call_in_netns
+from testkit.netlab import Netns
 
 
 def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS,
@@ -31,8 +33,11 @@ def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS,
         ctx.set_echo_output(False)
         return ctx
 
-    return LibNftables(context, sockets, netlink=(lambda: call_in_netns(netns, netlink_socket))
-                       if raw_elements else None)
+    def socket_in_netns() -> Any:
+        return call_in_netns(netns, netlink_socket)
+
+    return LibNftables(context, sockets, netlink=socket_in_netns if raw_elements else None,
+                       queries=socket_in_netns)
 
 
 class NodeProxy:
@@ -47,3 +52,17 @@ class NodeProxy:
         state = build_state(objects)
         assert not [s for s in state.skipped if s.invalid], state.skipped
         return [p.sync(state, plan=plan) for p in self.proxiers]
+
+
+def listing(ns: Netns, family: str = "ip") -> dict[str, Any]:
+    """Our table as JSON, normalised: no handles, set elements sorted."""
+    out = ns.run(["nft", "-j", "list", "table", family, "pyproxy"]).stdout
+    objects = []
+    for obj in json.loads(out)["nftables"]:
+        for kind in ("table", "chain", "rule", "set", "map"):
+            if kind in obj:
+                body = {k: v for k, v in obj[kind].items() if k != "handle"}
+                if "elem" in body:
+                    body["elem"] = sorted(json.dumps(e, sort_keys=True) for e in body["elem"])
+                objects.append(json.dumps({kind: body}, sort_keys=True))
+    return {"objects": sorted(objects)}

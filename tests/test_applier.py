@@ -156,8 +156,10 @@ def test_injected_faults_refuse_sync_transactions_and_then_stop() -> None:
     proxier, nft = synced()
     one = applier(proxier)
     assert pending_faults(one) == 0 and not isinstance(one.nft, FaultyKernel)
-    inject_faults(one, 2)
-    assert isinstance(one.nft, FaultyKernel) and pending_faults(one) == 2
+    # three: the partial sync's, then the full sync's and the table replacement it tries
+    # when the kernel refuses a full sync (kernel/nft.py)
+    inject_faults(one, 3)
+    assert isinstance(one.nft, FaultyKernel) and pending_faults(one) == 3
     before = nft.list_ruleset()
     proxier.on_service(("ns", "db"), svc("db", "10.96.0.20"))
     for _ in range(2):

@@ -227,7 +227,7 @@ def test_failed_syncs_are_counted_and_are_not_a_sync() -> None:
     observe(proxier, metrics)
     initialized(proxier)
     proxier.on_service(("ns", "web"), make_service("ns", "web"))
-    nft.fail_next = 1
+    nft.fail_next = 2  # the full sync, and the table replacement it then tries
     with pytest.raises(NftError):
         proxier.sync()
     assert value(metrics, "kubeproxy_sync_proxy_rules_nftables_sync_failures_total") == 1

@@ -7,7 +7,6 @@ libnftables would have added."""
 from __future__ import annotations
 
 import itertools
-import json
 import struct
 import threading
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
-from testkit.nftns import libnft_in
+from testkit.nftns import libnft_in, listing
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -56,20 +55,6 @@ def ns(lab: Lab) -> Iterator[Netns]:
     created = lab.add_ns(f"k{next(_ids)}")
     yield created
     lab.del_ns(created)
-
-
-def listing(ns: Netns, family: str = "ip") -> dict[str, Any]:
-    """The table as JSON, normalised: no handles, set elements sorted."""
-    out = ns.run(["nft", "-j", "list", "table", family, "pyproxy"]).stdout
-    objects = []
-    for obj in json.loads(out)["nftables"]:
-        for kind in ("table", "chain", "rule", "set", "map"):
-            if kind in obj:
-                body = {k: v for k, v in obj[kind].items() if k != "handle"}
-                if "elem" in body:
-                    body["elem"] = sorted(json.dumps(e, sort_keys=True) for e in body["elem"])
-                objects.append(json.dumps({kind: body}, sort_keys=True))
-    return {"objects": sorted(objects)}
 
 
 # --- random snapshots always load ------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 
-from pyproxy.kernel import nlelements
+from pyproxy.kernel import nlelements, nltable
 from pyproxy.render import staging
 from pyproxy.render.objects import TABLE
 from pyproxy.render.ruleset import Shape
@@ -174,12 +174,16 @@ class LibNftables:
 
     def __init__(self, factory: Callable[[], Any] = new_context,
                  sockets: OwnSockets = OWN_SOCKETS,
-                 netlink: Callable[[], socket.socket] | None = None) -> None:
+                 netlink: Callable[[], socket.socket] | None = None,
+                 queries: Callable[[], socket.socket] | None = None) -> None:
         self._factory = factory
         self._sockets = sockets
         if netlink is None and factory is new_context:
             netlink = nlelements.netlink_socket
         self._netlink = netlink() if netlink is not None else None
+        # Sockets for small reads (the table's comment), opened per read: the elements'
+        # socket may have a batch in flight on another thread.
+        self._queries = queries or netlink
         self._pipelined = False
         self._in_flight: _Commit | None = None
         self._nft = self._writer()
@@ -289,6 +293,14 @@ class LibNftables:
         rc, out, _ = ctx.cmd("list ruleset")
         return table_block(str(out), family) if rc == 0 else None
 
+
+    def table_comment(self, family: str) -> str | None:
+        """Our table's comment ("" without one), None when there is no table or no netlink
+        socket to ask with (a custom context factory given none)."""
+        if self._queries is None:
+            return None
+        with contextlib.closing(self._queries()) as sock:
+            return nltable.table_comment(sock, family, TABLE)
 
     def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
         """The elements of one set or map as nft prints them (None: no such set)."""

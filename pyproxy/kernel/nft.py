@@ -17,7 +17,7 @@ import structlog
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel.libnftables import LibNftables, NftError, listing_shape
 from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, Fragment, Kind, SetDecl, element_text
+from pyproxy.render.objects import TABLE, TABLE_COMMENT, Fragment, Kind, SetDecl, element_text
 from pyproxy.render.ruleset import (
     Change,
     Commands,
@@ -76,6 +76,10 @@ class Kernel(Protocol):
         """Names of our table's chains and of its sets and maps (empty: no table)."""
         ...
 
+    def table_comment(self, family: str) -> str | None:
+        """Our table's comment ("" without one; None: no table, or not known)."""
+        ...
+
 
 class FaultyKernel:
     """A kernel that refuses the next `fail_next` sync transactions before they reach
@@ -121,6 +125,16 @@ class FaultyKernel:
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         return self.inner.list_names(family)
 
+    def table_comment(self, family: str) -> str | None:
+        return self.inner.table_comment(family)
+
+
+def _refusal(error: str) -> str:
+    """nft's error and the command it names, on one line (without the caret line)."""
+    lines = [line.strip() for line in error.splitlines()
+             if line.strip() and not set(line.strip()) <= {"^", "~"}]
+    return ": ".join(lines[:2])
+
 
 def _only_chain_deletions(script: str) -> bool:
     return all(line.startswith("delete chain ") for line in script.splitlines() if line)
@@ -149,6 +163,7 @@ class SyncResult:
     script_bytes: int
     render_seconds: float = 0.0  # selection + rendering, filled in by the caller
     select_seconds: float = 0.0  # the part of render_seconds spent selecting endpoints
+    replaced: str | None = None  # why the table was replaced whole, when it was
 
     @property
     def full(self) -> bool:
@@ -181,6 +196,7 @@ class Applier:
     committed_structure: str | None = None
     structure_changed: bool = False
     cleanup_failures: int = 0  # stale chains that could not be deleted (a metric)
+    replacements: int = 0  # tables replaced whole (a metric)
     # A full sync of a store larger than this goes in transactions of at most this many
     # elements, made before break (pyproxy/render/staging.py): the memory peak of one huge
     # transaction was twice the daemon's steady size.
@@ -212,7 +228,10 @@ class Applier:
         # Before the commands are made: a full sync lists the kernel's chains and flushes
         # those nobody wants, so a chain deleted after the listing failed the whole sync.
         self._delete_stale_chains(t0)
-        cmds = self._commands(change)
+        # Another layout's table (an older or newer release's, or one made by hand) is not
+        # patched: what it holds under our names may not be what the names mean to us.
+        replaced = self._foreign_layout() if plan.full else None
+        cmds = self._commands(change, replace=replaced is not None)
         if change is None:
             # the listing found every chain nobody wants; keep their first-seen times
             self.stale_chains = {n: self.stale_chains.get(n, t0) for n in cmds.stale_chains}
@@ -223,17 +242,31 @@ class Applier:
                 if kind is Kind.CHAIN and value is not None:
                     self.stale_chains.pop(name, None)
         names = self.nft.list_names(self.family) if plan.full and len(self.state) > \
-            self.stage_chunk else None
+            self.stage_chunk and replaced is None else None
         staged = names is not None and staging.worth_staging(self.state, names[1],
                                                              self.stage_chunk)
         script = "" if staged else cmds.text()
         t1 = self.clock()
         try:
-            if staged:
-                assert names is not None
-                script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
-            elif script:
+            try:
+                if staged:
+                    assert names is not None
+                    script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
+                elif script:
+                    self.nft.run(script)
+            except NftError as err:
+                if not plan.full or replaced is not None:
+                    raise
+                # A full sync the kernel refused: what the table holds cannot be patched
+                # into ours (a set where a map was, another key type or flags, a base chain
+                # of another priority). Replaced whole, within this sync, so that nothing
+                # left in our table can keep a node without rules.
+                replaced = f"the kernel refused a full sync: {_refusal(str(err))}"
+                script = full_commands(self.family, self.state, replace=True).text()
+                self.nft.renew()  # the refused transaction may have left its cache wrong
                 self.nft.run(script)
+            if replaced is not None:
+                self._replaced(replaced)
         except NftError:
             # Forget stale chains: the next (full) sync finds them again.
             self.stale_chains.clear()
@@ -251,7 +284,23 @@ class Applier:
             # existing shared pick chain touches the chain's slot but not its value
             self.structure_changed = True
         touched = len(self.state) if change is None else change.touched()
-        return SyncResult(plan, script.count("\n"), touched, t1 - t0, t2 - t1, len(script))
+        return SyncResult(plan, script.count("\n"), touched, t1 - t0, t2 - t1, len(script),
+                          replaced=replaced)
+
+    def _foreign_layout(self) -> str | None:
+        """Why our table must be replaced rather than patched: it records another layout
+        than ours (None: it records ours, there is none, or the kernel cannot say)."""
+        found = self.nft.table_comment(self.family)
+        if found is None or found == TABLE_COMMENT:
+            return None
+        return f"the table records another layout: {found!r}" if found else \
+            "the table records no layout"
+
+    def _replaced(self, reason: str) -> None:
+        self.replacements += 1
+        self.stale_chains.clear()  # the new table has none
+        log.warning("table_replaced", family=self.family, reason=reason,
+                    layout=TABLE_COMMENT)
 
     def _run_staged(self, cmds: Commands, table_exists: bool) -> str:
         """The full sync as bounded transactions, each through a fresh context (one that
@@ -276,10 +325,13 @@ class Applier:
         self.nft.renew()
         return count + 1, transaction
 
-    def _commands(self, change: Change | None) -> Commands:
-        """The commands that apply `change`; None: every command of a full sync."""
+    def _commands(self, change: Change | None, replace: bool = False) -> Commands:
+        """The commands that apply `change`; None: every command of a full sync (`replace`:
+        one that deletes the table and writes it anew)."""
         if change is not None:
             return incremental_commands(self.family, change)
+        if replace:
+            return full_commands(self.family, self.state, replace=True)
         chains, sets = self.nft.list_names(self.family)
         return full_commands(self.family, self.state, chains, sets,
                              recreate_base_chains=not self.started and bool(chains))

@@ -11,6 +11,13 @@ from ipaddress import ip_address
 from typing import NamedTuple
 
 TABLE = "pyproxy"
+# The ruleset's layout, recorded in the table's comment. Raise it whenever a release names,
+# types or chains its objects otherwise: a pyproxy that finds another comment (an older or a
+# newer release's table, or one someone made by hand) replaces the table whole in one
+# transaction instead of patching it (CHANGELOG.md says which release changed it).
+# Layout 1 is every release before the version was recorded ("rules for pyproxy").
+LAYOUT_VERSION = 2
+TABLE_COMMENT = f"pyproxy ruleset layout {LAYOUT_VERSION}"
 PROTOCOLS = ("tcp", "udp", "sctp")
 
 # Static object names, kept together (as upstream does).

@@ -19,6 +19,7 @@ from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
     BASE_CHAINS,
     TABLE,
+    TABLE_COMMENT,
     ElementValue,
     Fragment,
     Item,
@@ -470,14 +471,23 @@ def incremental_commands(family: str, change: Change) -> Commands:
 def full_commands(
     family: str, state: DesiredState, existing_chains: Iterable[str] = (),
     existing_sets: Iterable[str] = (), recreate_base_chains: bool = False,
+    replace: bool = False,
 ) -> Commands:
     """Commands that make the table exactly the desired state whatever it holds now, in one
     transaction and without a moment without rules: containers are flushed and refilled,
     chains flushed and rewritten. Dynamic affinity sets are declared, never flushed, so
     affinity survives a restart. `existing_*` are the names the kernel has (from a terse
-    listing); those no longer desired are removed."""
+    listing); those no longer desired are removed. `replace`: the table is deleted and
+    written anew in the same transaction instead (make before break all the same: packets
+    see the old table until the commit, then the new one), for a table that cannot be
+    patched into ours (another layout's: a set where a map was, another key type, other
+    flags); what packets filled in (affinity, connection counters) is lost."""
     cmds = Commands(family)
-    cmds.declare.append(f"add table {family} {TABLE} {{ comment \"rules for pyproxy\"; }}")
+    if replace:
+        # declared first, so that the delete cannot fail on a table that is not there
+        cmds.declare += [f"add table {family} {TABLE}", f"delete table {family} {TABLE}"]
+        existing_chains, existing_sets, recreate_base_chains = (), (), False
+    cmds.declare.append(f"add table {family} {TABLE} {{ comment \"{TABLE_COMMENT}\"; }}")
     sets: dict[str, SetDecl] = {}
     chains: dict[str, str] = {}
     # No sorting of the (many) elements: their order in a command is irrelevant.

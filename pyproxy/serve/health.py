@@ -61,6 +61,9 @@ class ProxyHealth:
     node_known: bool = False
     damage: Callable[[], str | None] = lambda: None
     sync_error: str | None = None  # while syncs fail: the last one's error
+    # The last time our table was replaced whole (wall clock) and why: a node that went
+    # without rules for a while says so in both answers' bodies after it recovered.
+    replaced: tuple[float, str] | None = None
     _state: dict[IPFamily, FamilyHealth] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -90,6 +93,10 @@ class ProxyHealth:
         self.queued()
         with self._lock:
             self.sync_error = error.strip().splitlines()[0] if error.strip() else error
+
+    def table_replaced(self, reason: str) -> None:
+        with self._lock:
+            self.replaced = (self.wall_clock(), reason)
 
     def updated(self, families: Iterable[IPFamily] | None = None) -> None:
         now = self.wall_clock()
@@ -146,6 +153,7 @@ class ProxyHealth:
             statuses = {str(f): (self.family_healthy(f), self._state[f].last_updated)
                         for f in sorted(self._state, key=str)}
             eligible = node_is_eligible(self.node)
+            replaced = self.replaced
         healthy = problem is None
         ok = healthy and (eligible or not with_node)
         last = max((ts for _, ts in statuses.values()), default=now)
@@ -161,6 +169,8 @@ class ProxyHealth:
                           for name, (fam_ok, ts) in statuses.items()}
         if problem is not None:
             body["reason"] = problem  # pyproxy's: not in kube-proxy's answer
+        if replaced is not None:  # pyproxy's too
+            body["tableReplaced"] = {"time": _rfc3339(replaced[0]), "reason": replaced[1]}
         return (200 if ok else 503), body
 
 

@@ -137,6 +137,11 @@ SPECS: tuple[MetricSpec, ...] = (
                "Changes to pyproxy's tables made by someone else, repaired",
                "someone else changed pyproxy's tables (nft, a firewall reload) and pyproxy "
                "repaired them; while one is unrepaired /healthz answers 503"),
+    MetricSpec("pyproxy_table_replacements_total", "counter",
+               "pyproxy's tables replaced whole",
+               "pyproxy's table deleted and written anew in one transaction (make before "
+               "break), because it recorded another layout or a full sync could not patch "
+               "it; the log's table_replaced says why", labels=("ip_family",)),
     MetricSpec("pyproxy_api_server_via_service_address", "gauge",
                "1 if the API server address pyproxy uses is a Service ClusterIP, or in a "
                "service CIDR, which a node without proxy rules cannot reach",
@@ -260,6 +265,7 @@ class Metrics:
         self.invalid_objects = _counter(r, "pyproxy_invalid_objects_total")
         self.sync_phase = _histogram(r, "pyproxy_sync_phase_duration_seconds")
         self.table_repairs = _counter(r, "pyproxy_table_repairs_total")
+        self.table_replacements = _counter(r, "pyproxy_table_replacements_total")
         # 1 while the API server is reached through a Service address (the bootstrap trap:
         # that address works only while some proxy's rules for it are in the kernel).
         self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")

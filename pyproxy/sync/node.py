@@ -50,6 +50,9 @@ class SyncRecord:
     kernel_seconds: float
     commands: int
     error: str | None = None
+    # (family, why) of each table this sync replaced whole (kernel/nft.py: another layout's
+    # table, or one a full sync could not patch)
+    replaced: tuple[tuple[str, str], ...] = ()
     # Wall clock when the sync returned: its kernel work answered and its housekeeping done
     # (0: not known). `seconds` counts the three parts only; this ends everything.
     finished: float = 0.0
@@ -303,6 +306,9 @@ class NodeProxier:
             kernel_seconds=sum(r.kernel_seconds for r in results),
             commands=sum(r.commands for r in results),
             error=error,
+            replaced=tuple((str(proxier.family), r.replaced)
+                           for proxier, r in zip(self.proxiers, results, strict=False)
+                           if r.replaced),
             finished=self.wall_clock(),
         )
         self.history.append(record)
