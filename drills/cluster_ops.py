@@ -26,7 +26,7 @@ running and their failed connections counted (the goal is 0 for each).
   while pyproxy's DaemonSet rolls.
 
 The figures go to bench/results/cluster-drills-COMMIT.json (the commit checked out; a run of
-a selection, `--only X`, to cluster-drills-X-COMMIT.json), as the benchmarks' do: the README
+a selection, `--only X`, to cluster-drills-X-COMMIT.json), as the benchmarks' do: docs/lab.md
 cites that file.
 """
 

@@ -110,7 +110,7 @@ KEY_JUNK_CHARS = ['"', "'", "{", "}", ";", "#", " ", "%", "@", "$", "`", "é", "
 def junk_key(char: str, tail: str) -> str:
     """A topology-keys annotation whose second key holds `char`. Whitespace is junk only
     inside a key: the annotation is a comma-separated list and the whitespace around a key is
-    ignored (README), so "kubernetes.io/hostname,k " is the valid key "k". The oracle once
+    ignored (docs/services.md), so "kubernetes.io/hostname,k " is the valid key "k". The oracle once
     called it broken and pyproxy rightly programmed it (ns9/cache-0-604, `make chaos` run 4
     of issue 31, docs/drills.md)."""
     if char.isspace() and not tail:

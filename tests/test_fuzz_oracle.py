@@ -37,7 +37,7 @@ def _with_keys(keys: str) -> dict[str, Any]:
 
 
 def test_whitespace_around_a_topology_key_is_no_fault() -> None:
-    # The annotation is comma-separated; spaces around a key are ignored (README).
+    # The annotation is comma-separated; spaces around a key are ignored (docs/services.md).
     ports = convert_service(RUN_4_SERVICE)
     assert isinstance(ports, tuple) and len(ports) == 2, ports
     assert {p.topology_keys for p in ports} == {("kubernetes.io/hostname", "k")}

@@ -1,8 +1,8 @@
-"""The daemon's memory figures are quoted in four places: the README's "The daemon" table,
-docs/deploying.md's "Sizing", and the comment on the memory limit of both DaemonSets
-(manifests/ and manifests/kubeadm/). They have disagreed before. Their one source is the
-`make bench-daemon` results the README and "Sizing" cite (bench/results/daemon-*.json, one
-file per size): every figure quoted is checked against it."""
+"""The daemon's memory figures are quoted in four places: docs/performance.md's daemon table
+(the README's until issue 36), docs/deploying.md's "Sizing", and the comment on the memory
+limit of both DaemonSets (manifests/ and manifests/kubeadm/). They have disagreed before.
+Their one source is the `make bench-daemon` results the daemon table and "Sizing" cite
+(bench/results/daemon-*.json, one file per size): every figure quoted is checked against it."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def _section(path: str, heading: str) -> str:
     return "\n".join(lines[start:])
 
 
-def readme_performance() -> str:
-    return _section("README.md", "## Performance")
+def daemon_table() -> str:
+    return _section("docs/performance.md", "## The daemon: `make bench-daemon`")
 
 
 def sizing() -> str:
@@ -44,8 +44,8 @@ def sizing() -> str:
 def source() -> dict[tuple[int, int], dict[str, Any]]:
     """(services, endpoints) -> that size's record in the results files cited (one file per
     size: two cited runs of one size would leave the figures without one source)."""
-    cited = sorted(set(RESULTS.findall(readme_performance())) | set(RESULTS.findall(sizing())))
-    assert cited, "the README and docs/deploying.md cite no bench/results/daemon-*.json"
+    cited = sorted(set(RESULTS.findall(daemon_table())) | set(RESULTS.findall(sizing())))
+    assert cited, "docs/performance.md and docs/deploying.md cite no bench/results/daemon-*.json"
     records: dict[tuple[int, int], dict[str, Any]] = {}
     origin: dict[tuple[int, int], str] = {}
     for path in cited:
@@ -76,9 +76,9 @@ def _count(text: str) -> int:
     return int(text.replace(",", "").replace("k", "000"))
 
 
-def test_the_readme_daemon_table_quotes_the_results_it_cites() -> None:
+def test_the_daemon_table_quotes_the_results_it_cites() -> None:
     figures = source()
-    lines = readme_performance().splitlines()
+    lines = daemon_table().splitlines()
     row = next(i for i, line in enumerate(lines)
                if line.startswith("| resident after the first sync |"))
     header = next(lines[i] for i in range(row, 0, -1) if lines[i + 1].startswith("|---"))

@@ -171,7 +171,7 @@ SPECS: tuple[MetricSpec, ...] = (
                "the kernel; scope: where the endpoint runs relative to this node (node, zone, "
                "cluster)",
                "new connections per endpoint, counted by the kernel, read at scrape time "
-               "(README, \"New connections per endpoint\")",
+               "(docs/operating.md, \"New connections per endpoint\")",
                labels=Series._fields),
     MetricSpec("kubeproxy_nftables_localhost_nodeport_listeners", "gauge",
                "Number of active localhost NodePort userspace proxy listeners.",
