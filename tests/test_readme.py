@@ -80,20 +80,24 @@ def test_the_one_table_is_docs_performance_table() -> None:
     assert doc[start:start + len(readme)] == readme
 
 
-def _console_blocks() -> list[tuple[str, str]]:
-    """(command, output) of each ```console block of the README."""
-    text = README.read_text(encoding="utf-8")
-    blocks = re.findall(r"^```console\n\$ (.*?)\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
-    assert blocks, "the tour shows no command"
+def _console_blocks(path: Path) -> list[tuple[str, str]]:
+    """(command, output) of each ```console block of a page that runs pyproxy offline (`-f`)."""
+    text = path.read_text(encoding="utf-8")
+    blocks = re.findall(r"^```console\n\$ (pyproxy .*? -f .*?)\n(.*?)^```$", text,
+                        re.MULTILINE | re.DOTALL)
+    assert blocks, f"{path.name} shows no offline command"
     return blocks
 
 
-@pytest.mark.parametrize(("command", "shown"), _console_blocks(),
-                         ids=lambda value: value.split(" -f ")[0] if " -f " in value else "")
+@pytest.mark.parametrize(("command", "shown"), [
+    pytest.param(command, shown, id=f"{page}: {command.split(' -f ')[0]}")
+    for page in ("README.md", "docs/operating.md")
+    for command, shown in _console_blocks(ROOT / page)])
 def test_the_tour_shows_the_real_output(command: str, shown: str, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    """Each command of the tour, run offline from the repository root, prints what the README
-    shows (its stderr first: a skipped object is said before the answer)."""
+    """Each offline command the README's tour (and docs/operating.md) shows, run from the
+    repository root, prints what the page shows (its stderr first: a skipped object is said
+    before the answer)."""
     argv = shlex.split(command)
     assert argv[0] == "pyproxy"
     monkeypatch.chdir(ROOT)
