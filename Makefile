@@ -188,7 +188,8 @@ install:
 	  "$$root/bin/python" -m compileall -q -s "$(DESTDIR)" "$$site"; \
 	fi; \
 	install -d -m 0755 "$$root/share/doc/pyproxy"; \
-	install -m 0644 docs/deploying.md docs/configuration.md docs/metrics.md "$$root/share/doc/pyproxy/"; \
+	install -m 0644 docs/deploying.md docs/operating.md docs/services.md docs/configuration.md \
+	  docs/metrics.md "$$root/share/doc/pyproxy/"; \
 	echo "unit $(DESTDIR)$(UNITDIR)/pyproxy.service"; \
 	install -d -m 0755 "$(DESTDIR)$(UNITDIR)"; \
 	sed -e "s|/opt/pyproxy|$(PREFIX)|g" -e "s|/etc/pyproxy|$(SYSCONFDIR)|g" \

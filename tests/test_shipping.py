@@ -987,7 +987,8 @@ def test_make_install_and_uninstall_round_trip(tmp_path: Path) -> None:
     assert unit.read_text() == (SYSTEMD / "pyproxy.service").read_text()
     assert (dest / "etc/pyproxy/config.yaml").read_text() == "# mine\n"
     assert (dest / "etc/pyproxy/pyproxy.env").read_text() == (SYSTEMD / "pyproxy.env").read_text()
-    assert (venv / "share/doc/pyproxy/deploying.md").exists()
+    for doc in ("deploying.md", "operating.md", "services.md", "configuration.md", "metrics.md"):
+        assert (venv / "share/doc/pyproxy" / doc).exists(), doc
 
     gone = _make("uninstall", f"DESTDIR={dest}", env=env)
     assert gone.returncode == 0, gone.stdout + gone.stderr
