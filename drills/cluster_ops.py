@@ -56,12 +56,14 @@ from testkit.cluster import (
     ProbeReport,
     RealCluster,
     Target,
+    deploy_kube_proxy,
     is_failure,
     netexec,
+    node_tables,
     running_cluster,
     service,
 )
-from testkit.controlplane import API_IP, wait_for
+from testkit.controlplane import wait_for
 from testkit.inproc import call_in_netns, http_probe
 from testkit.netlab import NETNS_USABLE
 
@@ -235,30 +237,11 @@ def node_reboot(cluster: RealCluster) -> OpResult:
     return timed("node-reboot", body)
 
 
-def node_tables(node: Any) -> str:
-    return " ".join(line.split(None, 1)[1] for line in
-                    node.run(["nft", "list", "tables"]).stdout.splitlines() if line.strip())
-
-
 def _answers(netns: str, ip: str, port: int) -> bool:
     return not any(is_failure(o) for o in http_probe(netns, ip, port, 1, 2.0))
 
 
 # -- kube-proxy and the migration -------------------------------------------------------------
-
-
-def deploy_kube_proxy(cluster: RealCluster) -> None:
-    """kube-proxy as kubeadm deploys it (its ConfigMap with config.conf and kubeconfig.conf,
-    privileged DaemonSet), nftables mode, the image built here."""
-    from testkit import images as built
-
-    text = (Path(__file__).resolve().parent.parent / "testkit" / "cluster_manifests"
-            / "kube-proxy.yaml").read_text()
-    cluster.kubectl("apply", "-f", "-", input=text.replace("KUBE_PROXY_IMAGE", built.KUBE_PROXY)
-                    .replace("API_SERVER", f"https://{API_IP}:6443"))
-    cluster.rollout("daemonset", "kube-proxy")
-    wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
-             "kube-proxy's table on every node")
 
 
 def pyproxy_synced(cluster: RealCluster) -> bool:

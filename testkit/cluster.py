@@ -790,6 +790,26 @@ class RealCluster:
             node.close()
 
 
+def node_tables(node: Any) -> str:
+    """`FAMILY NAME` of each nftables table in a node's namespace, space-separated."""
+    return " ".join(line.split(None, 1)[1] for line in
+                    node.run(["nft", "list", "tables"]).stdout.splitlines() if line.strip())
+
+
+def deploy_kube_proxy(cluster: RealCluster) -> None:
+    """kube-proxy as kubeadm deploys it (its ConfigMap with config.conf and kubeconfig.conf,
+    privileged DaemonSet), nftables mode, the image built here: the other proxy of the
+    drills and of the conformance runs."""
+    from testkit import images as built
+
+    text = (Path(__file__).resolve().parent / "cluster_manifests" / "kube-proxy.yaml").read_text()
+    cluster.kubectl("apply", "-f", "-", input=text.replace("KUBE_PROXY_IMAGE", built.KUBE_PROXY)
+                    .replace("API_SERVER", f"https://{API_IP}:6443"))
+    cluster.rollout("daemonset", "kube-proxy")
+    wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
+             "kube-proxy's table on every node")
+
+
 @contextlib.contextmanager
 def running_cluster(nodes: int = 2, *, with_pyproxy: bool = True, prefix: str | None = None,
                     before_teardown: Callable[[], None] | None = None,

@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from testkit.cluster import RealCluster, running_cluster
+from testkit.cluster import RealCluster, deploy_kube_proxy, node_tables, running_cluster
 from testkit.controlplane import (
     API_IP,
     binaries_dir,
@@ -205,19 +205,17 @@ def read_junit(path: Path) -> list[Case]:
 @contextlib.contextmanager
 def cluster_with(proxy: str, nodes: int) -> Iterator[RealCluster]:
     """A fresh cluster with one proxy: pyproxy's DaemonSet, or kube-proxy's alone."""
-    from drills import cluster_ops as ops
-
     with running_cluster(nodes, with_pyproxy=proxy == "pyproxy",
                          control_plane_node=True, mirror=True) as cluster:
         if proxy == "kube-proxy":
-            ops.deploy_kube_proxy(cluster)
+            deploy_kube_proxy(cluster)
             cluster.rollout("deployment", "coredns")
         # The DaemonSet's pod on the control plane's node has programmed it: kube-apiserver
         # reaches webhooks and aggregated APIs at their ClusterIP through it.
         control_plane = cluster.control_plane
         assert control_plane is not None
         table = "kube-proxy" if proxy == "kube-proxy" else "pyproxy"
-        wait_for(lambda: table in ops.node_tables(control_plane).split(), 120,
+        wait_for(lambda: table in node_tables(control_plane).split(), 120,
                  f"{proxy}'s table on the control plane's node")
         yield cluster
 
