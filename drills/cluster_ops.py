@@ -40,6 +40,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -51,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from pyproxy.render.objects import TABLE_COMMENT
 from testkit.cluster import (
     Prober,
     ProbeReport,
@@ -154,6 +156,74 @@ def rolling_update(cluster: RealCluster, tag: str = "rolled") -> OpResult:
         result.report = prober.report
         cluster.pyproxy_image = image
     return timed("rolling-update", body)
+
+
+# The release the version drill rolls between this commit and: the last commit whose table
+# lacks the localhost NodePort objects (beb887c added `localhost-nodeport-reject-ports` and its
+# three chains) and records no layout (the table comment came with layout 2), so that each
+# way the proxy meets a table written by another layout: upgrading, it replaces the table
+# whole; downgrading, the older code patches it (its full sync deletes the objects it does
+# not know).
+OLDER_RELEASE = "7e27371"
+
+
+def older_image(commit: str = OLDER_RELEASE) -> tuple[str, Path]:
+    """(name, archive) of pyproxy's image at `commit`, built by that commit's own recipe
+    (its testkit, its Containerfile) from a temporary worktree, cached like every image."""
+    name = f"localhost/pyproxy:{commit}"
+    with tempfile.TemporaryDirectory(prefix="pyproxy-older-") as tmp:
+        tree = Path(tmp) / "src"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree),
+                        commit], check=True, capture_output=True)
+        try:
+            out = subprocess.run(
+                [sys.executable, "-m", "testkit.images", "--pyproxy-tag", name, "pyproxy"],
+                cwd=tree, check=True, capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": str(tree)}).stdout
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                            str(tree)], check=False, capture_output=True)
+    path = next(line.split(None, 1)[1] for line in out.splitlines()
+                if line.startswith(name + " "))
+    return name, Path(path)
+
+
+def version_roll(cluster: RealCluster) -> OpResult:
+    """This commit → the older release → this commit → the older release → this commit, each
+    a rolling update of the DaemonSet, with clients on every node and outside counting
+    failures throughout; every node's table checked after each step (the layout comment
+    this commit writes, or the older layout's objects)."""
+    def body(result: OpResult) -> None:
+        current = cluster.pyproxy_image
+        older, archive = older_image()
+        for node in cluster.nodes:
+            node.import_images([archive])
+        with Prober(targets(cluster)) as prober:
+            for step, image in enumerate((older, current, older, current), 1):
+                started = time.monotonic()
+                cluster.kubectl("-n", "kube-system", "set", "image", "daemonset/pyproxy",
+                                f"pyproxy={image}")
+                cluster.rollout("daemonset", "pyproxy")
+                wait_for(lambda image=image: _layouts_as(cluster, image == current), 60,
+                         f"every node's table as {image} writes it")
+                result.figures[f"step {step} ({'up' if image == current else 'down'}) s"] = \
+                    time.monotonic() - started
+                prober.settle(3.0)
+        result.report = prober.report
+        cluster.pyproxy_image = current
+    return timed("version-roll", body)
+
+
+def _layouts_as(cluster: RealCluster, current: bool) -> bool:
+    """Every node's table as this commit writes it (`current`) or as the older release does:
+    the localhost NodePort map is this layout's and not the older one's."""
+    for node in cluster.nodes:
+        listing = node.run(["nft", "list", "table", "ip", "pyproxy"], check=False).stdout
+        if ("localhost-nodeport-reject-ports" in listing) != current:
+            return False
+        if current and TABLE_COMMENT not in listing:
+            return False
+    return True
 
 
 def container_killed(cluster: RealCluster) -> OpResult:
@@ -515,6 +585,7 @@ def lb_drain(cluster: RealCluster) -> OpResult:
 
 OPERATIONS: list[tuple[str, Callable[[RealCluster], OpResult]]] = [
     ("rolling-update", rolling_update),
+    ("version-roll", version_roll),
     ("container-killed", container_killed),
     ("apiserver-restart", apiserver_restart),
     ("node-reboot", node_reboot),
