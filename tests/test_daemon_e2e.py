@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -238,3 +240,51 @@ def test_api_mode_without_the_service_cidr_api(cluster: Cluster, tmp_path: Path)
             cleanup_tables(cluster)
         log = (cluster.lab.workdir / "pyproxy-no-cidrs.log").read_text()
         assert "api_unavailable_retrying" not in log, log
+
+
+# --- A refused API connection ----------------------------------------------------------------
+
+
+def scrape(cluster: Cluster) -> str:
+    """The daemon's /metrics, from inside the node namespace."""
+    def get() -> str:
+        with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=5) as answer:
+            return str(answer.read().decode())
+    return call_in_netns(cluster.node.full, get)
+
+
+def test_api_mode_refused_by_rbac_says_why(cluster: Cluster, emulator: ApiEmulator,
+                                           tmp_path: Path) -> None:
+    """Every request refused with RBAC's 403 from the start: the log gives RBAC's message
+    whole, /metrics counts the 403s as client-go does and has each watch disconnected; once
+    served, the node is programmed and the watches are connected."""
+    emulator.forbid("system:serviceaccount:kube-system:pyproxy")
+    sock = str(tmp_path / "debug.sock")
+    kubeconfig = emulator.write_kubeconfig(tmp_path / "kubeconfig")
+    for obj in objects(cluster, ["pod-a"]):
+        emulator.create(obj["kind"], obj)
+    daemon = start_daemon(cluster, "--kubeconfig", str(kubeconfig), "--debug-socket", sock,
+                          name="pyproxy-forbidden")
+    log_file = cluster.lab.workdir / "pyproxy-forbidden.log"
+    host = f'host="127.0.0.1:{emulator.port}"'
+    try:
+        message = ('error="403 Forbidden: services is forbidden: User \\"system:serviceaccount:'
+                   'kube-system:pyproxy\\" cannot list resource \\"services\\" in API group '
+                   '\\"\\" at the cluster scope"')
+        eventually(lambda: message in log_file.read_text(), what="RBAC's message in the log")
+        metrics = scrape(cluster)
+        assert re.search(rf'^rest_client_requests_total{{code="403",host="127.0.0.1:'
+                         rf'{emulator.port}",method="GET"}} [1-9]', metrics, re.MULTILINE), metrics
+        assert ('pyproxy_watch_state{resource="Service",state="disconnected"} 1.0'
+                in metrics), metrics
+        emulator.forbid(None)
+        eventually(lambda: backends(cluster) == {"pod-a"}, timeout=60, what="served again")
+        metrics = scrape(cluster)
+        assert 'pyproxy_watch_state{resource="Service",state="connected"} 1.0' in metrics
+        assert re.search(rf'^rest_client_request_duration_seconds_count{{{host},verb="GET"}} '
+                         r'[1-9]', metrics, re.MULTILINE), metrics
+        assert all(watch["state"] == "connected"
+                   for watch in synced(sock)["source"]["api"]), synced(sock)
+    finally:
+        stop_daemon(cluster, daemon)
+        cleanup_tables(cluster)
