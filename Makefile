@@ -42,7 +42,7 @@ venv: deps $(BIN)/pyproxy
 	  [ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"
 
 lint: venv
-	$(BIN)/ruff check pyproxy testkit tests drills demo bench
+	$(BIN)/ruff check setup.py pyproxy testkit tests drills demo bench
 	$(BIN)/mypy
 
 unit: venv

@@ -47,7 +47,7 @@ from pyproxy.sync.proxier import (
     node_families,
     script_of,
 )
-from pyproxy.version import version
+from pyproxy.version import commit, describe, version
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pyproxy",
         description="A Kubernetes service proxy for nftables, and the tools to see into it.",
     )
-    parser.add_argument("--version", action="version", version=f"pyproxy {version()}")
+    parser.add_argument("--version", action=_VersionAction)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     explain = commands.add_parser(
@@ -130,15 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
             "(minSyncPeriod). Stops on SIGTERM/SIGINT and leaves the rules in place."),
     )
     add_flags(run)
-    run.add_argument("--version", action="version", version=f"pyproxy {version()}",
-                     help="print the version and exit (as kube-proxy's --version)")
+    run.add_argument("--version", action=_VersionAction,
+                     help="print the version and the commit, and exit (as kube-proxy's "
+                          "--version)")
     run.set_defaults(handler=_cmd_run)
 
     _config_commands(commands)
 
     version_cmd = commands.add_parser(
-        "version", help="print pyproxy's version", description="Print pyproxy's version "
-        "(the package's, which the image is labelled with) and Python's.")
+        "version", help="print pyproxy's version and the commit it was built from",
+        description="Print pyproxy's version (the package's, which the image is labelled "
+        "with), the git commit it was built from (\"unknown\" when the build did not "
+        "record one) and Python's.")
     version_cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
     version_cmd.set_defaults(handler=_cmd_version)
 
@@ -151,11 +154,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _VersionAction(argparse.Action):
+    """--version: the version and the commit, found only when asked (finding the commit may
+    run git, which every other command can do without)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 help: str = "print the version and the commit, and exit") -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(describe())
+        parser.exit()
+
+
 def _cmd_version(args: argparse.Namespace) -> int:
     if args.output == "json":
-        _print_json({"version": version(), "python": platform.python_version()})
+        _print_json({"version": version(), "commit": commit(),
+                     "python": platform.python_version()})
     else:
-        print(f"pyproxy {version()} (Python {platform.python_version()})")
+        print(f"pyproxy {version()} (commit {commit()}, Python {platform.python_version()})")
     return EXIT_OK
 
 
