@@ -59,6 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pyproxy import version as pyproxy_version
+
 REPO = Path(__file__).resolve().parent.parent
 K8S_MODULE_DIR = REPO / "e2e" / "k8s"
 BUILD_SCRIPT = K8S_MODULE_DIR / "build.sh"
@@ -927,7 +929,13 @@ def _build_kube_proxy(out: Path) -> None:
 # pyproxy -------------------------------------------------------------------------------------
 
 # What the Containerfile COPYs: the build context holds these and a wheelhouse, nothing else.
-CONTEXT_FILES = ("pyproject.toml", "README.md", "requirements.lock", "pyproxy")
+CONTEXT_FILES = ("pyproject.toml", "setup.py", "README.md", "requirements.lock", "pyproxy")
+
+
+def source_commit() -> str:
+    """The commit the image is built from, "-dirty" when the checkout's tracked files differ
+    from it; "" outside a git checkout (the image then says "unknown")."""
+    return pyproxy_version.git_commit(REPO) or ""
 
 
 def _context_files() -> list[Path]:
@@ -1036,8 +1044,14 @@ def build_pyproxy(out: Path, tag: str = PYPROXY) -> None:
         start = time.monotonic()
         # chroot isolation: no nested user namespaces or cgroups needed (and this machine's
         # cgroups are v1); host network: apt reaches Debian's archive as the host does.
+        commit = source_commit()
+        # The Containerfile's labels cannot read pyproject.toml: the version and the commit
+        # are labelled here (OCI's annotation keys), the commit also recorded in the package.
+        labels = [f"org.opencontainers.image.version={VERSION}",
+                  *([f"org.opencontainers.image.revision={commit}"] if commit else [])]
         run("buildah", "bud", "--isolation=chroot", "--network=host", "--pull=never", "--force-rm",
-            "--layers", "--build-arg", f"VERSION={VERSION}", "--build-arg", "WHEELS=wheels",
+            "--layers", "--build-arg", "WHEELS=wheels", "--build-arg", f"REVISION={commit}",
+            *(arg for label in labels for arg in ("--label", label)),
             "-f", CONTAINERFILE, "-t", tag,
             context)
         log(f"buildah bud: {time.monotonic() - start:.0f} s")
@@ -1048,8 +1062,11 @@ def build_pyproxy(out: Path, tag: str = PYPROXY) -> None:
 
 
 def _pyproxy_recipe(tag: str) -> Recipe:
+    # The commit is an input: the image records it (`pyproxy version`), so an archive built
+    # at another commit, even of the same files, is not this commit's image.
     return Recipe(tag, "pyproxy",
-                  lambda: [tag, VERSION, CONTAINERFILE, REPO / "requirements.lock",
+                  lambda: [tag, VERSION, source_commit(), CONTAINERFILE,
+                           REPO / "requirements.lock",
                            *(str(p.relative_to(REPO)) for p in _context_files()),
                            *_context_files()],
                   lambda out: build_pyproxy(out, tag),

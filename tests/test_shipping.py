@@ -712,7 +712,8 @@ def test_containerfile() -> None:
     assert """sysconfig.get_paths()["purelib"]""" in run
     copied = [args.split()[:-1] for op, args in instructions if op == "COPY"]
     sources = {source for sources in copied for source in sources}
-    assert sources == {"requirements.lock", "pyproject.toml", "README.md", "pyproxy"}
+    assert sources == {"requirements.lock", "pyproject.toml", "setup.py", "README.md",
+                       "pyproxy"}
     # The wheels are mounted where pip installs (no layer keeps them); without build arguments
     # the mount is the lock (a file every context has), and pip goes to the index; the
     # offline configuration never stays in the image.
@@ -723,11 +724,15 @@ def test_containerfile() -> None:
     assert all(args.startswith("--mount=type=bind,source=${WHEELS},target=/tmp/wheels ")
                for args in mounted)
     assert "rm -rf /src /opt/pyproxy/pip.conf" in run
-    # The version label is pyproject's, through the build argument make passes, and checked
-    # against the installed package's at build time.
-    assert 'org.opencontainers.image.version="${VERSION}"' in everything
-    assert ("VERSION" in [args for op, args in instructions if op == "ARG"])
-    assert 'test "$(/opt/pyproxy/bin/pyproxy --version)" = "pyproxy ${VERSION}"' in run
+    # `docker build .` needs no build argument: every one has a default. The commit comes in
+    # only through REVISION (the package records it); the version is the package's own.
+    args = [args for op, args in instructions if op == "ARG"]
+    assert all("=" in arg for arg in args), args
+    assert "REVISION=" in args
+    assert 'PYPROXY_COMMIT="${REVISION}" /opt/pyproxy/bin/pip install --no-deps /src' in run
+    # No version argument to forget: `make image` labels the version, from pyproject.toml.
+    assert "${VERSION}" not in everything and not [a for a in args if a.startswith("VERSION")]
+    assert "/opt/pyproxy/bin/pyproxy --version" in run
     entry = dict(instructions)
     assert entry["ENTRYPOINT"] == '["pyproxy"]'
     assert entry["USER"] == "0:0"
@@ -735,7 +740,7 @@ def test_containerfile() -> None:
 
 def test_one_version_everywhere() -> None:
     """pyproject's version is the package's (`pyproxy --version`, `pyproxy version`), the
-    image's tag and, through the builder's build argument, its label."""
+    image's tag and, through the builder's --label, its label."""
     from testkit import images
 
     for argv in (["--version"], ["version"]):
@@ -815,8 +820,11 @@ def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 def test_image_is_built_from_a_minimal_context(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The Containerfile is built by buildah in chroot isolation with the host's network, on
-    the base buildah has, from a context holding only what the image needs and the wheels;
-    the image comes out as an OCI archive named for containerd, and its path is printed."""
+    the base buildah has, from a context holding only what the image needs and the wheels,
+    given the checkout's commit to record and to label with beside pyproject's version; the
+    image comes out as an OCI archive named for containerd, and its path is printed."""
+    from testkit import images
+
     result, log = _build_image(tmp_path, monkeypatch)
     assert result.returncode == 0, result.stdout + result.stderr
     (bud,) = [line.split() for line in log.read_text().splitlines() if line.startswith("bud")]
@@ -824,11 +832,17 @@ def test_image_is_built_from_a_minimal_context(tmp_path: Path,
     assert bud[bud.index("-f") + 1] == str(ROOT / "Containerfile")
     assert bud[bud.index("-t") + 1] == "registry.example/pyproxy:9"
     build_args = [bud[i + 1] for i, arg in enumerate(bud) if arg == "--build-arg"]
-    assert build_args == [f"VERSION={VERSION}", "WHEELS=wheels"]
+    commit = images.source_commit()
+    assert commit  # the suite runs from a checkout
+    assert build_args == ["WHEELS=wheels", f"REVISION={commit}"]
+    labels = [bud[i + 1] for i, arg in enumerate(bud) if arg == "--label"]
+    assert labels == [f"org.opencontainers.image.version={VERSION}",
+                      f"org.opencontainers.image.revision={commit}"]
     files = Path(f"{log}.context").read_text().split()
-    assert {"./pyproject.toml", "./README.md", "./requirements.lock", "./pyproxy/__init__.py",
-            "./pyproxy/cli/__init__.py", "./wheels/x-1-py3-none-any.whl"} <= set(files)
-    assert all(f.startswith(("./pyproxy/", "./pyproject.toml", "./README.md",
+    assert {"./pyproject.toml", "./setup.py", "./README.md", "./requirements.lock",
+            "./pyproxy/__init__.py", "./pyproxy/cli/__init__.py",
+            "./wheels/x-1-py3-none-any.whl"} <= set(files)
+    assert all(f.startswith(("./pyproxy/", "./pyproject.toml", "./setup.py", "./README.md",
                              "./requirements.lock", "./wheels/")) for f in files), files
     assert not [f for f in files if "__pycache__" in f]
     assert not Path(bud[-1]).exists()  # the temporary context is gone
@@ -983,6 +997,10 @@ def test_make_install_and_uninstall_round_trip(tmp_path: Path) -> None:
     site = next(venv.glob("lib/python3*/site-packages"))
     assert os.readlink(site / "nftables") == "/usr/lib/python3/dist-packages/nftables"
     assert (site / "pyproxy" / "cli" / "__init__.py").exists()
+    # Installed, no checkout is left to ask: the build recorded the one it was built from.
+    from pyproxy import version
+
+    assert version.recorded_commit(site / "pyproxy") == version.git_commit(ROOT)
     unit = dest / "etc/systemd/system/pyproxy.service"
     assert unit.read_text() == (SYSTEMD / "pyproxy.service").read_text()
     assert (dest / "etc/pyproxy/config.yaml").read_text() == "# mine\n"
