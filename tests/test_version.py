@@ -157,8 +157,8 @@ class TestCommandLine:
         assert json.loads(out.stdout) | {"python": "-"} == {
             "version": VERSION, "commit": expected, "python": "-"}
 
-    def test_the_commit_is_found_only_when_asked(self,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_the_commit_is_found_only_when_asked(self, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
         """Building the parser (every command does) runs no git: --version asks at use."""
         calls: list[Path] = []
 
@@ -172,6 +172,7 @@ class TestCommandLine:
         with pytest.raises(SystemExit):
             build_parser().parse_args(["--version"])
         assert calls == [version.PACKAGE_DIR.parent]
+        assert capsys.readouterr().out == f"pyproxy {VERSION} (commit {A_COMMIT})\n"
 
 
 def _debian_builds_offline() -> str | None:
