@@ -191,10 +191,12 @@ def older_image(commit: str = OLDER_RELEASE) -> tuple[str, Path]:
 def version_roll(cluster: RealCluster) -> OpResult:
     """This commit → the older release → this commit → the older release → this commit, each
     a rolling update of the DaemonSet, with clients on every node and outside counting
-    failures throughout; every node's table checked after each step (the layout comment
-    this commit writes, or the older layout's objects)."""
+    failures throughout. After each step every node's table is the one that release writes:
+    this commit's records its layout and, where this commit's had them, the localhost
+    NodePort objects are gone under the older release."""
     def body(result: OpResult) -> None:
         current = cluster.pyproxy_image
+        localhost_objects = all(_localhost_objects(n) for n in cluster.nodes)
         older, archive = older_image()
         for node in cluster.nodes:
             node.import_images([archive])
@@ -204,9 +206,11 @@ def version_roll(cluster: RealCluster) -> OpResult:
                 cluster.kubectl("-n", "kube-system", "set", "image", "daemonset/pyproxy",
                                 f"pyproxy={image}")
                 cluster.rollout("daemonset", "pyproxy")
-                wait_for(lambda image=image: _layouts_as(cluster, image == current), 60,
+                up = image == current
+                wait_for(lambda up=up: all(_written_by(n, up, localhost_objects)
+                                           for n in cluster.nodes), 60,
                          f"every node's table as {image} writes it")
-                result.figures[f"step {step} ({'up' if image == current else 'down'}) s"] = \
+                result.figures[f"step {step} ({'up' if up else 'down'}) s"] = \
                     time.monotonic() - started
                 prober.settle(3.0)
         result.report = prober.report
@@ -214,16 +218,23 @@ def version_roll(cluster: RealCluster) -> OpResult:
     return timed("version-roll", body)
 
 
-def _layouts_as(cluster: RealCluster, current: bool) -> bool:
-    """Every node's table as this commit writes it (`current`) or as the older release does:
-    the localhost NodePort map is this layout's and not the older one's."""
-    for node in cluster.nodes:
-        listing = node.run(["nft", "list", "table", "ip", "pyproxy"], check=False).stdout
-        if ("localhost-nodeport-reject-ports" in listing) != current:
-            return False
-        if current and TABLE_COMMENT not in listing:
-            return False
-    return True
+def _table(node: Any) -> str:
+    return str(node.run(["nft", "list", "table", "ip", "pyproxy"], check=False).stdout)
+
+
+def _localhost_objects(node: Any) -> bool:
+    return "localhost-nodeport-reject-ports" in _table(node)
+
+
+def _written_by(node: Any, current: bool, localhost_objects: bool) -> bool:
+    """The node's table as this commit writes it (its layout recorded; `current`) or as the
+    older release does (no localhost NodePort objects, when this commit's table had them;
+    the comment stays: the older release cannot rewrite it)."""
+    table = _table(node)
+    if current:
+        return TABLE_COMMENT in table and (
+            "localhost-nodeport-reject-ports" in table) == localhost_objects
+    return "localhost-nodeport-reject-ports" not in table
 
 
 def container_killed(cluster: RealCluster) -> OpResult:
