@@ -68,6 +68,7 @@ from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.repairs import Repairs
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
 log = structlog.get_logger(__name__)
@@ -437,9 +438,11 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
     service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
-    health = ProxyHealth(families, timeout=timing.health_timeout,
-                         damage=lambda: proxier.damage())
+    repairs = Repairs()
+    health = ProxyHealth(families, timeout=timing.health_timeout, damage=repairs.damage)
     localhost = LocalhostProxies(metrics)
+    runner = BoundedFrequencyRunner("sync-proxy-rules", timing.min_interval,
+                                    timing.retry_interval, timing.max_interval)
     address_check = None if config.snapshot else ApiAddressCheck(
         _server_host(api_client), metrics, apiconnection.kubelet_cluster_ips(os.environ))
     observer = DaemonObserver(
@@ -453,11 +456,9 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
     proxier = NodeProxier(
         cache, [FamilyProxier(f, node_config) for f in families],
         full_sync_period=timing.full_sync_period, verify_period=timing.verify_period,
-        reconfigure=tracker, request_sync=lambda: runner.run(), observers=[observer],
+        reconfigure=tracker, request_sync=runner.run, repairs=repairs, observers=[observer],
         on_invalid=[lambda s: metrics.invalid_objects.labels(kind=s.kind).inc()],
         on_node_change=[health.set_node])
-    runner = BoundedFrequencyRunner("sync-proxy-rules", proxier.sync, timing.min_interval,
-                                    timing.retry_interval, timing.max_interval)
     if config.localhost_nodeports_gate:
         metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
     metrics.watch_selections(lambda: current_selections(proxier))
@@ -564,7 +565,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     debug = _start_debug(config, proxier, health, runner, source, connections, address_check,
                          coexistence)
     _install_signal_handlers(stop)
-    runner.loop(stop)
+    runner.loop(proxier.sync, stop)
     log.info("stopping")
     sd_notify("STOPPING=1")
     for server in servers:

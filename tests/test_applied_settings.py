@@ -259,7 +259,7 @@ def service_cidr_watch(config: ProxyConfig, tmp: Path) -> bool:
 
 def debug_socket(config: ProxyConfig, tmp: Path) -> bool:
     proxier = NodeProxier(ClusterCache("node-a"), [])
-    runner = BoundedFrequencyRunner("probe", lambda: None, 1.0, 1.0, 1.0)
+    runner = BoundedFrequencyRunner("probe", 1.0, 1.0, 1.0)
     source = SnapshotSource(str(tmp / "none.yaml"), proxier, threading.Event())
     server = run._start_debug(config, proxier, ProxyHealth((IPFamily.IPv4,)), runner, source)
     if server is None:

@@ -285,7 +285,7 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
         ClusterCache("node-a"),
         [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
         clock=clock, wall_clock=clock)
-    runner = BoundedFrequencyRunner("sync", proxier.sync, 1.0, 5.0, 1.0, clock=clock,
+    runner = BoundedFrequencyRunner("sync", 1.0, 5.0, 1.0, clock=clock,
                                     wait=clock.wait)
     proxier.request_sync = runner.run
     for source in ("Service", "EndpointSlice"):
@@ -294,7 +294,7 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     clock.at(1.25, lambda: proxier.source_synced("EndpointSlice"))
     stop = threading.Event()
     clock.at(1.75, stop.set)
-    runner.loop(stop)
+    runner.loop(proxier.sync, stop)
     assert [(r.started, r.cause) for r in proxier.history] == [(1.25, Cause.START)]
     assert runner.stats().runs == 2  # the declined one at t=1, then the sync
     assert len(nft.scripts) == 1

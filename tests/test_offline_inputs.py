@@ -251,7 +251,7 @@ class TestReportedTheSameEverywhere:
         proxier.expect(source.NAME)
         assert source.poll() and proxier.sync()
         explain = handlers(proxier, ProxyHealth((IPFamily.IPv4,)),
-                           BoundedFrequencyRunner("sync", proxier.sync, 1.0, 1.0, 1.0),
+                           BoundedFrequencyRunner("sync", 1.0, 1.0, 1.0),
                            lambda: None)["/explain"]
         code, live = explain({})
         assert code == 200

@@ -47,7 +47,6 @@ class Harness:
     def __post_init__(self) -> None:
         self.runner = BoundedFrequencyRunner(
             "test",
-            self._sync,
             self.min_interval,
             self.retry_interval,
             self.max_interval,
@@ -73,7 +72,7 @@ class Harness:
         for when in requests:
             self.clock.at(when, self.runner.run)
         self.clock.at(until, self.stop.set)
-        self.runner.loop(self.stop)
+        self.runner.loop(self._sync, self.stop)
         return tuple(r.started for r in self.runs)
 
 
@@ -228,13 +227,11 @@ class TestLoop:
         def interrupted() -> None:
             raise KeyboardInterrupt
 
-        runner = BoundedFrequencyRunner(
-            "test", interrupted, 1, 5, 100, clock=clock, wait=clock.wait
-        )
+        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock, wait=clock.wait)
         runner.run()
         stop = threading.Event()
         with pytest.raises(KeyboardInterrupt):
-            runner.loop(stop)
+            runner.loop(interrupted, stop)
         stop.set()  # ends the loop's stop-watcher thread
         stats = runner.stats()
         assert (stats.runs, stats.failures, stats.running) == (1, 1, False)
@@ -246,16 +243,14 @@ class TestLoop:
 
         def nested_loop() -> None:
             with pytest.raises(RuntimeError) as refused:
-                runner.loop(threading.Event())
+                runner.loop(nested_loop, threading.Event())
             refusals.append(str(refused.value))
 
-        runner = BoundedFrequencyRunner(
-            "test", nested_loop, 1, 5, 100, clock=clock, wait=clock.wait
-        )
+        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock, wait=clock.wait)
         runner.run()
         stop = threading.Event()
         clock.at(5, stop.set)
-        runner.loop(stop)
+        runner.loop(nested_loop, stop)
         assert refusals == ["runner test: loop() is already running"]
         assert runner.stats().last_ok is True
 
@@ -372,9 +367,9 @@ class TestRealThreads:
     def test_run_from_another_thread_wakes_the_loop_and_stop_ends_it(self) -> None:
         """With max_interval an hour away, only run() and stop.set() can wake the loop."""
         synced = threading.Event()
-        runner = BoundedFrequencyRunner("real", synced.set, 0.0, 3600.0, 3600.0)
+        runner = BoundedFrequencyRunner("real", 0.0, 3600.0, 3600.0)
         stop = threading.Event()
-        loop = threading.Thread(target=runner.loop, args=(stop,), daemon=True)
+        loop = threading.Thread(target=runner.loop, args=(synced.set, stop), daemon=True)
         loop.start()
         try:
             time.sleep(0.02)  # let the loop block on its hour-long wait

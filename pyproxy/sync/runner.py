@@ -161,18 +161,19 @@ class Schedule:
 
 
 class BoundedFrequencyRunner:
-    """Runs `fn` (one sync; raising means it failed, returning False that it declined and did
-    nothing) from `loop()`, at a bounded frequency.
+    """Runs the function given to `loop()` (one sync; raising means it failed, returning False
+    that it declined and did nothing) at a bounded frequency.
 
     `run()` is safe from any thread and never waits for a sync. Requests made before `loop()`
     starts are kept and served as soon as it does (upstream drops them; keeping them is safer
-    and costs nothing).
+    and costs nothing). The function is `loop()`'s, not the constructor's (upstream's), so
+    that the runner can be built before the proxier that asks it for syncs: neither needs
+    the other to exist first.
     """
 
     def __init__(
         self,
         name: str,
-        fn: Callable[[], bool | None],
         min_interval: float,
         retry_interval: float,
         max_interval: float,
@@ -181,7 +182,6 @@ class BoundedFrequencyRunner:
         wait: Wait = condition_wait,
     ) -> None:
         self.name = name
-        self._fn = fn
         self._clock = clock
         self._wait = wait
         intervals = Intervals(
@@ -208,7 +208,7 @@ class BoundedFrequencyRunner:
         with self._cond:
             return self._schedule
 
-    def loop(self, stop: threading.Event) -> None:
+    def loop(self, fn: Callable[[], bool | None], stop: threading.Event) -> None:
         """Run `fn` whenever it is due, in the calling thread, until `stop` is set.
 
         An exception from `fn` is logged and schedules a retry; it never ends the loop.
@@ -223,7 +223,7 @@ class BoundedFrequencyRunner:
         log.debug("runner_started", runner=self.name)
         try:
             while self._wait_until_due(stop):
-                self._run_once()
+                self._run_once(fn)
         finally:
             with self._cond:
                 self._looping = False
@@ -252,11 +252,11 @@ class BoundedFrequencyRunner:
                 self._wait(self._cond, None if math.isinf(run_at) else run_at - now)
             return False
 
-    def _run_once(self) -> None:
+    def _run_once(self, fn: Callable[[], bool | None]) -> None:
         # fn runs without the lock, so run() from event handlers never waits for a sync.
         ok, worked = False, True
         try:
-            worked = self._fn() is not False
+            worked = fn() is not False
             ok = True
         except Exception:
             log.error(
