@@ -10,22 +10,18 @@ import os
 import platform
 import queue
 import signal
-import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import structlog
 
 from pyproxy.cluster import apiconnection
-from pyproxy.cluster.apiconnection import ApiConnection
 from pyproxy.cluster.apirequest import observe_requests
+from pyproxy.cluster.apiserver import ApiAddressCheck, client_for, server_host
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.cluster.events import record_start
-from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.localhost import nodeport_specs
@@ -53,7 +49,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
-from pyproxy.kernel.host import MIN_KERNEL, Outcome, apply_host_settings, kernel_below_supported
+from pyproxy.kernel.host import apply_host_settings, log_outcome, warn_if_kernel_below_supported
 from pyproxy.kernel.libnftables import OWN_SOCKETS
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.nlsets import KernelCounters, rule_packets
@@ -61,32 +57,17 @@ from pyproxy.kernel.privileges import require_privileges
 from pyproxy.logs import setup_logging
 from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
-from pyproxy.serve.debug import DebugServer
-from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
-from pyproxy.serve.live import counting_context, handlers
+from pyproxy.serve.health import ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.serve.live import counting_context
 from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import Metrics, RejectedPackets
+from pyproxy.serve.servers import sd_notify, start_debug, start_servers
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
 log = structlog.get_logger(__name__)
-
-
-def sd_notify(message: str) -> None:
-    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        try:
-            sock.connect(address)
-            sock.sendall(message.encode())
-        except OSError as err:
-            log.warning("sd_notify_failed", error=str(err))
 
 
 class ConntrackSink(Protocol):
@@ -382,30 +363,6 @@ def sync_timing(config: ProxyConfig) -> SyncTiming:
         full_sync_period=config.full_sync_period, verify_period=config.sync_period)
 
 
-def _log_host_setting(outcome: Outcome) -> None:
-    fields = {"setting": outcome.setting, "value": outcome.value, "detail": outcome.detail}
-    if outcome.action == "set":
-        log.info("host_setting_applied", **fields)
-    elif outcome.action == "unchanged":
-        log.debug("host_setting_unchanged", **fields)
-    elif outcome.action == "skipped":
-        log.warning("host_setting_skipped", **fields)
-    else:  # "failed": kube-proxy stops on most of these; the rules do not depend on them
-        log.warning("host_setting_failed", **fields)
-
-
-def init_host(config: ProxyConfig) -> int:
-    """kube-proxy's --init-only: the host settings `run_daemon` makes at start (the step that
-    needs the most privilege), then exit: 1 if one of them failed."""
-    setup_logging(config.logging_format, config.verbosity)
-    for warning in config.unapplied:
-        log.warning("configuration", note=warning)
-    outcomes = apply_host_settings(config)
-    for outcome in outcomes:
-        _log_host_setting(outcome)
-    return 1 if any(outcome.action == "failed" for outcome in outcomes) else 0
-
-
 @dataclass(frozen=True)
 class Daemon:
     """The daemon's object graph, finished: nothing in it is assigned or appended to after
@@ -444,7 +401,8 @@ def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, 
     runner = BoundedFrequencyRunner("sync-proxy-rules", timing.min_interval,
                                     timing.retry_interval, timing.max_interval)
     address_check = None if config.snapshot else ApiAddressCheck(
-        _server_host(api_client), metrics, apiconnection.kubelet_cluster_ips(os.environ))
+        server_host(api_client), metrics.api_server_via_service.set,
+        apiconnection.kubelet_cluster_ips(os.environ))
     observer = DaemonObserver(
         lambda: proxier, families, node_config.node_ips, health, metrics, service_health,
         ServiceHealthServers(service_health, health, _hcnp_addresses(node_config)),
@@ -514,7 +472,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     setup_logging(config.logging_format, config.verbosity)
     require_privileges()  # CAP_NET_ADMIN, or one clear error (kernel/privileges.py)
     if not config.snapshot and api_client is None:
-        api_client = _client_for(apiconnection.load(config), config)
+        api_client = client_for(apiconnection.load(config), config)
     for warning in config.unapplied:
         log.warning("configuration", note=warning)
     stop = stop or threading.Event()
@@ -532,12 +490,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
              families=[str(f) for f in families],
              source="snapshot" if config.snapshot else "api")
-    if kernel_below_supported(platform.release()):
-        # kube-proxy refuses to start here; pyproxy runs and says so (what breaks below is in
-        # docs/deploying.md, and a refused transaction is reported by every sync anyway).
-        log.warning("kernel_below_supported", kernel=platform.release(),
-                    minimum=".".join(map(str, MIN_KERNEL)),
-                    docs="docs/deploying.md, \"Kernel and nftables\"")
+    warn_if_kernel_below_supported(platform.release())
 
     daemon = build_daemon(config, node_name, tuple(node_ips), node_config, api_client, stop)
     proxier, runner, health, metrics = daemon.proxier, daemon.runner, daemon.health, daemon.metrics
@@ -550,19 +503,19 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     coexistence.start(stop)
 
     try:
-        servers = _start_servers(config, health, metrics, stop)
+        servers = start_servers(config, health, metrics, stop)
     except OSError as err:
         raise ConfigError(f"bindAddressHardFail (--bind-address-hard-fail): {err}") from None
     # The checks are done: from here on pyproxy changes the host.
     for outcome in apply_host_settings(config):
-        _log_host_setting(outcome)
+        log_outcome(outcome)
     if address_check is not None:
         address_check(daemon.cache.state())  # what the environment tells, before any list
     source.start()
     if isinstance(source, ApiSource):
         record_start(source.api_client, node_name, stop)
 
-    debug = _start_debug(config, proxier, health, runner, source, connections, address_check,
+    debug = start_debug(config, proxier, health, runner, source, connections, address_check,
                          coexistence)
     _install_signal_handlers(stop)
     runner.loop(proxier.sync, stop)
@@ -576,145 +529,6 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         observer.hcnp_servers.stop()
     localhost.shutdown()
     return 0
-
-
-def _start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
-                 runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
-                 connections: ConnectionCounters | None = None,
-                 address_check: ApiAddressCheck | None = None,
-                 coexistence: CoexistenceCheck | None = None) -> DebugServer | None:
-    if not config.debug_socket:
-        return None
-
-    def source_status() -> Any:
-        if isinstance(source, SnapshotSource):
-            return {"snapshot": source.path, "loads": source.loads, "errors": source.errors,
-                    "lastError": source.last_error}
-        status: dict[str, Any] = source.report()
-        if address_check is not None:
-            status["apiServer"] = {"host": address_check.host,
-                                   "problem": address_check.problem}
-        return status
-
-    try:
-        server = DebugServer(config.debug_socket,
-                             handlers(proxier, health, runner, source_status, connections,
-                                      (lambda: coexistence.findings) if coexistence
-                                      else lambda: ()))
-    except OSError as err:
-        log.error("debug_socket_not_served", path=config.debug_socket, error=str(err))
-        return None
-    server.start()
-    return server
-
-
-class _MetricsServer:
-    def __init__(self, address: str, metrics: Metrics) -> None:
-        from prometheus_client import start_http_server
-
-        from pyproxy.serve.health import parse_host_port
-
-        host, port, _ = parse_host_port(address)
-        self.server, self.thread = start_http_server(port, host, registry=metrics.registry)
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-SERVER_RETRY_SECONDS = 5.0  # kube-proxy retries a health/metrics bind this often
-
-
-def _start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
-                   stop: threading.Event) -> list[HealthServer | _MetricsServer]:
-    """The healthz and metrics servers. A bind failure is fatal only with
-    bindAddressHardFail; otherwise it is logged and retried every 5 s, as kube-proxy does."""
-    servers: list[HealthServer | _MetricsServer] = []
-
-    def healthz() -> HealthServer:
-        assert config.healthz_bind_address
-        server = HealthServer(config.healthz_bind_address, health, metrics.count_health)
-        server.start()
-        return server
-
-    def metrics_server() -> _MetricsServer:
-        assert config.metrics_bind_address
-        return _MetricsServer(config.metrics_bind_address, metrics)
-
-    wanted: list[tuple[str, str | None, Callable[[], HealthServer | _MetricsServer]]] = [
-        ("healthz", config.healthz_bind_address, healthz),
-        ("metrics", config.metrics_bind_address, metrics_server),
-    ]
-    for name, address, start in wanted:
-        if not address:
-            continue
-        try:
-            servers.append(start())
-        except OSError as err:
-            if config.bind_address_hard_fail:
-                raise
-            log.error("server_not_started_retrying", server=name, address=address,
-                      error=str(err))
-            threading.Thread(target=_retry_server, args=(name, start, servers, stop),
-                             name=f"retry-{name}", daemon=True).start()
-    return servers
-
-
-def _retry_server(name: str, start: Callable[[], HealthServer | _MetricsServer],
-                  servers: list[HealthServer | _MetricsServer], stop: threading.Event) -> None:
-    while not stop.wait(SERVER_RETRY_SECONDS):
-        try:
-            servers.append(start())
-        except OSError:
-            continue
-        log.info("server_started", server=name)
-        return
-
-
-def _api_client(config: ProxyConfig, clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> Any:
-    """The API client `config` asks for (ConfigError if it cannot be had)."""
-    return _client_for(apiconnection.load(config), config, clock, sleep)
-
-
-def _client_for(connection: ApiConnection, config: ProxyConfig,
-                clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> Any:
-    """The API client, every request of which waits on a token bucket of
-    clientConnection.qps/burst (client-go's rate limiting; the Python client has none)."""
-    from kubernetes import client
-
-    configuration = apiconnection.client_configuration(connection)
-    log.info("api_server", server=connection.server, source=connection.source)
-    return limit_requests(client.ApiClient(configuration),
-                          TokenBucket(config.qps, config.burst, clock, sleep))
-
-
-def _server_host(api_client: Any) -> str:
-    return urlsplit(str(api_client.configuration.host)).hostname or ""
-
-
-@dataclass
-class ApiAddressCheck:
-    """Is the API server reached through a Service address (the bootstrap trap)? Checked
-    after every sync, when pyproxy knows the `kubernetes` Service and the service CIDRs:
-    a warning when that changes, a gauge, and a line in `pyproxy status`."""
-
-    host: str
-    metrics: Metrics
-    kubelet_ips: frozenset[str] = frozenset()
-    problem: str | None = None
-
-    def __call__(self, state: ClusterState) -> None:
-        problem = apiconnection.service_address_problem(self.host, state, self.kubelet_ips)
-        if problem != self.problem:
-            if problem:
-                log.warning("api_server_via_service_address", host=self.host, problem=problem,
-                            fix="give pyproxy the API server's real address (docs/deploying.md)")
-            else:
-                log.info("api_server_address_direct", host=self.host)
-            self.problem = problem
-        self.metrics.api_server_via_service.set(1 if problem else 0)
 
 
 def _install_signal_handlers(stop: threading.Event) -> None:

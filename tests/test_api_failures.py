@@ -30,6 +30,7 @@ from pyproxy.cluster.watch import (
     watch_problems,
 )
 from pyproxy.config import ProxyConfig
+from pyproxy.serve import servers as serving
 from pyproxy.serve.debug import DebugError, ask
 from pyproxy.serve.metrics import Metrics
 from testkit.apiemu import ApiEmulator
@@ -208,8 +209,8 @@ def daemon_on(tmp_path: Path) -> Iterator[Callable[[ApiEmulator], str]]:
         assert isinstance(daemon.source, ApiSource)
         for reflector_thread in daemon.source.start():
             assert reflector_thread.is_alive()
-        servers.append(run._start_debug(config, daemon.proxier, daemon.health,
-                                        daemon.runner, daemon.source))
+        servers.append(serving.start_debug(config, daemon.proxier, daemon.health,
+                                           daemon.runner, daemon.source))
         return socket_path
 
     yield start_on

@@ -27,6 +27,8 @@ import pytest
 import structlog
 
 from pyproxy import run
+from pyproxy.cluster import apiconnection
+from pyproxy.cluster.apiserver import client_for
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
@@ -41,6 +43,7 @@ from pyproxy.config import ProxyConfig, reference_markdown
 from pyproxy.core.model import IPFamily, LocalMode, Node
 from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
+from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier
@@ -102,7 +105,7 @@ METRICS_PORTS = (free_port(), free_port())
 def listening(config: ProxyConfig, tmp: Path) -> set[int]:
     """Which of the test's ports the servers `pyproxy run` starts listen on."""
     stop = threading.Event()
-    servers = run._start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
+    servers = serve.start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
     try:
         answering = set()
         for port in (*HEALTHZ_PORTS, *METRICS_PORTS):
@@ -125,7 +128,7 @@ def busy_port_outcome(config: ProxyConfig, tmp: Path) -> str:
         busy = dataclasses.replace(config, metrics_bind_address=None,
                                    healthz_bind_address=f"127.0.0.1:{blocker.getsockname()[1]}")
         try:
-            run._start_servers(busy, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
+            serve.start_servers(busy, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
         except OSError:
             return "exits"
         finally:
@@ -144,7 +147,7 @@ def kubeconfig(tmp: Path, server: str) -> str:
 
 
 def api_server(config: ProxyConfig, tmp: Path) -> str:
-    return str(run._api_client(config).configuration.host)
+    return str(client_for(apiconnection.load(config), config).configuration.host)
 
 
 class FakeTime:
@@ -174,7 +177,7 @@ class FakeRest:
 def request_waits(config: ProxyConfig, tmp: Path) -> list[float]:
     """How long each of 14 back-to-back API requests waited for its token."""
     fake = FakeTime()
-    api = run._api_client(config, clock=fake.clock, sleep=fake.sleep)
+    api = client_for(apiconnection.load(config), config, clock=fake.clock, sleep=fake.sleep)
     api.rest_client = FakeRest()
     waits = []
     for _ in range(14):
@@ -261,7 +264,7 @@ def debug_socket(config: ProxyConfig, tmp: Path) -> bool:
     proxier = NodeProxier(ClusterCache("node-a"), [])
     runner = BoundedFrequencyRunner("probe", 1.0, 1.0, 1.0)
     source = SnapshotSource(str(tmp / "none.yaml"), proxier, threading.Event())
-    server = run._start_debug(config, proxier, ProxyHealth((IPFamily.IPv4,)), runner, source)
+    server = serve.start_debug(config, proxier, ProxyHealth((IPFamily.IPv4,)), runner, source)
     if server is None:
         return False
     server.stop()

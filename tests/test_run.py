@@ -13,6 +13,7 @@ import pytest
 from pyproxy import run
 from pyproxy.config import ProxyConfig
 from pyproxy.core.model import IPFamily
+from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
 
@@ -24,14 +25,14 @@ def free_port() -> int:
 
 
 def test_a_busy_health_port_is_retried_until_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(run, "SERVER_RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(serve, "SERVER_RETRY_SECONDS", 0.05)
     port = free_port()
     blocker = socket.socket()
     blocker.bind(("127.0.0.1", port))
     blocker.listen()
     config = ProxyConfig(healthz_bind_address=f"127.0.0.1:{port}", metrics_bind_address=None)
     stop = threading.Event()
-    servers = run._start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
+    servers = serve.start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
     try:
         assert servers == []  # not fatal
         blocker.close()
@@ -55,8 +56,8 @@ def test_hard_fail_makes_a_busy_port_fatal() -> None:
         config = ProxyConfig(healthz_bind_address=f"127.0.0.1:{port}",
                              metrics_bind_address=None, bind_address_hard_fail=True)
         with pytest.raises(OSError):
-            run._start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(),
-                               threading.Event())
+            serve.start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(),
+                                threading.Event())
 
 
 def test_the_daemon_is_built_finished(tmp_path: Path) -> None:

@@ -24,11 +24,11 @@ import yaml
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from pyproxy import run
 from pyproxy.cli.formats import format_status
 from pyproxy.cluster import apiconnection
 from pyproxy.cluster.apiconnection import ApiConnection, FileToken, parse_kubeconfig
 from pyproxy.cluster.apirequest import request
+from pyproxy.cluster.apiserver import ApiAddressCheck, client_for
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.config import ConfigError, ProxyConfig, load_config_file
 from pyproxy.serve.metrics import Metrics
@@ -86,7 +86,7 @@ class TestKubeadm:
         """config.conf names kubeconfig.conf, which names the server and the token file:
         the client signs requests with the token in that file."""
         config = load_config_file(str(kubeadm_files(tmp_path)))
-        api = run._api_client(config)
+        api = client_for(apiconnection.load(config), config)
         assert api.configuration.host == "https://192.0.2.10:6443"
         assert api.configuration.ssl_ca_cert == f"{tmp_path}{SA_DIR}/ca.crt"
         assert api.configuration.get_api_key_with_prefix("BearerToken") == "Bearer token-1"
@@ -416,7 +416,8 @@ def test_the_kubelets_cluster_ip_is_known_before_any_service() -> None:
 
 def test_api_address_check_warns_once_and_sets_the_gauge() -> None:
     registry = CollectorRegistry()
-    check = run.ApiAddressCheck("10.96.0.1", Metrics(registry))
+    metrics = Metrics(registry)
+    check = ApiAddressCheck("10.96.0.1", metrics.api_server_via_service.set)
     structlog.reset_defaults()
     with capture_logs() as logs:
         check(build_state([]))

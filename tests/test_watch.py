@@ -390,11 +390,11 @@ def test_every_watch_connection_of_the_daemons_client_has_tcp_keepalive() -> Non
     import socket
 
     from pyproxy.cluster.apiconnection import ApiConnection
+    from pyproxy.cluster.apiserver import client_for
     from pyproxy.config import ProxyConfig
-    from pyproxy.run import _client_for
 
     with ApiEmulator() as emu:
-        api = _client_for(ApiConnection(server=emu.url, source="test"), ProxyConfig())
+        api = client_for(ApiConnection(server=emu.url, source="test"), ProxyConfig())
         try:
             response = services_resource().list_function(api)(
                 watch=True, timeout_seconds=1, _request_timeout=(10, 10))

@@ -179,7 +179,8 @@ def _cmd_version(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from pyproxy.run import init_host, run_daemon
+    from pyproxy.kernel.host import init_host
+    from pyproxy.run import run_daemon
 
     try:
         actions = run_actions(args)

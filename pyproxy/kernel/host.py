@@ -19,7 +19,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
+
 from pyproxy.config import ProxyConfig
+from pyproxy.logs import setup_logging
+
+log = structlog.get_logger(__name__)
 
 PROC_SYS = "/proc/sys"
 NETFILTER = "net/netfilter"
@@ -193,6 +198,31 @@ def apply_host_settings(config: ProxyConfig, cpus: int | None = None,
     return outcomes + apply_conntrack(plan, proc_sys, hashsize)
 
 
+def log_outcome(outcome: Outcome) -> None:
+    """One setting's outcome, at the level it deserves."""
+    fields = {"setting": outcome.setting, "value": outcome.value, "detail": outcome.detail}
+    if outcome.action == "set":
+        log.info("host_setting_applied", **fields)
+    elif outcome.action == "unchanged":
+        log.debug("host_setting_unchanged", **fields)
+    elif outcome.action == "skipped":
+        log.warning("host_setting_skipped", **fields)
+    else:  # "failed": kube-proxy stops on most of these; the rules do not depend on them
+        log.warning("host_setting_failed", **fields)
+
+
+def init_host(config: ProxyConfig) -> int:
+    """kube-proxy's --init-only: the host settings `pyproxy run` makes at start (the step
+    that needs the most privilege), then exit: 1 if one of them failed."""
+    setup_logging(config.logging_format, config.verbosity)
+    for warning in config.unapplied:
+        log.warning("configuration", note=warning)
+    outcomes = apply_host_settings(config)
+    for outcome in outcomes:
+        log_outcome(outcome)
+    return 1 if any(outcome.action == "failed" for outcome in outcomes) else 0
+
+
 # kube-proxy's nftables mode's floor (pkg/proxy/nftables/supported.go): a distribution with
 # this kernel has nft ≥ 1.0.1, which can read what pyproxy writes; docs/deploying.md, "Kernel
 # and nftables", has the features behind it.
@@ -208,3 +238,12 @@ def kernel_below_supported(release: str) -> bool:
     except ValueError:
         return False
     return (major, minor) < MIN_KERNEL
+
+
+def warn_if_kernel_below_supported(release: str) -> None:
+    """kube-proxy refuses to start below MIN_KERNEL; pyproxy runs and says so (what breaks
+    below is in docs/deploying.md, and a refused transaction is reported by every sync)."""
+    if kernel_below_supported(release):
+        log.warning("kernel_below_supported", kernel=release,
+                    minimum=".".join(map(str, MIN_KERNEL)),
+                    docs="docs/deploying.md, \"Kernel and nftables\"")
