@@ -11,7 +11,7 @@ import copy
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -19,7 +19,7 @@ from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.libnftables import NftError, parse_elements, split_top_level, table_block
 from pyproxy.render.staging import ElementChunk
-from pyproxy.sync.node import NodeProxier
+from pyproxy.sync.node import NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
 
 _REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
@@ -281,15 +281,17 @@ class FakeNft(FakeKernel):
         return self.scripts[-1] if self.scripts else ""
 
 
-def fake_node_proxier(nft: FakeNft | None = None) -> tuple[NodeProxier, FakeNft, list[int]]:
+def fake_node_proxier(nft: FakeNft | None = None, observers: Sequence[SyncObserver] = (),
+                      ) -> tuple[NodeProxier, FakeNft, list[int]]:
     """node-a (192.168.50.1, IPv4) on the recording fake kernel, expecting the Service and
-    EndpointSlice lists (not yet complete); the list counts the syncs it asked for."""
+    EndpointSlice lists (not yet complete), its syncs heard by `observers`; the list counts
+    the syncs it asked for."""
     nft = nft or FakeNft()
     requests: list[int] = []
     proxier = NodeProxier(
         ClusterCache("node-a"),
         [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
-        request_sync=lambda: requests.append(1))
+        request_sync=lambda: requests.append(1), observers=list(observers))
     for source in ("Service", "EndpointSlice"):
         proxier.expect(source)
     return proxier, nft, requests

@@ -26,7 +26,6 @@ from typing import Any
 import pytest
 import structlog
 
-from pyproxy import run
 from pyproxy.cluster import apiconnection
 from pyproxy.cluster.apiserver import client_for
 from pyproxy.cluster.cache import ClusterCache
@@ -46,6 +45,7 @@ from pyproxy.logs import setup_logging
 from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
+from pyproxy.sync import settings
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import render_script
 from pyproxy.sync.runner import BoundedFrequencyRunner
@@ -71,7 +71,7 @@ def node_name(config: ProxyConfig, tmp: Path) -> str:
 
 def node_ips(config: ProxyConfig, tmp: Path) -> tuple[str, ...]:
     node = Node("node-a", host_ips=("10.0.0.1", "fd00::1"))
-    return run.node_config_for(config, "node-a", node, ("192.168.50.1",)).node_ips
+    return settings.node_config_for(config, "node-a", node, ("192.168.50.1",)).node_ips
 
 
 STATE = build_state([
@@ -84,12 +84,12 @@ STATE = build_state([
 
 
 def rules(config: ProxyConfig, tmp: Path) -> str:
-    node = run.node_config_for(config, "node-a", STATE.nodes["node-a"], ("192.168.50.1",))
+    node = settings.node_config_for(config, "node-a", STATE.nodes["node-a"], ("192.168.50.1",))
     return render_script(STATE, node)
 
 
-def timing(config: ProxyConfig, tmp: Path) -> run.SyncTiming:
-    return run.sync_timing(config)
+def timing(config: ProxyConfig, tmp: Path) -> settings.SyncTiming:
+    return settings.sync_timing(config)
 
 
 def free_port() -> int:

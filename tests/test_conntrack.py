@@ -29,9 +29,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
-from pyproxy.run import DaemonObserver
-from pyproxy.serve.health import ProxyHealth, ServiceHealth
-from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.conntrack import ConntrackCleanup
 from testkit.builders import ep, make_service, make_slice, terminating
 from testkit.fakes import fake_node_proxier
 
@@ -436,7 +434,7 @@ def test_service_frontends_of_each_family() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Wired to syncs (run.py's DaemonObserver)
+# Wired to syncs (sync/conntrack.py's ConntrackCleanup)
 
 
 @dataclass
@@ -453,12 +451,8 @@ def test_a_deleted_udp_service_has_every_entry_to_its_frontends_deleted() -> Non
     """kubernetes#141371: the sync that removes a UDP Service's rules hands its ClusterIP,
     external IP and NodePort (on this node) over as allowing nobody; the same for a Service
     scaled to zero (#139629). A partial sync that changes nothing UDP hands nothing over."""
-    proxier, _nft, _requests = fake_node_proxier()
     sink = RecordingSink()
-    observer = DaemonObserver(lambda: proxier, (IPFamily.IPv4,), (NODE_IP,),
-                              ProxyHealth((IPFamily.IPv4,), timeout=60.0), Metrics(),
-                              ServiceHealth(), conntrack=sink)
-    proxier.observers.append(observer)
+    proxier, _nft, _requests = fake_node_proxier(observers=[ConntrackCleanup(sink)])
     for source in ("Service", "EndpointSlice"):
         proxier.source_synced(source)
     for obj in SHARED:

@@ -21,7 +21,6 @@ from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.convert import convert_node
 from pyproxy.core.model import IPFamily, Node, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause, Scope
-from pyproxy.run import DaemonObserver
 from pyproxy.serve.health import (
     HealthServer,
     ProxyHealth,
@@ -30,6 +29,7 @@ from pyproxy.serve.health import (
     parse_host_port,
 )
 from pyproxy.serve.metrics import Metrics
+from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -633,7 +633,7 @@ def test_stop_closes_every_listener(hcnp: Hcnp) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Wired to syncs (run.py's DaemonObserver)
+# Wired to syncs (serve/reporting.py's observers)
 
 
 def test_syncs_open_health_check_node_ports_with_local_ready_endpoint_counts() -> None:
@@ -649,15 +649,12 @@ def test_syncs_open_health_check_node_ports_with_local_ready_endpoint_counts() -
         eps["ports"] = [{"name": "http", "port": 8080, "protocol": "TCP"},
                         {"name": "alt", "port": 8081, "protocol": "TCP"}]
 
-    cache = ClusterCache("node-a")
-    proxier = NodeProxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
-                                            FakeNft())])
     proxy = ProxyHealth((V4,), timeout=TIMEOUT)
     service_health = ServiceHealth()
     hcnp = ServiceHealthServers(service_health, proxy, ["127.0.0.1"])
-    observer = DaemonObserver(lambda: proxier, (V4,), ("192.168.50.1",), proxy, Metrics(),
-                              service_health, hcnp)
-    proxier.observers.append(observer)
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
+        V4, NodeConfig("node-a", ("192.168.50.1",)), FakeNft())], observers=[
+            SyncReporting(proxy, Metrics()), HealthCheckNodePorts(service_health, hcnp)])
     for source in ("Service", "EndpointSlice", "Node"):
         proxier.expect(source)
         proxier.source_synced(source)
@@ -688,14 +685,11 @@ def test_syncs_open_health_check_node_ports_with_local_ready_endpoint_counts() -
 
 
 def test_a_sync_marks_the_proxy_updated_and_records_the_node() -> None:
-    cache = ClusterCache("node-a")
-    proxier = NodeProxier(cache, [FamilyProxier(V4, NodeConfig("node-a", ("192.168.50.1",)),
-                                            FakeNft())])
     mono = Clock(1000.0)
     proxy = ProxyHealth((V4,), timeout=TIMEOUT, clock=mono, wall_clock=Clock(START))
-    observer = DaemonObserver(lambda: proxier, (V4,), ("192.168.50.1",), proxy, Metrics(),
-                              ServiceHealth())
-    proxier.observers.append(observer)
+    observer = SyncReporting(proxy, Metrics())
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
+        V4, NodeConfig("node-a", ("192.168.50.1",)), FakeNft())], observers=[observer])
     for source in ("Service", "EndpointSlice"):
         proxier.expect(source)
         proxier.source_synced(source)
@@ -713,10 +707,10 @@ def test_a_sync_marks_the_proxy_updated_and_records_the_node() -> None:
     assert code == 503
     # A failed sync does not count as programmed; the next good one does.
     proxy.queued()
-    observer.failed(SyncRecord(START, Scope.CHANGED, Cause.CHANGES, 0, 0, 0.0, 0.0, 0.0, 0,
+    observer.failed(proxier, SyncRecord(START, Scope.CHANGED, Cause.CHANGES, 0, 0, 0.0, 0.0, 0.0, 0,
                                error="boom"))
     mono.now += TIMEOUT
     assert not proxy.healthy()
-    observer.synced(SyncRecord(START, Scope.FULL, Cause.AFTER_FAILURE, 0, 0, 0.0, 0.0, 0.0, 0),
-                    Checkout(frozenset(), False, 0, 0))
+    observer.synced(proxier, SyncRecord(START, Scope.FULL, Cause.AFTER_FAILURE, 0, 0, 0.0, 0.0,
+                                        0.0, 0), Checkout(frozenset(), False, 0, 0))
     assert proxy.healthy()

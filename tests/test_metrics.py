@@ -1,6 +1,6 @@
 """Prometheus metrics under kube-proxy's names (reference §5.3), fed the way the daemon feeds
-them: run.py's DaemonObserver hearing about syncs, and the scrape-time collector reading the
-selections in force."""
+them: serve/reporting.py's SyncReporting hearing about syncs, and the scrape-time collector
+reading the selections in force."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, Se
 from pyproxy.core.plan import Cause, Scope
 from pyproxy.core.topology import PortSelection
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.run import DaemonObserver, current_selections
-from pyproxy.serve.health import ProxyHealth, ServiceHealth
+from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
+from pyproxy.serve.reporting import SyncReporting
 from pyproxy.sync.node import NodeProxier, SyncRecord
 from pyproxy.sync.proxier import FamilyProxier, select_and_render
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -57,18 +57,15 @@ def buckets(metrics: Metrics, name: str) -> list[float]:
         if le != "+Inf"]
 
 
-def make_proxier(families: tuple[IPFamily, ...] = (V4,)) -> tuple[NodeProxier, FakeNft]:
+def make_proxier(families: tuple[IPFamily, ...] = (V4,),
+                 metrics: Metrics | None = None) -> tuple[NodeProxier, FakeNft]:
+    """A proxier on a fake kernel; with `metrics`, reporting its syncs to them as the
+    daemon's does (its first observer)."""
     nft = FakeNft()
-    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(f, NODE, nft) for f in families])
+    observers = [] if metrics is None else [SyncReporting(ProxyHealth(families), metrics)]
+    proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(f, NODE, nft) for f in families],
+                          observers=observers)
     return proxier, nft
-
-
-def observe(proxier: NodeProxier, metrics: Metrics) -> DaemonObserver:
-    families = tuple(p.family for p in proxier.proxiers)
-    observer = DaemonObserver(lambda: proxier, families, NODE.node_ips, ProxyHealth(families),
-                              metrics, ServiceHealth())
-    proxier.observers.append(observer)
-    return observer
 
 
 def initialized(proxier: NodeProxier) -> NodeProxier:
@@ -159,10 +156,10 @@ def test_histogram_buckets_are_upstreams() -> None:
 
 
 def test_synced_records_durations_timestamps_and_changes() -> None:
-    proxier, _ = make_proxier()
     metrics = Metrics()
-    observer = observe(proxier, metrics)
-    observer.synced(record(True, render=0.010, diff=0.002, kernel=0.020), checkout(2, 3))
+    proxier, _ = make_proxier(metrics=metrics)
+    observer = proxier.observers[0]
+    observer.synced(proxier, record(True, render=0.010, diff=0.002, kernel=0.020), checkout(2, 3))
     assert value(metrics, "kubeproxy_sync_proxy_rules_duration_seconds_count") == 1
     assert value(metrics, "kubeproxy_sync_proxy_rules_duration_seconds_sum") == \
         pytest.approx(0.032)
@@ -177,7 +174,7 @@ def test_synced_records_durations_timestamps_and_changes() -> None:
     assert value(metrics, "kubeproxy_sync_proxy_rules_service_changes_total") == 2
     assert value(metrics, "kubeproxy_sync_proxy_rules_endpoint_changes_total") == 3
 
-    observer.synced(record(False, kernel=0.004, started=START + 10), checkout(0, 1))
+    observer.synced(proxier, record(False, kernel=0.004, started=START + 10), checkout(0, 1))
     assert value(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds_count") == 1
     assert value(metrics, "kubeproxy_sync_partial_proxy_rules_duration_seconds_sum") == \
         pytest.approx(0.004)
@@ -192,9 +189,8 @@ def test_synced_records_durations_timestamps_and_changes() -> None:
 
 
 def test_queued_changes_are_pending_until_a_sync() -> None:
-    proxier, _ = make_proxier()
     metrics = Metrics()
-    observe(proxier, metrics)
+    proxier, _ = make_proxier(metrics=metrics)
     initialized(proxier)
     before = time.time()
     proxier.on_service(("ns", "web"), make_service("ns", "web"))
@@ -222,9 +218,8 @@ def test_queued_changes_are_pending_until_a_sync() -> None:
 
 
 def test_failed_syncs_are_counted_and_are_not_a_sync() -> None:
-    proxier, nft = make_proxier()
     metrics = Metrics()
-    observe(proxier, metrics)
+    proxier, nft = make_proxier(metrics=metrics)
     initialized(proxier)
     proxier.on_service(("ns", "web"), make_service("ns", "web"))
     nft.fail_next = 2  # the full sync, and the table replacement it then tries
@@ -249,11 +244,11 @@ def npl(metrics: Metrics) -> tuple[float, float]:
 
 
 def test_network_programming_latency_from_trigger_times() -> None:
-    proxier, _ = make_proxier()
     metrics = Metrics(started=START - 3600)
-    observer = observe(proxier, metrics)
+    proxier, _ = make_proxier(metrics=metrics)
+    observer = proxier.observers[0]
     commit = START + 0.5  # started + seconds of the record below
-    observer.synced(record(False, kernel=0.5), checkout(0, 2, (
+    observer.synced(proxier, record(False, kernel=0.5), checkout(0, 2, (
         rfc3339(START - 2),  # 2.5 s
         "2023-11-14T22:13:19.000000001Z",  # RFC3339Nano from Go: 1.5 s (ns truncated)
         "2023-11-15T00:13:19+02:00",  # the same instant in another zone: 1.5 s
@@ -285,9 +280,8 @@ def test_unusable_trigger_times_are_ignored(text: str) -> None:
 
 
 def test_trigger_times_arrive_from_endpoint_slices() -> None:
-    proxier, _ = make_proxier()
     metrics = Metrics(started=time.time() - 60)
-    observe(proxier, metrics)
+    proxier, _ = make_proxier(metrics=metrics)
     initialized(proxier)
     changed = time.time() - 2
 
@@ -413,11 +407,10 @@ def test_nothing_selected_exports_zeros() -> None:
 
 
 def test_the_collector_follows_the_proxier_between_syncs() -> None:
-    proxier, _ = make_proxier()
     metrics = Metrics()
-    observe(proxier, metrics)
+    proxier, _ = make_proxier(metrics=metrics)
     initialized(proxier)
-    metrics.watch_selections(lambda: current_selections(proxier))
+    metrics.watch_selections(proxier.current_selections)
     for kind, obj in cluster_objects():
         meta = obj["metadata"]
         if kind == "Node":

@@ -16,13 +16,13 @@ from pyproxy.config import ProxyConfig
 from pyproxy.core.convert import convert_node
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
 from pyproxy.core.plan import Cause
-from pyproxy.kernel.nft import Applier
 from pyproxy.render.services import render_config
-from pyproxy.run import DaemonObserver, NodeTracker, node_config_for, reconfigure
-from pyproxy.serve.health import ProxyHealth, ServiceHealth
+from pyproxy.serve.health import ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.serve.metrics import Metrics
+from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.settings import NodeTracker, node_config_for
 from testkit.builders import make_node, make_service
 from testkit.fakes import FakeNft
 
@@ -140,38 +140,34 @@ def test_render_takes_both_families_from_the_node(tmp_path: Path,
 
 
 class Daemon:
-    """The sync core as run_daemon wires it (tracker, reconfiguration, observer), with fake
-    libnftables instances that record each family's transactions."""
+    """The sync core as build_daemon wires it (tracker, reporting, health-check node ports),
+    with fake libnftables instances that record each family's transactions."""
 
     def __init__(self, interface_ips: tuple[str, ...]) -> None:
         self.nfts: dict[IPFamily, FakeNft] = {}
         config = ProxyConfig()
         start = config.node_config("node-a", interface_ips)
         self.cache = ClusterCache("node-a")
-        self.tracker = NodeTracker(config, "node-a", interface_ips, start,
-                                   lambda: self.cache.node)
-        self.proxier = NodeProxier(self.cache, [self.family(IPFamily.IPv4, start)],
-                               reconfigure=self.tracker)
         self.health = ProxyHealth((IPFamily.IPv4,))
-        self.observer = DaemonObserver(lambda: self.proxier, (IPFamily.IPv4,), start.node_ips,
-                                       self.health, Metrics(), ServiceHealth())
-        self.proxier.observers.append(self.observer)
-        self.tracker.on_change.append(lambda new: reconfigure(
-            new, self.proxier, self.observer, self.health, self.family))
+        service_health = ServiceHealth()
+        self.hcnp = HealthCheckNodePorts(service_health, ServiceHealthServers(
+            service_health, self.health, list(start.node_ips)), start.node_ips)
         self.requests = 0
-
-        def request() -> None:
-            self.requests += 1
-
-        self.proxier.request_sync = request
+        self.proxier = NodeProxier(
+            self.cache, [self.family(IPFamily.IPv4, start)],
+            reconfigure=NodeTracker(config, "node-a", interface_ips, start,
+                                    lambda: self.cache.node),
+            make_family=self.family, request_sync=self.request,
+            observers=[SyncReporting(self.health, Metrics()), self.hcnp])
         for source in ("Service", "EndpointSlice", "Node"):
             self.proxier.expect(source)
 
+    def request(self) -> None:
+        self.requests += 1
+
     def family(self, family: IPFamily, config: NodeConfig) -> FamilyProxier:
         self.nfts[family] = FakeNft()
-        proxier = FamilyProxier(family, config, self.nfts[family])
-        proxier.applier = Applier(family.nft_family, self.nfts[family], state=proxier.state)
-        return proxier
+        return FamilyProxier(family, config, self.nfts[family])
 
 
 def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() -> None:
@@ -194,7 +190,10 @@ def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() 
     record = daemon.proxier.history[-1]
     assert record.full and record.cause is Cause.RECONFIGURED
     assert "nodeport-ips { 192.168.50.1 }" in daemon.nfts[IPFamily.IPv4].last
-    assert daemon.observer.node_ips == ("192.168.50.1",)
+    assert daemon.proxier.node_ips == ("192.168.50.1",)
+    # the health-check node ports follow the node's IPs
+    assert daemon.hcnp.servers is not None
+    assert daemon.hcnp.servers.addresses == ("192.168.50.1",)
 
     # an unrelated Node update (a label) does not touch the configuration
     relabelled = node_with(("InternalIP", "192.168.50.1"))
@@ -219,4 +218,4 @@ def test_a_family_the_node_gains_gets_its_table() -> None:
     assert "add table ip6 pyproxy" in daemon.nfts[IPFamily.IPv6].last
     assert "nodeport-ips { fd00:50::1 }" in daemon.nfts[IPFamily.IPv6].last
     assert daemon.health.families == (IPFamily.IPv4, IPFamily.IPv6)
-    assert daemon.observer.families == (IPFamily.IPv4, IPFamily.IPv6)
+    assert daemon.proxier.families == (IPFamily.IPv4, IPFamily.IPv6)

@@ -16,6 +16,7 @@ from pyproxy.core.model import IPFamily
 from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
+from pyproxy.serve.reporting import SyncReporting
 
 
 def free_port() -> int:
@@ -62,7 +63,7 @@ def test_hard_fail_makes_a_busy_port_fatal() -> None:
 
 def test_the_daemon_is_built_finished(tmp_path: Path) -> None:
     """`build_daemon` gives every part what it needs at construction: the proxier asks the
-    runner for syncs, reports to the observer and to health, health reads the proxier's
+    runner for syncs, reports to its observers and to health, health reads the proxier's
     damage; nothing is patched in afterwards (Daemon is frozen) and nothing runs yet."""
     snapshot = tmp_path / "cluster.yaml"
     snapshot.write_text("[]\n")
@@ -74,7 +75,8 @@ def test_the_daemon_is_built_finished(tmp_path: Path) -> None:
     proxier = daemon.proxier
     assert daemon.address_check is None and isinstance(daemon.source, run.SnapshotSource)
     assert daemon.source.proxier is proxier
-    assert proxier.observers == [daemon.observer] and daemon.observer.proxier_ref() is proxier
+    reporting = proxier.observers[0]
+    assert isinstance(reporting, SyncReporting) and reporting.health is daemon.health
     assert proxier.on_node_change == [daemon.health.set_node]
     assert not daemon.runner.schedule().requested
     proxier.request_sync()

@@ -26,8 +26,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pyproxy.core.localhost import NodePortSpec
-from pyproxy.core.model import IPFamily
+from pyproxy.cluster.cache import Checkout
+from pyproxy.core.localhost import NodePortSpec, nodeport_specs
+from pyproxy.core.model import IPFamily, LocalhostNodePorts
+from pyproxy.kernel.nlsets import rule_packets
+from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
+from pyproxy.serve.metrics import Metrics
+from pyproxy.sync.node import NodeProxier, SyncRecord
 
 log = structlog.get_logger(__name__)
 
@@ -211,3 +216,59 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
         pass
     with contextlib.suppress(OSError):
         dst.shutdown(socket.SHUT_WR)
+
+
+@dataclass
+class LocalhostProxies:
+    """Localhost NodePorts (KEP-6032): after every sync, under the sync lock, each family
+    whose configuration turns the userspace proxy on gets listeners for the TCP NodePorts of
+    the selections in force; a family that has it off has none."""
+
+    metrics: Metrics
+    listeners: dict[IPFamily, LocalhostListeners] = field(default_factory=dict)
+
+    def queued(self, proxier: NodeProxier) -> None:
+        pass
+
+    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
+        pass
+
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        self.sync(proxier)
+
+    def sync(self, proxier: NodeProxier) -> None:
+        for family_proxier in proxier.proxiers:
+            family = family_proxier.family
+            mode = family_proxier.config.localhost_nodeports(family)
+            current = self.listeners.get(family)
+            if mode is not LocalhostNodePorts.PROXY:
+                if current is not None:
+                    self.listeners.pop(family).shutdown()
+                continue
+            if current is None:
+                on_listeners, on_failure = self.metrics.localhost_listener_callbacks(str(family))
+                current = self.listeners[family] = LocalhostListeners(
+                    family, on_listeners=on_listeners, on_failure=on_failure)
+            current.sync(nodeport_specs(family_proxier.selections.values()))
+
+    def shutdown(self) -> None:
+        for listeners in self.listeners.values():
+            listeners.shutdown()
+        self.listeners.clear()
+
+
+def rejected_reader(proxier: NodeProxier,
+                    packets: Callable[[str, str], int | None] = rule_packets,
+                    ) -> Callable[[], dict[tuple[str, str], int]]:
+    """What the localhost NodePort reject chains of every family counted, per (family,
+    protocol as kube-proxy spells it: TCP, UDP, SCTP)."""
+    def read() -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for family_proxier in list(proxier.proxiers):
+            family = family_proxier.family
+            for proto in PROTOCOLS:
+                found = packets(family.nft_family, localhost_nodeport_reject_chain(proto))
+                if found is not None:
+                    out[(str(family), proto.upper())] = found
+        return out
+    return read

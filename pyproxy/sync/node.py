@@ -25,13 +25,23 @@ from typing import Any, Protocol
 import structlog
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
-from pyproxy.core.model import Node, ObjectKey, ServiceKey, ServicePort, Skipped
+from pyproxy.core.model import (
+    IPFamily,
+    Node,
+    NodeConfig,
+    ObjectKey,
+    ServiceKey,
+    ServicePort,
+    Skipped,
+)
 from pyproxy.core.plan import Cause, Scope, SyncFacts, SyncPeriods, SyncPlan, plan_sync
+from pyproxy.core.topology import PortSelection
 from pyproxy.core.wire import SliceDoc
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import SyncResult
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
+from pyproxy.sync.settings import families_of
 
 log = structlog.get_logger(__name__)
 
@@ -67,13 +77,56 @@ class SyncRecord:
 
 
 class SyncObserver(Protocol):
-    """Health, metrics and conntrack cleanup hear about syncs through this."""
+    """Health, metrics, conntrack cleanup and the rest of the daemon hear about syncs through
+    this, each told which proxier: an observer is built before the proxier it observes. All
+    three are called under the sync lock."""
 
-    def queued(self) -> None: ...
+    def queued(self, proxier: NodeProxier) -> None:
+        """A change was recorded that a sync has yet to program."""
+        ...
 
-    def synced(self, record: SyncRecord, checkout: Checkout) -> None: ...
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        """A sync succeeded: `checkout` is what it programmed."""
+        ...
 
-    def failed(self, record: SyncRecord) -> None: ...
+    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
+        """A sync failed (the runner retries it)."""
+        ...
+
+
+@dataclass(frozen=True)
+class AfterSync:
+    """An observer of successful syncs only: `hook(proxier)`, under the sync lock."""
+
+    hook: Callable[[NodeProxier], None]
+
+    def queued(self, proxier: NodeProxier) -> None:
+        pass
+
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        self.hook(proxier)
+
+    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
+        pass
+
+
+@dataclass
+class FirstSync:
+    """`then()` once, after the first successful sync (systemd's READY=1)."""
+
+    then: Callable[[], None]
+    done: bool = False
+
+    def queued(self, proxier: NodeProxier) -> None:
+        pass
+
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        if not self.done:
+            self.done = True
+            self.then()
+
+    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
+        pass
 
 
 def _first_line(text: str) -> str:
@@ -109,10 +162,12 @@ class NodeProxier:
     wall_clock: Callable[[], float] = time.time
     observers: list[SyncObserver] = field(default_factory=list)
     request_sync: Callable[[], None] = lambda: None
-    # Called first in every sync, under the lock: brings this node's own configuration (its
-    # IPs, from its Node object) up to date, and says whether it changed (the sync is then a
-    # full one).
-    reconfigure: Callable[[], bool] = lambda: False
+    # Called first in every sync, under the lock: this node's own configuration (its IPs,
+    # from its Node object) if it changed, else None. Every family renders with it from then
+    # on (the sync is a full one), and a family the node newly has an address of gets its
+    # table from `make_family`. None is dropped while running: its table stays programmed.
+    reconfigure: Callable[[], NodeConfig | None] = lambda: None
+    make_family: Callable[[IPFamily, NodeConfig], FamilyProxier] = FamilyProxier
     on_invalid: list[Callable[[Skipped], None]] = field(default_factory=list)
     # Told this node's Node object at every event about it, without waiting for a sync:
     # /healthz answers for the node's eligibility at once (a ToBeDeletedByClusterAutoscaler
@@ -197,7 +252,7 @@ class NodeProxier:
         self._count_invalid(skipped)
         if self.cache.has_pending():
             for observer in self.observers:
-                observer.queued()
+                observer.queued(self)
             if self.initialized:
                 self.request_sync()
 
@@ -225,6 +280,31 @@ class NodeProxier:
         tables and the repair has not succeeded yet), or None."""
         return self.repairs.damage()
 
+    # -- what it programs ----------------------------------------------------------------------
+
+    @property
+    def families(self) -> tuple[IPFamily, ...]:
+        """The families programmed (one table each), in the order their tables were made."""
+        return tuple(p.family for p in self.proxiers)
+
+    @property
+    def node_ips(self) -> tuple[str, ...]:
+        """The node IPs its rules are rendered with (every family has the same configuration)."""
+        return self.proxiers[0].config.node_ips if self.proxiers else ()
+
+    def current_selections(self) -> list[PortSelection]:
+        """The selections in force, copied under the sync lock (for metrics and the live CLI)."""
+        with self.lock:
+            return [ps for family in self.proxiers for ps in family.selections.values()]
+
+    def _reconfigure(self, new: NodeConfig) -> None:
+        have = set(self.families)
+        for family_proxier in self.proxiers:
+            family_proxier.config = new
+        for family in families_of(new.node_ips):
+            if family not in have:
+                self.proxiers.append(self.make_family(family, new))
+
     # -- syncing -----------------------------------------------------------------------------
 
     @property
@@ -241,14 +321,16 @@ class NodeProxier:
                 log.debug("sync_skipped_waiting_for_initial_lists", sources=self._sources)
                 return False
             now = self.clock()
-            reconfigured = self.reconfigure()
+            new_config = self.reconfigure()
+            if new_config is not None:
+                self._reconfigure(new_config)
             checkout = self.cache.checkout()
             reported = self.repairs.reported()
             facts = SyncFacts(
                 synced=self.synced,
                 in_step=all(p.applier.in_step for p in self.proxiers),
                 repair_wanted=self.repairs.wanted(reported),
-                reconfigured=reconfigured,
+                reconfigured=new_config is not None,
                 topology_changed=checkout.topology_changed,
                 idle=not checkout.services,
                 since_full=now - (self._last_full if self._last_full is not None else now),
@@ -281,7 +363,7 @@ class NodeProxier:
             self.repairs.failed(_first_line(str(err)))
             record = self._record_sync(started, plan, checkout, results, str(err))
             for observer in self.observers:
-                observer.failed(record)
+                observer.failed(self, record)
             raise
         if plan.full:
             self._last_full = now
@@ -293,7 +375,7 @@ class NodeProxier:
             self.repairs.repaired(reported)
         record = self._record_sync(started, plan, checkout, results, None)
         for observer in self.observers:
-            observer.synced(record, checkout)
+            observer.synced(self, record, checkout)
 
     def _record_sync(self, started: float, plan: SyncPlan, checkout: Checkout,
                      results: list[SyncResult], error: str | None) -> SyncRecord:

@@ -1,0 +1,119 @@
+"""Conntrack cleanup after syncs (what to delete is `kernel/conntrack.py`'s; this decides when).
+
+Two kinds of work, in order: the stale UDP flows of the services a sync changed (`Allowed`:
+the diff of UDP targets between syncs), and after a repair the entries made while our rules
+were missing (`ServiceFrontends`). The work is handed to a worker thread: dumping and deleting
+entries can take seconds with many flows, and must not hold up the next sync."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pyproxy.cluster.cache import Checkout
+from pyproxy.core.model import ClusterState, IPFamily, ServiceKey
+from pyproxy.core.plan import Cause
+from pyproxy.kernel.conntrack import (
+    Allowed,
+    ServiceFrontends,
+    UdpTarget,
+    allowed_map,
+    claimants,
+    needs_cleanup,
+    service_frontends,
+    udp_targets,
+    withdrawn,
+)
+from pyproxy.sync.node import NodeProxier, SyncRecord
+
+if TYPE_CHECKING:
+    from pyproxy.kernel.netlink import CleanupResult
+
+
+class ConntrackSink(Protocol):
+    """Where the cleanup hands conntrack work (ConntrackWorker; a recording fake in tests)."""
+
+    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None: ...
+
+
+class ConntrackWorker:
+    """Conntrack cleanup off the sync path, in one thread started by `start()`; each result
+    (its duration and what it deleted) goes to `on_result` (the metrics)."""
+
+    def __init__(self, on_result: Callable[[CleanupResult], None]) -> None:
+        self.on_result = on_result
+        self.pending: queue.Queue[tuple[IPFamily, Allowed | ServiceFrontends]] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="conntrack", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None:
+        self.pending.put((family, work))
+
+    def _run(self) -> None:
+        from pyproxy.kernel.netlink import ConntrackCleaner
+
+        cleaner = ConntrackCleaner()
+        while True:
+            family, work = self.pending.get()
+            if isinstance(work, ServiceFrontends):
+                self.on_result(cleaner.clear_not_dnated(family, work))
+            else:
+                self.on_result(cleaner.cleanup(family, work))
+
+
+@dataclass
+class ConntrackCleanup:
+    """The sync observer that decides the cleanup: after each sync, the UDP targets of the
+    services it changed against those of the last (every service after a full sync or a
+    topology change); after a repair, the frontends of every service."""
+
+    sink: ConntrackSink
+    _udp_targets: dict[Any, UdpTarget] | None = None
+
+    def queued(self, proxier: NodeProxier) -> None:
+        pass
+
+    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
+        pass
+
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        state = proxier.cache.state()
+        if record.cause is Cause.REPAIR:
+            self._after_repair(proxier, state)
+        self._udp(proxier, state, None if record.full or checkout.topology_changed
+                  else checkout.services)
+
+    def _after_repair(self, proxier: NodeProxier, state: ClusterState) -> None:
+        """Connections started while our rules were missing keep conntrack entries without
+        DNAT, which their next packets follow (pyproxy/kernel/conntrack.py, end): deleted
+        now, so that those packets are NATed afresh by the repaired rules."""
+        for family in proxier.families:
+            self.sink.submit(family, service_frontends(state, family, proxier.node_ips))
+
+    def _udp(self, proxier: NodeProxier, state: ClusterState,
+             services: frozenset[ServiceKey] | None) -> None:
+        families = proxier.families
+        current = udp_targets(state, families, services)
+        previous = self._udp_targets
+        merged = dict(previous or {})
+        if services is None:
+            merged = dict(current)
+        else:
+            merged = {k: v for k, v in merged.items() if k[0].service not in services}
+            merged.update(current)
+        self._udp_targets = merged
+        if previous is not None and not needs_cleanup(previous, current, services):
+            return
+        # A frontend that went away (a deleted Service) allows nobody; one another Service
+        # still claims keeps that Service's endpoints.
+        gone = withdrawn(previous or {}, current, services)
+        work = {**claimants(merged, gone), **current}
+        for family in families:
+            targets = [t for (_name, fam), t in (*work.items(), *gone.items()) if fam is family]
+            if targets:
+                self.sink.submit(family, allowed_map(targets, proxier.node_ips))

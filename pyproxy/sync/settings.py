@@ -1,0 +1,75 @@
+"""What the sync layer takes from the configuration: this node's configuration, kept in step
+with its Node object, the families it programs, and the clocks of its syncs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from pyproxy.config import ProxyConfig
+from pyproxy.core.model import IPFamily, Node, NodeConfig, ip_family, override_ips
+
+log = structlog.get_logger(__name__)
+
+
+def families_of(node_ips: Sequence[str]) -> tuple[IPFamily, ...]:
+    """The families a node with these IPs programs (IPv4 when it has none)."""
+    found = tuple(dict.fromkeys(ip_family(ip) for ip in node_ips))
+    return found or (IPFamily.IPv4,)
+
+
+def node_config_for(config: ProxyConfig, node_name: str, node: Node | None,
+                    interface_ips: Sequence[str]) -> NodeConfig:
+    """This node's configuration, as kube-proxy derives it: per family the IP its Node object
+    gives (status.addresses: InternalIP first, then ExternalIP), bindAddress replacing the one
+    of its family; its podCIDRs for detect-local mode NodeCIDR. A family the Node has no
+    address of takes the primary interface address (kube-proxy would assume loopback)."""
+    host_ips = node.host_ips if node is not None else ()
+    pod_cidrs = node.pod_cidrs if node is not None else ()
+    return config.node_config(node_name, override_ips(host_ips, interface_ips), pod_cidrs)
+
+
+@dataclass
+class NodeTracker:
+    """Keeps the node's configuration in step with its Node object. Called first in every
+    sync (under the sync lock): the first sync comes only after the Node's initial list, so
+    no rule is ever written with IPs the Node object contradicts. kube-proxy exits when its
+    node's IPs change and is restarted; here the new configuration is returned to the
+    proxier, which makes the sync a full one that re-renders everything with the new IPs."""
+
+    config: ProxyConfig
+    node_name: str
+    interface_ips: tuple[str, ...]
+    current: NodeConfig
+    node: Callable[[], Node | None]
+
+    def __call__(self) -> NodeConfig | None:
+        """The new configuration, or None when it did not change."""
+        wanted = node_config_for(self.config, self.node_name, self.node(), self.interface_ips)
+        if wanted == self.current:
+            return None
+        log.info("node_config_from_node", node_ips=list(wanted.node_ips),
+                 was=list(self.current.node_ips), pod_cidrs=list(wanted.node_cidrs))
+        self.current = wanted
+        return wanted
+
+
+@dataclass(frozen=True)
+class SyncTiming:
+    """The daemon's clocks, from syncPeriod, minSyncPeriod and pyproxy's fullSyncPeriod."""
+
+    min_interval: float  # shortest gap from the end of one sync to the next (batching)
+    retry_interval: float  # after a failed sync
+    max_interval: float  # a sync at least this often: it checks the table for tampering
+    health_timeout: float  # a queued change older than this makes /healthz fail
+    full_sync_period: float
+    verify_period: float  # how often a sync compares the table's structure with ours
+
+
+def sync_timing(config: ProxyConfig) -> SyncTiming:
+    return SyncTiming(
+        min_interval=config.min_sync_period, retry_interval=config.sync_period,
+        max_interval=config.sync_period, health_timeout=2 * config.sync_period,
+        full_sync_period=config.full_sync_period, verify_period=config.sync_period)
