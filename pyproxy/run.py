@@ -1,16 +1,20 @@
-"""`pyproxy run`: wiring the daemon together (the outermost shell).
+"""`pyproxy run`: the daemon built part by part, then started (the outermost shell).
 
 sources (API watches | snapshot file) → NodeProxier (cache + tracking) → runner → nftables,
-with health, metrics and conntrack cleanup listening to every sync.
+with health, metrics, conntrack cleanup and the rest observing every sync. Only wiring lives
+here: each part is in its stage's package, and `build_daemon` builds each before the parts
+that need it. The kernel and the clock are passed in, so tests, drills and benches build the
+daemon `pyproxy run` builds.
 """
 
 from __future__ import annotations
 
 import os
 import platform
-import signal
 import threading
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -21,24 +25,24 @@ from pyproxy.cluster.apiserver import ApiAddressCheck, client_for, server_host
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.events import record_start
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
-from pyproxy.config import ConfigError, ProxyConfig
-from pyproxy.core.model import (
-    NodeConfig,
-)
+from pyproxy.config import ProxyConfig
+from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.kernel.host import apply_host_settings, log_outcome, warn_if_kernel_below_supported
 from pyproxy.kernel.libnftables import OWN_SOCKETS
+from pyproxy.kernel.netlink import primary_addresses
+from pyproxy.kernel.nft import Kernel
 from pyproxy.kernel.nftevents import NftMonitor
-from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.kernel.privileges import require_privileges
 from pyproxy.logs import setup_logging
-from pyproxy.serve.connections import REFRESH_INTERVAL, ConnectionCounters, Kernel
-from pyproxy.serve.health import ProxyHealth, ServiceHealth, ServiceHealthServers
-from pyproxy.serve.live import counting_context
+from pyproxy.serve import connections as conns
+from pyproxy.serve import servers as serving
+from pyproxy.serve.debug import DebugServer
+from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
+from pyproxy.serve.live import connection_counters
 from pyproxy.serve.localhost import LocalhostProxies, rejected_reader
 from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting, hcnp_addresses
-from pyproxy.serve.servers import sd_notify, start_debug, start_servers
 from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker
 from pyproxy.sync.node import AfterSync, FirstSync, NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
@@ -48,12 +52,24 @@ from pyproxy.sync.settings import NodeTracker, families_of, sync_timing
 
 log = structlog.get_logger(__name__)
 
+@dataclass
+class _Running:
+    """What `Daemon.start()` started that `stop()` ends."""
+
+    servers: list[HealthServer | serving.MetricsServer] = field(default_factory=list)
+    debug: DebugServer | None = None
+    loop: threading.Thread | None = None
+    error: BaseException | None = None  # what ended the sync loop, if not `stopping`
+
 
 @dataclass(frozen=True)
 class Daemon:
-    """The daemon's object graph, finished: nothing in it is assigned or appended to after
-    `build_daemon` returns. Nothing runs yet either (but the conntrack worker's thread)."""
+    """The daemon's object graph, built whole by `build_daemon`: no part is assigned after.
+    What grows while it runs is state, not wiring: the proxier makes a family's table when
+    the node gains an address of that family. Nothing runs until `start()`."""
 
+    config: ProxyConfig
+    stopping: threading.Event
     cache: ClusterCache
     proxier: NodeProxier
     runner: BoundedFrequencyRunner
@@ -61,81 +77,148 @@ class Daemon:
     metrics: Metrics
     health_check_node_ports: HealthCheckNodePorts
     localhost: LocalhostProxies
-    connections: ConnectionCounters
+    conntrack: ConntrackWorker
+    connections: conns.ConnectionCounters
     coexistence: CoexistenceCheck
     source: ApiSource | SnapshotSource
     address_check: ApiAddressCheck | None
+    _running: _Running = field(default_factory=lambda: _Running())
+
+    def start(self) -> None:
+        """Start every part's threads, then the sync loop. ConfigError (bindAddressHardFail)
+        before anything on the host changes."""
+        stop = self.stopping
+        self.conntrack.start()
+        threading.Thread(target=self.connections.run_periodically,
+                         args=(stop, conns.REFRESH_INTERVAL), name="connection-counters",
+                         daemon=True).start()
+        NftMonitor(OWN_SOCKETS, self.proxier.table_changed, self.proxier.events_lost,
+                   on_other_tables=self.coexistence.request).start(stop)
+        self.coexistence.start(stop)
+        self._running.servers = serving.start_servers(self.config, self.health, self.metrics, stop)
+        # The checks are done: from here on pyproxy changes the host.
+        for outcome in apply_host_settings(self.config):
+            log_outcome(outcome)
+        if self.address_check is not None:
+            self.address_check(self.cache.state())  # what the environment tells, before any list
+        if isinstance(self.source, ApiSource):
+            self.source.start(self.proxier)
+            record_start(self.source.api_client, self.cache.node_name, stop)
+        else:
+            self.source.start()
+        self._running.debug = serving.start_debug(
+            self.config, self.proxier, self.health, self.runner, self.source, self.connections,
+            self.address_check, self.coexistence)
+        loop = self._running.loop = threading.Thread(target=self._loop, name="sync-proxy-rules",
+                                                     daemon=True)
+        loop.start()
+
+    def _loop(self) -> None:
+        try:
+            self.runner.loop(self.proxier.sync, self.stopping)
+        except BaseException as err:  # not a failed sync (the runner retries those)
+            self._running.error = err
+        finally:
+            self.stopping.set()
+
+    def wait(self) -> None:
+        """Until the sync loop has ended (`stopping` set); what ended it otherwise is raised."""
+        self.stopping.wait()  # interrupted by signals, as a thread's join may not be
+        if self._running.loop is not None:
+            self._running.loop.join()
+        if self._running.error is not None:
+            raise self._running.error
+
+    def stop(self) -> None:
+        """End the sync loop and close what is served. The rules stay in place."""
+        self.stopping.set()
+        self.wait()
+        log.info("stopping")
+        serving.sd_notify("STOPPING=1")
+        for server in self._running.servers:  # with those a retry started since
+            server.stop()
+        if self._running.debug is not None:
+            self._running.debug.stop()
+        self.health_check_node_ports.stop()
+        self.localhost.shutdown()
 
 
-def build_daemon(config: ProxyConfig, node_name: str, interface_ips: tuple[str, ...],
-                 node_config: NodeConfig, api_client: Any, stop: threading.Event) -> Daemon:
-    """Every part built once, each given what it needs when it is made; the observers of
-    the proxier's syncs before it (each is told which proxier synced). One cycle is left,
-    closed by a lambda over a part built further down: the proxier's syncs may start the
-    API source's watch of every Node, and the source feeds the proxier."""
+def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
+                 kernel: Callable[[IPFamily], Kernel] | None = None,
+                 clock: Callable[[], float] = time.monotonic, api_client: Any = None,
+                 stop: threading.Event | None = None) -> Daemon:
+    """Every part built once, each before the parts that need it and given them when made.
+    `interface_ips` stand in for the Node's IPs until its object is known; `kernel`: what
+    each family's table is written to (libnftables when None); `api_client`: None only with
+    a snapshot."""
+    node_name = config.node_name()
+    node_config = config.node_config(node_name, interface_ips)
     families = families_of(node_config.node_ips)
+    log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
+             families=[str(f) for f in families], source="snapshot" if config.snapshot else "api")
     timing = sync_timing(config)
+    stop = stop or threading.Event()
+
     metrics = Metrics()
     if api_client is not None:
         observe_requests(api_client, metrics)  # client-go's rest_client_* metrics
-    service_health = ServiceHealth()
     cache = ClusterCache(node_name)
     # Someone else changing our tables: repaired at once, and /healthz fails until it is.
     repairs = Repairs()
-    health = ProxyHealth(families, timeout=timing.health_timeout, damage=repairs.damage)
-    localhost = LocalhostProxies(metrics)
+    health = ProxyHealth(families, timeout=timing.health_timeout, clock=clock,
+                         damage=repairs.damage)
     runner = BoundedFrequencyRunner("sync-proxy-rules", timing.min_interval,
-                                    timing.retry_interval, timing.max_interval)
-    address_check = None if config.snapshot else ApiAddressCheck(
-        server_host(api_client), metrics.api_server_via_service.set,
-        apiconnection.kubelet_cluster_ips(os.environ))
+                                    timing.retry_interval, timing.max_interval, clock=clock)
     reporting = SyncReporting(health, metrics)
+    service_health = ServiceHealth()
     hcnp = HealthCheckNodePorts(service_health, ServiceHealthServers(
         service_health, health, hcnp_addresses(node_config.node_ips)), node_config.node_ips)
     conntrack = ConntrackWorker(reporting.conntrack_cleaned)
-    conntrack.start()
+    localhost = LocalhostProxies(metrics)
+    address_check = None if config.snapshot else ApiAddressCheck(
+        server_host(api_client), metrics.api_server_via_service.set,
+        apiconnection.kubelet_cluster_ips(os.environ))
+    api_source = None if config.snapshot else ApiSource(
+        api_client, node_name, stop, service_cidrs=config.watches_service_cidrs,
+        content_type=config.content_type)
+    if api_source is not None:
+        metrics.watch_api(api_source.status)
     observers: list[SyncObserver] = [reporting, hcnp, ConntrackCleanup(conntrack),
-                                     FirstSync(lambda: sd_notify("READY=1"))]
+                                     FirstSync(lambda: serving.sd_notify("READY=1"))]
     if config.localhost_nodeports_gate:
         observers.append(localhost)
     if address_check is not None:
         check = address_check
         observers.append(AfterSync(lambda proxier: check(proxier.cache.state())))
+    if api_source is not None:  # every Node watched once a service uses their labels
+        api = api_source
+        observers.append(AfterSync(
+            lambda proxier: api.watch_all_nodes() if proxier.cache.uses_node_labels() else None))
 
-    def watch_all_nodes(proxier: NodeProxier) -> None:
-        if isinstance(source, ApiSource) and proxier.cache.uses_node_labels():
-            source.watch_all_nodes()
+    def make_family(family: IPFamily, node: NodeConfig) -> FamilyProxier:
+        return FamilyProxier(family, node, kernel(family) if kernel else None)
 
-    if not config.snapshot:
-        observers.append(AfterSync(watch_all_nodes))
     proxier = NodeProxier(
-        cache, [FamilyProxier(f, node_config) for f in families],
+        cache, [make_family(f, node_config) for f in families],
         full_sync_period=timing.full_sync_period, verify_period=timing.verify_period,
+        clock=clock, observers=observers, request_sync=runner.run,
         reconfigure=NodeTracker(config, node_name, interface_ips, node_config,
                                 lambda: cache.node),
-        request_sync=runner.run, repairs=repairs, observers=observers,
+        make_family=make_family, repairs=repairs,
         on_invalid=[lambda s: metrics.invalid_objects.labels(kind=s.kind).inc()],
         on_node_change=[health.set_node])
+    source = api_source or SnapshotSource(config.snapshot or "", proxier, stop)
     if config.localhost_nodeports_gate:
         metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
     metrics.watch_selections(proxier.current_selections)
-    counters = KernelCounters()
-    connections = ConnectionCounters(families, lambda: counting_context(proxier),
-                                     Kernel(counters.read, counters.delete))
+    connections = connection_counters(proxier)
     metrics.watch_connections(connections.totals)
     # Other tables' base chains that drop what we accept: checked at start and after every
     # change to another table's chains or rules.
     coexistence = CoexistenceCheck(
         tuple(families), lambda found: metrics.other_table_drops.set(len(found)))
-    source: ApiSource | SnapshotSource = (
-        SnapshotSource(config.snapshot, proxier, stop) if config.snapshot
-        else ApiSource(api_client, proxier, node_name, stop,
-                       service_cidrs=config.watches_service_cidrs,
-                       content_type=config.content_type))
-    if isinstance(source, ApiSource):
-        metrics.watch_api(source.status)
-    return Daemon(cache, proxier, runner, health, metrics, hcnp, localhost, connections,
-                  coexistence, source, address_check)
+    return Daemon(config, stop, cache, proxier, runner, health, metrics, hcnp, localhost,
+                  conntrack, connections, coexistence, source, address_check)
 
 
 def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
@@ -151,68 +234,17 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         api_client = client_for(apiconnection.load(config), config)
     for warning in config.unapplied:
         log.warning("configuration", note=warning)
-    stop = stop or threading.Event()
-    node_name = config.node_name()
     if node_ips is None:
-        from pyproxy.kernel.netlink import primary_addresses
-
         node_ips = primary_addresses()
-    # Until the Node object is known (its initial list completes before the first sync), the
-    # interfaces' addresses stand in for its IPs.
-    node_config = config.node_config(node_name, node_ips)
-    families = families_of(node_config.node_ips)
     for note in config.notes:
         log.info("configuration", note=note)
-    log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
-             families=[str(f) for f in families],
-             source="snapshot" if config.snapshot else "api")
+    # Until the Node object is known (its initial list completes before the first sync), the
+    # interfaces' addresses stand in for its IPs.
+    daemon = build_daemon(config, api_client=api_client, interface_ips=tuple(node_ips),
+                          stop=stop)
     warn_if_kernel_below_supported(platform.release())
-
-    daemon = build_daemon(config, node_name, tuple(node_ips), node_config, api_client, stop)
-    proxier, runner, health, metrics = daemon.proxier, daemon.runner, daemon.health, daemon.metrics
-    connections, coexistence, source = daemon.connections, daemon.coexistence, daemon.source
-    address_check, localhost = daemon.address_check, daemon.localhost
-    threading.Thread(target=connections.run_periodically, args=(stop, REFRESH_INTERVAL),
-                     name="connection-counters", daemon=True).start()
-    NftMonitor(OWN_SOCKETS, proxier.table_changed, proxier.events_lost,
-               on_other_tables=coexistence.request).start(stop)
-    coexistence.start(stop)
-
-    try:
-        servers = start_servers(config, health, metrics, stop)
-    except OSError as err:
-        raise ConfigError(f"bindAddressHardFail (--bind-address-hard-fail): {err}") from None
-    # The checks are done: from here on pyproxy changes the host.
-    for outcome in apply_host_settings(config):
-        log_outcome(outcome)
-    if address_check is not None:
-        address_check(daemon.cache.state())  # what the environment tells, before any list
-    source.start()
-    if isinstance(source, ApiSource):
-        record_start(source.api_client, node_name, stop)
-
-    debug = start_debug(config, proxier, health, runner, source, connections, address_check,
-                         coexistence)
-    _install_signal_handlers(stop)
-    runner.loop(proxier.sync, stop)
-    log.info("stopping")
-    sd_notify("STOPPING=1")
-    for server in servers:
-        server.stop()
-    if debug is not None:
-        debug.stop()
-    daemon.health_check_node_ports.stop()
-    localhost.shutdown()
+    daemon.start()
+    serving.stop_on_signals(daemon.stopping)
+    daemon.wait()
+    daemon.stop()
     return 0
-
-
-def _install_signal_handlers(stop: threading.Event) -> None:
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def handle(signum: int, frame: object) -> None:
-        log.info("signal_received", signal=signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)

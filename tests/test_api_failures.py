@@ -202,12 +202,11 @@ def daemon_on(tmp_path: Path) -> Iterator[Callable[[ApiEmulator], str]]:
     def start_on(api: ApiEmulator) -> str:
         socket_path = str(tmp_path / "debug.sock")
         config = ProxyConfig(healthz_bind_address=None, metrics_bind_address=None,
-                             debug_socket=socket_path)
-        node_config = config.node_config("node-a", ("192.168.50.1",))
-        daemon = run.build_daemon(config, "node-a", ("192.168.50.1",), node_config,
-                                  api.api_client(), stop)
+                             debug_socket=socket_path, hostname_override="node-a")
+        daemon = run.build_daemon(config, interface_ips=("192.168.50.1",),
+                                  api_client=api.api_client(), stop=stop)
         assert isinstance(daemon.source, ApiSource)
-        for reflector_thread in daemon.source.start():
+        for reflector_thread in daemon.source.start(daemon.proxier):
             assert reflector_thread.is_alive()
         servers.append(serving.start_debug(config, daemon.proxier, daemon.health,
                                            daemon.runner, daemon.source))

@@ -38,7 +38,7 @@ from pyproxy.cluster.watch import (
     service_cidrs_resource,
     services_resource,
 )
-from pyproxy.config import ProxyConfig, reference_markdown
+from pyproxy.config import ConfigError, ProxyConfig, reference_markdown
 from pyproxy.core.model import IPFamily, LocalMode, Node
 from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
@@ -129,7 +129,7 @@ def busy_port_outcome(config: ProxyConfig, tmp: Path) -> str:
                                    healthz_bind_address=f"127.0.0.1:{blocker.getsockname()[1]}")
         try:
             serve.start_servers(busy, ProxyHealth((IPFamily.IPv4,)), Metrics(), stop)
-        except OSError:
+        except ConfigError:
             return "exits"
         finally:
             stop.set()
@@ -244,8 +244,7 @@ def watch_accept(config: ProxyConfig, tmp: Path) -> list[str]:
             raise RuntimeError("recorded")
         return call
 
-    source = ApiSource(None, NodeProxier(ClusterCache("node-a"), []), "node-a",
-                       threading.Event(), content_type=config.content_type)
+    source = ApiSource(None, "node-a", threading.Event(), content_type=config.content_type)
     for resource in (services_resource(), endpoint_slices_resource(), nodes_resource("a"),
                      service_cidrs_resource()):
         reflector = Reflector(None, dataclasses.replace(resource, list_function=record),

@@ -4,6 +4,7 @@ the daemon's sync core with a fake libnftables."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,18 +12,13 @@ import pytest
 import yaml
 
 from pyproxy.cli import main
-from pyproxy.cluster.cache import ClusterCache
 from pyproxy.config import ProxyConfig
 from pyproxy.core.convert import convert_node
-from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
+from pyproxy.core.model import IPFamily, LocalMode, Node, Skipped
 from pyproxy.core.plan import Cause
 from pyproxy.render.services import render_config
-from pyproxy.serve.health import ProxyHealth, ServiceHealth, ServiceHealthServers
-from pyproxy.serve.metrics import Metrics
-from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
-from pyproxy.sync.node import NodeProxier
-from pyproxy.sync.proxier import FamilyProxier
-from pyproxy.sync.settings import NodeTracker, node_config_for
+from pyproxy.run import build_daemon
+from pyproxy.sync.settings import node_config_for
 from testkit.builders import make_node, make_service
 from testkit.fakes import FakeNft
 
@@ -140,34 +136,41 @@ def test_render_takes_both_families_from_the_node(tmp_path: Path,
 
 
 class Daemon:
-    """The sync core as build_daemon wires it (tracker, reporting, health-check node ports),
-    with fake libnftables instances that record each family's transactions."""
+    """The daemon as `build_daemon` builds it (a snapshot source, not started), with fake
+    libnftables instances that record each family's transactions and the proxier's requests
+    for a sync counted."""
 
     def __init__(self, interface_ips: tuple[str, ...]) -> None:
         self.nfts: dict[IPFamily, FakeNft] = {}
-        config = ProxyConfig()
-        start = config.node_config("node-a", interface_ips)
-        self.cache = ClusterCache("node-a")
-        self.health = ProxyHealth((IPFamily.IPv4,))
-        service_health = ServiceHealth()
-        self.hcnp = HealthCheckNodePorts(service_health, ServiceHealthServers(
-            service_health, self.health, list(start.node_ips)), start.node_ips)
-        self.requests = 0
-        self.proxier = NodeProxier(
-            self.cache, [self.family(IPFamily.IPv4, start)],
-            reconfigure=NodeTracker(config, "node-a", interface_ips, start,
-                                    lambda: self.cache.node),
-            make_family=self.family, request_sync=self.request,
-            observers=[SyncReporting(self.health, Metrics()), self.hcnp])
+        config = ProxyConfig(snapshot="unused.yaml", hostname_override="node-a",
+                             min_sync_period=0.0)
+        self.daemon = build_daemon(config, interface_ips=interface_ips, kernel=self.kernel)
+        self.proxier = self.daemon.proxier
+        self.health = self.daemon.health
         for source in ("Service", "EndpointSlice", "Node"):
             self.proxier.expect(source)
 
-    def request(self) -> None:
-        self.requests += 1
+    @property
+    def requested(self) -> bool:
+        """The proxier has asked the runner for a sync that has not run yet."""
+        return self.daemon.runner.schedule().requested
 
-    def family(self, family: IPFamily, config: NodeConfig) -> FamilyProxier:
+    def sync(self) -> None:
+        """A sync as the runner runs it when asked (no minSyncPeriod here), else directly."""
+        if not self.requested:
+            self.proxier.sync()
+            return
+        stop = threading.Event()
+
+        def once() -> bool:
+            stop.set()
+            return self.proxier.sync()
+
+        self.daemon.runner.loop(once, stop)
+
+    def kernel(self, family: IPFamily) -> FakeNft:
         self.nfts[family] = FakeNft()
-        return FamilyProxier(family, config, self.nfts[family])
+        return self.nfts[family]
 
 
 def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() -> None:
@@ -177,29 +180,30 @@ def test_daemon_takes_the_nodes_ip_before_the_first_sync_and_follows_a_change() 
         type="NodePort", ports=[{"name": "http", "port": 80, "nodePort": 30080}])))
     for source in ("Service", "EndpointSlice", "Node"):
         daemon.proxier.source_synced(source)
-    daemon.proxier.sync()
+    assert daemon.requested
+    daemon.sync()
     first = daemon.nfts[IPFamily.IPv4].last
     assert "nodeport-ips { 192.168.50.100 }" in first and "192.168.50.1 " not in first
     assert daemon.proxier.history[-1].cause is Cause.START
 
     # kubelet reports another address: the next sync is a full one with it
-    requested = daemon.requests
+    assert not daemon.requested
     daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1")))
-    assert daemon.requests > requested
-    daemon.proxier.sync()
+    assert daemon.requested
+    daemon.sync()
     record = daemon.proxier.history[-1]
     assert record.full and record.cause is Cause.RECONFIGURED
     assert "nodeport-ips { 192.168.50.1 }" in daemon.nfts[IPFamily.IPv4].last
     assert daemon.proxier.node_ips == ("192.168.50.1",)
     # the health-check node ports follow the node's IPs
-    assert daemon.hcnp.servers is not None
-    assert daemon.hcnp.servers.addresses == ("192.168.50.1",)
+    servers = daemon.daemon.health_check_node_ports.servers
+    assert servers is not None and servers.addresses == ("192.168.50.1",)
 
     # an unrelated Node update (a label) does not touch the configuration
     relabelled = node_with(("InternalIP", "192.168.50.1"))
     relabelled["metadata"]["labels"]["team"] = "a"
     daemon.proxier.on_node(("", "node-a"), relabelled)
-    daemon.proxier.sync()
+    daemon.sync()
     assert daemon.proxier.history[-1].cause is not Cause.RECONFIGURED
 
 
@@ -208,11 +212,11 @@ def test_a_family_the_node_gains_gets_its_table() -> None:
     daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1")))
     for source in ("Service", "EndpointSlice", "Node"):
         daemon.proxier.source_synced(source)
-    daemon.proxier.sync()
+    daemon.sync()
     assert IPFamily.IPv6 not in daemon.nfts
     daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1"),
                                                      ("InternalIP", "fd00:50::1")))
-    daemon.proxier.sync()
+    daemon.sync()
     assert [p.family for p in daemon.proxier.proxiers] == [IPFamily.IPv4, IPFamily.IPv6]
     assert daemon.proxier.history[-1].cause is Cause.RECONFIGURED  # not "after a failure"
     assert "add table ip6 pyproxy" in daemon.nfts[IPFamily.IPv6].last

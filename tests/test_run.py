@@ -1,4 +1,5 @@
-"""Pieces of `pyproxy run` that need no namespace: server start-up and its retries."""
+"""Pieces of `pyproxy run` that need no namespace: server start-up and its retries, and the
+daemon as `build_daemon` builds it."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from pyproxy import run
-from pyproxy.config import ProxyConfig
+from pyproxy.cluster.sources import SnapshotSource
+from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.model import IPFamily
 from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.serve.reporting import SyncReporting
+from testkit.fakes import FakeNft
 
 
 def free_port() -> int:
@@ -56,7 +59,7 @@ def test_hard_fail_makes_a_busy_port_fatal() -> None:
         blocker.listen()
         config = ProxyConfig(healthz_bind_address=f"127.0.0.1:{port}",
                              metrics_bind_address=None, bind_address_hard_fail=True)
-        with pytest.raises(OSError):
+        with pytest.raises(ConfigError, match="bindAddressHardFail"):
             serve.start_servers(config, ProxyHealth((IPFamily.IPv4,)), Metrics(),
                                 threading.Event())
 
@@ -64,23 +67,30 @@ def test_hard_fail_makes_a_busy_port_fatal() -> None:
 def test_the_daemon_is_built_finished(tmp_path: Path) -> None:
     """`build_daemon` gives every part what it needs at construction: the proxier asks the
     runner for syncs, reports to its observers and to health, health reads the proxier's
-    damage; nothing is patched in afterwards (Daemon is frozen) and nothing runs yet."""
+    damage; nothing is patched in afterwards (Daemon is frozen) and nothing runs yet. The
+    kernel passed in is the one each family's table is written to."""
     snapshot = tmp_path / "cluster.yaml"
     snapshot.write_text("[]\n")
     config = ProxyConfig(snapshot=str(snapshot), healthz_bind_address=None,
-                         metrics_bind_address=None)
-    node_config = config.node_config("node-a", ("192.168.50.1",))
-    daemon = run.build_daemon(config, "node-a", ("192.168.50.1",), node_config, None,
-                              threading.Event())
+                         metrics_bind_address=None, hostname_override="node-a")
+    kernels: dict[IPFamily, FakeNft] = {}
+    daemon = run.build_daemon(config, interface_ips=("192.168.50.1",),
+                              kernel=lambda family: kernels.setdefault(family, FakeNft()))
     proxier = daemon.proxier
-    assert daemon.address_check is None and isinstance(daemon.source, run.SnapshotSource)
+    assert daemon.address_check is None and isinstance(daemon.source, SnapshotSource)
     assert daemon.source.proxier is proxier
-    reporting = proxier.observers[0]
-    assert isinstance(reporting, SyncReporting) and reporting.health is daemon.health
+    assert isinstance(proxier.observers[0], SyncReporting)
+    assert proxier.observers[0].health is daemon.health
     assert proxier.on_node_change == [daemon.health.set_node]
+    assert proxier.repairs.damage == daemon.health.damage
     assert not daemon.runner.schedule().requested
     proxier.request_sync()
     assert daemon.runner.schedule().requested
     assert daemon.health.damage() is None
     with pytest.raises(AttributeError):
         daemon.proxier = proxier  # type: ignore[misc]
+    proxier.expect("snapshot")
+    proxier.source_synced("snapshot")
+    assert proxier.sync()
+    assert list(kernels) == [IPFamily.IPv4]
+    assert "add table ip pyproxy" in kernels[IPFamily.IPv4].last

@@ -263,9 +263,8 @@ def daemon_api_calls(factories_too: bool = True,
 
     stop = threading.Event()
     api = RecordingApiClient(stop)
-    source = ApiSource(api, NodeProxier(), "node-a", stop,  # type: ignore[arg-type]
-                       **source_options)
-    source.start()
+    source = ApiSource(api, "node-a", stop, **source_options)
+    source.start(NodeProxier())  # type: ignore[arg-type]
     record_start(api, "node-a", stop).join(10)  # what `pyproxy run` records at start
     source.watch_all_nodes()
     factories = [f for name, f in vars(watch).items()

@@ -155,10 +155,12 @@ class SnapshotSource:
 class ApiSource:
     """Services, EndpointSlices and this Node from the API server, through reflectors; and
     ServiceCIDRs unless `service_cidrs` is off (featureGates MultiCIDRServiceAllocator=false,
-    as kube-proxy starts that informer only with the gate on)."""
+    as kube-proxy starts that informer only with the gate on).
+
+    Told whom it feeds when started (`start(proxier)`): it is built before the proxier, whose
+    syncs may ask it to watch every Node (`watch_all_nodes`)."""
 
     api_client: Any
-    proxier: ClusterHandler
     node_name: str
     stop: threading.Event
     watch_timeout: int = MIN_WATCH_TIMEOUT
@@ -168,8 +170,10 @@ class ApiSource:
     # clientConnection.contentType (cluster/watch.py: protobuf on plain watches)
     content_type: str = JSON_MEDIA_TYPE
     _all_nodes: Reflector | None = None
+    proxier: ClusterHandler = field(init=False, repr=False, compare=False)  # set by start()
 
-    def start(self) -> list[threading.Thread]:
+    def start(self, proxier: ClusterHandler) -> list[threading.Thread]:
+        self.proxier = proxier
         specs = [
             (services_resource(), self.proxier.on_service),
             (endpoint_slices_resource(), self.proxier.on_slice),

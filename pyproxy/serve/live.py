@@ -5,6 +5,7 @@ fault injection (docs/drills.md)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from ipaddress import ip_address
@@ -16,10 +17,17 @@ from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
+from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.objects import ElementValue, Key, element_text, key_text
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
-from pyproxy.serve.connections import ConnectionCounters, CountingContext, Series, endpoint_family
+from pyproxy.serve.connections import (
+    ConnectionCounters,
+    CountingContext,
+    Kernel,
+    Series,
+    endpoint_family,
+)
 from pyproxy.serve.debug import Handler
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.sync.proxier import FamilyProxier, disputes_report
@@ -147,6 +155,14 @@ def with_other_tables(report: dict[str, Any], found: tuple[Finding, ...]) -> dic
         return report
     return {**report, "warnings": [*report.get("warnings", ()), *(f.text() for f in found)],
             "otherTables": [f.as_dict() for f in found]}
+
+
+def connection_counters(proxier: NodeProxier) -> ConnectionCounters:
+    """The new-connection counters of the proxier's families, read from the kernel's
+    counting sets (`pyproxy status` and the metrics)."""
+    counters = KernelCounters()
+    return ConnectionCounters(proxier.families, functools.partial(counting_context, proxier),
+                              Kernel(counters.read, counters.delete))
 
 
 def counting_context(proxier: NodeProxier) -> CountingContext:

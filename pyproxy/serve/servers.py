@@ -4,6 +4,7 @@ telling systemd how the daemon is doing."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import structlog
 
 from pyproxy.cluster.apiserver import ApiAddressCheck
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
-from pyproxy.config import ProxyConfig
+from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.serve.connections import ConnectionCounters
 from pyproxy.serve.debug import DebugServer
@@ -59,10 +60,24 @@ class MetricsServer:
         self.server.server_close()
 
 
+def stop_on_signals(stop: threading.Event) -> None:
+    """SIGTERM and SIGINT set `stop` (from the main thread only: elsewhere, nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: object) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handle)
+    signal.signal(signal.SIGINT, handle)
+
+
 def start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
                   stop: threading.Event) -> list[HealthServer | MetricsServer]:
     """The healthz and metrics servers. A bind failure is fatal only with
-    bindAddressHardFail; otherwise it is logged and retried every 5 s, as kube-proxy does."""
+    bindAddressHardFail (ConfigError); otherwise it is logged and retried every 5 s, as
+    kube-proxy does."""
     servers: list[HealthServer | MetricsServer] = []
 
     def healthz() -> HealthServer:
@@ -86,7 +101,8 @@ def start_servers(config: ProxyConfig, health: ProxyHealth, metrics: Metrics,
             servers.append(start())
         except OSError as err:
             if config.bind_address_hard_fail:
-                raise
+                raise ConfigError(
+                    f"bindAddressHardFail (--bind-address-hard-fail): {err}") from None
             log.error("server_not_started_retrying", server=name, address=address,
                       error=str(err))
             threading.Thread(target=_retry_server, args=(name, start, servers, stop),
