@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,14 +14,10 @@ import structlog
 import yaml
 
 from pyproxy.cli import main
-from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.sources import SnapshotSource
-from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.serve.health import ProxyHealth
+from pyproxy.config import ProxyConfig
+from pyproxy.run import Daemon, build_daemon
 from pyproxy.serve.live import handlers
-from pyproxy.sync.node import NodeProxier
-from pyproxy.sync.proxier import FamilyProxier
-from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fakes import FakeNft
 from testkit.netlab import Lab
@@ -47,6 +42,17 @@ def snapshot(tmp_path: Path, *objects: Any, name: str = "cluster.yaml") -> Path:
     path = tmp_path / name
     path.write_text(yaml.safe_dump_all(objects))
     return path
+
+
+def snapshot_daemon(path: Path, nft: FakeNft) -> tuple[Daemon, SnapshotSource]:
+    """The daemon `pyproxy run --snapshot` builds, on a fake kernel, and its source; not
+    started (the test reads the file and syncs), the source's list expected."""
+    config = ProxyConfig(snapshot=str(path), hostname_override="node-a",
+                         healthz_bind_address=None, metrics_bind_address=None)
+    daemon = build_daemon(config, interface_ips=("192.168.50.1",), kernel=lambda family: nft)
+    assert isinstance(daemon.source, SnapshotSource)
+    daemon.proxier.expect(daemon.source.NAME)
+    return daemon, daemon.source
 
 
 def dual_stack(tmp_path: Path) -> Path:
@@ -245,14 +251,10 @@ class TestReportedTheSameEverywhere:
         assert "10.96.0.20" in rendered and "10.96.0.10" not in rendered
 
         nft = FakeNft()
-        proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
-            IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)])
-        source = SnapshotSource(str(path), proxier, threading.Event())
-        proxier.expect(source.NAME)
+        daemon, source = snapshot_daemon(path, nft)
+        proxier = daemon.proxier
         assert source.poll() and proxier.sync()
-        explain = handlers(proxier, ProxyHealth((IPFamily.IPv4,)),
-                           BoundedFrequencyRunner("sync", 1.0, 1.0, 1.0),
-                           lambda: None)["/explain"]
+        explain = handlers(proxier, daemon.health, daemon.runner, lambda: None)["/explain"]
         code, live = explain({})
         assert code == 200
         assert [s["object"] for s in offline["skipped"]] == ["Service demo/web"]
@@ -282,20 +284,22 @@ class TestReportedTheSameEverywhere:
         objects = [make_node("node-a"), make_service("demo", "web", ip="10.96.0.10"),
                    make_slice("demo", "web", [ep("10.244.1.5", "node-a")]), nameless, broken]
         path = snapshot(tmp_path, *objects)
-        counted: list[str] = []
-        proxier = NodeProxier(ClusterCache("node-a"), [FamilyProxier(
-            IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), FakeNft())],
-            on_invalid=[lambda s: counted.append(s.object)])
-        source = SnapshotSource(str(path), proxier, threading.Event())
-        proxier.expect(source.NAME)
+        daemon, source = snapshot_daemon(path, FakeNft())
+        proxier = daemon.proxier
+
+        def counted(kind: str) -> float | None:
+            return daemon.metrics.registry.get_sample_value(
+                "pyproxy_invalid_objects_total", {"kind": kind})
+
         assert source.poll() and proxier.sync()
         assert proxier.skipped_total == {"EndpointSlice": 1, "Service": 1}
-        assert len(counted) == 2
+        assert counted("EndpointSlice") == counted("Service") == 1
         # Read again with one more object: what was skipped before is not counted twice.
         path.write_text(yaml.safe_dump_all([*objects, make_service("demo", "more",
                                                                    ip="10.96.0.11")]))
         assert source.poll() and proxier.sync()
         assert proxier.skipped_total == {"EndpointSlice": 1, "Service": 1}
+        assert counted("EndpointSlice") == counted("Service") == 1
 
 
 def test_a_big_service_keeps_its_row_readable(tmp_path: Path,
