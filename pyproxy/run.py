@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import platform
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,7 @@ from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker
 from pyproxy.sync.node import AfterSync, FirstSync, NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
-from pyproxy.sync.runner import BoundedFrequencyRunner
+from pyproxy.sync.runner import MONOTONIC, BoundedFrequencyRunner, Clock
 from pyproxy.sync.settings import NodeTracker, families_of, sync_timing
 
 log = structlog.get_logger(__name__)
@@ -145,12 +144,12 @@ class Daemon:
 
 def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
                  kernel: Callable[[IPFamily], Kernel] | None = None,
-                 clock: Callable[[], float] = time.monotonic, api_client: Any = None,
+                 clock: Clock = MONOTONIC, api_client: Any = None,
                  stop: threading.Event | None = None) -> Daemon:
     """Every part built once, each before the parts that need it and given them when made.
     `interface_ips` stand in for the Node's IPs until its object is known; `kernel`: what
-    each family's table is written to (libnftables when None); `api_client`: None only with
-    a snapshot."""
+    each family's table is written to (libnftables when None); `clock`: what the syncs and
+    health are timed by (a fake one jumps); `api_client`: None only with a snapshot."""
     node_name = config.node_name()
     node_config = config.node_config(node_name, interface_ips)
     families = families_of(node_config.node_ips)

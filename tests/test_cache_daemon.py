@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.watch import endpoint_slices_resource
+from pyproxy.config import ProxyConfig
 from pyproxy.core import protobuf
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause
@@ -19,9 +20,9 @@ from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
 from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
 from pyproxy.render.ruleset import Shape
+from pyproxy.run import build_daemon
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
-from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit import protoenc
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fakes import FakeClock, FakeNft, fake_node_proxier
@@ -281,22 +282,21 @@ def test_the_first_sync_runs_when_the_last_list_completes_not_min_sync_period_la
     list completes at 1.25 and the first sync starts then, not at 2 (1 + minSyncPeriod)."""
     clock = FakeClock()
     nft = FakeNft()
-    proxier = NodeProxier(
-        ClusterCache("node-a"),
-        [FamilyProxier(IPFamily.IPv4, NodeConfig("node-a", node_ips=("192.168.50.1",)), nft)],
-        clock=clock, wall_clock=clock)
-    runner = BoundedFrequencyRunner("sync", 1.0, 5.0, 1.0, clock=clock,
-                                    wait=clock.wait)
-    proxier.request_sync = runner.run
+    config = ProxyConfig(snapshot="unused.yaml", hostname_override="node-a",
+                         min_sync_period=1.0, sync_period=1.0)
+    daemon = build_daemon(config, interface_ips=("192.168.50.1",), kernel=lambda family: nft,
+                          clock=clock)
+    proxier, runner = daemon.proxier, daemon.runner
     for source in ("Service", "EndpointSlice"):
         proxier.expect(source)
     clock.at(0.5, lambda: proxier.source_synced("Service"))
     clock.at(1.25, lambda: proxier.source_synced("EndpointSlice"))
     stop = threading.Event()
     clock.at(1.75, stop.set)
-    runner.loop(proxier.sync, stop)
-    assert [(r.started, r.cause) for r in proxier.history] == [(1.25, Cause.START)]
+    runner.loop(proxier.sync, stop)  # what the daemon's sync thread runs
+    assert [r.cause for r in proxier.history] == [Cause.START]
     assert runner.stats().runs == 2  # the declined one at t=1, then the sync
+    assert runner.stats().last_started == 1.25
     assert len(nft.scripts) == 1
 
 

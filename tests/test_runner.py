@@ -51,7 +51,6 @@ class Harness:
             self.retry_interval,
             self.max_interval,
             clock=self.clock,
-            wait=self.clock.wait,
         )
 
     def _sync(self) -> bool:
@@ -227,7 +226,7 @@ class TestLoop:
         def interrupted() -> None:
             raise KeyboardInterrupt
 
-        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock, wait=clock.wait)
+        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock)
         runner.run()
         stop = threading.Event()
         with pytest.raises(KeyboardInterrupt):
@@ -246,7 +245,7 @@ class TestLoop:
                 runner.loop(nested_loop, threading.Event())
             refusals.append(str(refused.value))
 
-        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock, wait=clock.wait)
+        runner = BoundedFrequencyRunner("test", 1, 5, 100, clock=clock)
         runner.run()
         stop = threading.Event()
         clock.at(5, stop.set)

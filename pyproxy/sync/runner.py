@@ -29,21 +29,35 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import structlog
 
 log = structlog.get_logger(__name__)
 
-Clock = Callable[[], float]
-"""Seconds on a monotonic scale (`time.monotonic` unless a test injects a fake)."""
+class Clock(Protocol):
+    """Seconds on a monotonic scale, and waiting measured on it: a fake clock (tests) jumps
+    to the end of a wait instead of sleeping."""
 
-Wait = Callable[[threading.Condition, float | None], object]
-"""Blocks on a held condition for at most `timeout` seconds (None: until notified)."""
+    def __call__(self) -> float: ...
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> object:
+        """Block on a held condition for at most `timeout` seconds (None: until notified)."""
+        ...
 
 
-def condition_wait(cond: threading.Condition, timeout: float | None) -> object:
-    """The real `Wait`: `Condition.wait`, which releases the lock while it blocks."""
-    return cond.wait(timeout)
+class MonotonicClock:
+    """The real `Clock`: `time.monotonic`, and `Condition.wait`, which releases the lock
+    while it blocks."""
+
+    def __call__(self) -> float:
+        return time.monotonic()
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> object:
+        return cond.wait(timeout)
+
+
+MONOTONIC = MonotonicClock()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,18 +192,16 @@ class BoundedFrequencyRunner:
         retry_interval: float,
         max_interval: float,
         *,
-        clock: Clock = time.monotonic,
-        wait: Wait = condition_wait,
+        clock: Clock = MONOTONIC,
     ) -> None:
         self.name = name
         self._clock = clock
-        self._wait = wait
         intervals = Intervals(
             min_interval=min_interval, retry_interval=retry_interval, max_interval=max_interval
         )
         self._schedule = Schedule(intervals=intervals)
         self._looping = False
-        # Re-entrant so that a `wait` seam may call run() while the loop holds the lock (the
+        # Re-entrant so that a clock's `wait` may call run() while the loop holds the lock (the
         # tests' fake clock delivers scripted requests from inside its wait).
         self._cond = threading.Condition(threading.RLock())
 
@@ -249,7 +261,7 @@ class BoundedFrequencyRunner:
                     self._schedule = self._schedule.started(now)
                     return True
                 # Condition.wait rejects an infinite timeout; None means "until notified".
-                self._wait(self._cond, None if math.isinf(run_at) else run_at - now)
+                self._clock.wait(self._cond, None if math.isinf(run_at) else run_at - now)
             return False
 
     def _run_once(self, fn: Callable[[], bool | None]) -> None:
