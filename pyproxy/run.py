@@ -51,6 +51,7 @@ from pyproxy.sync.settings import NodeTracker, families_of, sync_timing
 
 log = structlog.get_logger(__name__)
 
+
 @dataclass
 class _Running:
     """What `Daemon.start()` started that `stop()` ends."""
