@@ -257,6 +257,12 @@ class Forwarder:
             downstream.close()
             return
         upstream.settimeout(None)
+        # Each side's segments go out as they come (the clients' own sockets do: urllib3
+        # and Go set TCP_NODELAY). With Nagle here, a request whose body arrived after its
+        # headers (urllib3 sends them apart) waited for the API server's delayed ACK: 40 ms
+        # added to about half of the benches' writes, network programming latency included.
+        for sock in (downstream, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with self._lock:
             self._sockets.update((downstream, upstream))
         threading.Thread(target=self._pump, args=(upstream, downstream), daemon=True).start()

@@ -348,3 +348,31 @@ def test_in_process_backends_and_probes(lab: Lab, cluster: Cluster) -> None:
     lab.serve_http(pod.ns, pod.ip4, 9000, "alpha")
     assert lab.probe_http(cluster.client, pod.ip4, 9000, count=5) == {"alpha": 5}
     assert lab.probe_http(cluster.client, pod.ip4, 9001, count=2) == {"refused": 2}
+
+
+def test_control_plane_forwarder_disables_nagle(lab: Lab) -> None:
+    """testkit/controlplane.py's forwarder relays each side's segments as they come: with
+    Nagle on its upstream socket a request whose body arrived after its headers (urllib3
+    sends them apart) waited for the server's delayed ACK, 40 ms added to about half of the
+    benches' API writes (issue 37: the quiet network programming latency's floor)."""
+    import socket
+
+    from testkit.controlplane import Forwarder
+    from testkit.inproc import call_in_netns
+
+    ns = lab.add_ns("server")
+    server = call_in_netns(ns.full, lambda: socket.create_server(("127.0.0.1", 0)))
+    forwarder = Forwarder(ns.full, ("127.0.0.1", server.getsockname()[1]))
+    try:
+        with socket.create_connection(("127.0.0.1", forwarder.port), timeout=10) as client:
+            accepted, _ = server.accept()
+            with accepted:
+                client.sendall(b"headers")
+                assert accepted.recv(16) == b"headers"  # the relay is up, both sockets made
+                until(lambda: len(forwarder._sockets) == 2, timeout=10,
+                      what="the forwarder's two sockets")
+                assert all(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                           for sock in forwarder._sockets)
+    finally:
+        forwarder.close()
+        server.close()
