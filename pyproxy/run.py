@@ -2,10 +2,8 @@
 
 sources (API watches | snapshot file) → NodeProxier (cache + tracking) → runner → nftables,
 with health, metrics, conntrack cleanup and the rest observing every sync. Only wiring lives
-here: each part is in its stage's package, and `build_daemon` builds each before the parts
-that need it. The kernel and the clock are passed in, so tests, drills and benches build the
-daemon `pyproxy run` builds.
-"""
+here, each part in its stage's package; `build_daemon` takes the kernel and the clock, so
+tests build the daemon `pyproxy run` builds."""
 
 from __future__ import annotations
 
