@@ -32,7 +32,7 @@ from pyproxy.core.model import IPFamily, LocalhostNodePorts
 from pyproxy.kernel.nlsets import rule_packets
 from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.node import NodeProxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncedOnly, SyncRecord
 
 log = structlog.get_logger(__name__)
 
@@ -219,19 +219,13 @@ def _copy(src: socket.socket, dst: socket.socket) -> None:
 
 
 @dataclass
-class LocalhostProxies:
+class LocalhostProxies(SyncedOnly):
     """Localhost NodePorts (KEP-6032): after every sync, under the sync lock, each family
     whose configuration turns the userspace proxy on gets listeners for the TCP NodePorts of
     the selections in force; a family that has it off has none."""
 
     metrics: Metrics
     listeners: dict[IPFamily, LocalhostListeners] = field(default_factory=dict)
-
-    def queued(self, proxier: NodeProxier) -> None:
-        pass
-
-    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
-        pass
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         self.sync(proxier)

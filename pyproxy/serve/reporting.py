@@ -11,7 +11,7 @@ from pyproxy.core.model import ServiceKey
 from pyproxy.core.plan import Cause
 from pyproxy.serve.health import ProxyHealth, ServiceHealth, ServiceHealthServers
 from pyproxy.serve.metrics import Metrics
-from pyproxy.sync.node import NodeProxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncedOnly, SyncRecord
 
 if TYPE_CHECKING:
     from pyproxy.kernel.netlink import CleanupResult
@@ -85,7 +85,7 @@ class SyncReporting:
 
 
 @dataclass
-class HealthCheckNodePorts:
+class HealthCheckNodePorts(SyncedOnly):
     """After each sync, the health-check node port of every service that has one and its
     local READY endpoint count (distinct IPs, all ports and families); the servers follow,
     moved to the node's IPs when those change (`node_ips`: those the servers were given;
@@ -94,12 +94,6 @@ class HealthCheckNodePorts:
     service_health: ServiceHealth
     servers: ServiceHealthServers | None = None
     node_ips: tuple[str, ...] | None = None
-
-    def queued(self, proxier: NodeProxier) -> None:
-        pass
-
-    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
-        pass
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         state = proxier.cache.state()

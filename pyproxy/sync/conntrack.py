@@ -27,7 +27,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
-from pyproxy.sync.node import NodeProxier, SyncRecord
+from pyproxy.sync.node import NodeProxier, SyncedOnly, SyncRecord
 
 if TYPE_CHECKING:
     from pyproxy.kernel.netlink import CleanupResult
@@ -67,19 +67,13 @@ class ConntrackWorker:
 
 
 @dataclass
-class ConntrackCleanup:
+class ConntrackCleanup(SyncedOnly):
     """The sync observer that decides the cleanup: after each sync, the UDP targets of the
     services it changed against those of the last (every service after a full sync or a
     topology change); after a repair, the frontends of every service."""
 
     sink: ConntrackSink
     _udp_targets: dict[Any, UdpTarget] | None = None
-
-    def queued(self, proxier: NodeProxier) -> None:
-        pass
-
-    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
-        pass
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         state = proxier.cache.state()

@@ -94,39 +94,41 @@ class SyncObserver(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class AfterSync:
-    """An observer of successful syncs only: `hook(proxier)`, under the sync lock."""
-
-    hook: Callable[[NodeProxier], None]
+class SyncedOnly:
+    """The base of an observer that hears successful syncs only (it overrides `synced`):
+    changes queued and syncs failed are nothing to it."""
 
     def queued(self, proxier: NodeProxier) -> None:
         pass
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
-        self.hook(proxier)
+        pass
 
     def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class AfterSync(SyncedOnly):
+    """`hook(proxier)` after every successful sync, under the sync lock."""
+
+    hook: Callable[[NodeProxier], None]
+
+    def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
+        self.hook(proxier)
+
+
 @dataclass
-class FirstSync:
+class FirstSync(SyncedOnly):
     """`then()` once, after the first successful sync (systemd's READY=1)."""
 
     then: Callable[[], None]
     done: bool = False
 
-    def queued(self, proxier: NodeProxier) -> None:
-        pass
-
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         if not self.done:
             self.done = True
             self.then()
-
-    def failed(self, proxier: NodeProxier, record: SyncRecord) -> None:
-        pass
 
 
 def _first_line(text: str) -> str:
