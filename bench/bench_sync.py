@@ -157,8 +157,8 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     import pyproxy.sync.proxier as proxier_mod
     from bench.synth import NODE_CONFIG, NODE_IP, Cluster, apply_change, plan_changes
     from pyproxy.cluster.codec import JSON
+    from pyproxy.cluster.resources import SLICE_CODEC
     from pyproxy.cluster.snapshot import build_state
-    from pyproxy.cluster.watch import SLICE_CODEC
     from pyproxy.core.model import IPFamily
     from pyproxy.core.plan import Cause, Scope, SyncPlan
     from pyproxy.kernel.libnftables import LibNftables

@@ -23,7 +23,7 @@ from typing import Any
 from bench.bench_fleet import change_events, commit, sizes_of
 from bench.bench_vs_kube_proxy import load
 from bench.synth import Cluster as Synth
-from pyproxy.cluster.watch import (
+from pyproxy.cluster.resources import (
     JSON_MEDIA_TYPE,
     PROTOBUF_MEDIA_TYPE,
     Resource,

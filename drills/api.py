@@ -23,7 +23,7 @@ from drills.harness import (
     until,
     web,
 )
-from pyproxy.cluster.watch import BACKOFF_CAP
+from pyproxy.cluster.watchstate import BACKOFF_CAP
 from testkit.inproc import call_in_netns
 
 
@@ -220,7 +220,8 @@ def reflector_read_timeout(env: Env, read_timeout: float = 2.0) -> Result:
     """The reflector alone (in the node namespace) with a short read_timeout: a stalled watch
     is abandoned after read_timeout and a new one resumes from the last position (no relist:
     only 410 Gone lists again); the change made meanwhile arrives once the server streams."""
-    from pyproxy.cluster.watch import Reflector, endpoint_slices_resource
+    from pyproxy.cluster.resources import endpoint_slices_resource
+    from pyproxy.cluster.watch import Reflector
     from pyproxy.core.wire import SliceDoc
 
     r = Result("stalled-watch (reflector)", f"Reflector(read_timeout={read_timeout:g}) on a "

@@ -15,18 +15,18 @@ import structlog
 from kubernetes import client as kubernetes_client
 
 from pyproxy import cli, run
-from pyproxy.cluster import apiconnection, watch
+from pyproxy.cluster import apiconnection, watchstate
 from pyproxy.cluster.apiconnection import ApiConnection
 from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error, observe_requests
 from pyproxy.cluster.events import record_start
+from pyproxy.cluster.resources import services_resource
 from pyproxy.cluster.sources import ApiSource
-from pyproxy.cluster.watch import (
+from pyproxy.cluster.watch import Reflector
+from pyproxy.cluster.watchstate import (
     CONNECTED,
     CONNECTING,
     DISCONNECTED,
-    Reflector,
     WatchStatus,
-    services_resource,
     watch_problems,
 )
 from pyproxy.config import ProxyConfig
@@ -229,7 +229,7 @@ def test_status_fails_when_a_watch_is_down_too_long(
     """Every watch refused (403) since the start: `pyproxy status` said "healthy: yes" and
     exited 0. Past the bound (2 minutes; a second here) it exits 1 and says which watch,
     for how long, and why."""
-    monkeypatch.setattr(watch, "DISCONNECTED_BOUND", 1.0)
+    monkeypatch.setattr(watchstate, "DISCONNECTED_BOUND", 1.0)
     with ApiEmulator() as api:
         api.forbid(SERVICE_ACCOUNT)
         socket_path = daemon_on(api)

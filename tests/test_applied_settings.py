@@ -29,15 +29,15 @@ import structlog
 from pyproxy.cluster import apiconnection
 from pyproxy.cluster.apiserver import client_for
 from pyproxy.cluster.cache import ClusterCache
-from pyproxy.cluster.snapshot import build_state
-from pyproxy.cluster.sources import ApiSource, SnapshotSource
-from pyproxy.cluster.watch import (
-    Reflector,
+from pyproxy.cluster.resources import (
     endpoint_slices_resource,
     nodes_resource,
     service_cidrs_resource,
     services_resource,
 )
+from pyproxy.cluster.snapshot import build_state
+from pyproxy.cluster.sources import ApiSource, SnapshotSource
+from pyproxy.cluster.watch import Reflector
 from pyproxy.config import ConfigError, ProxyConfig, reference_markdown
 from pyproxy.core.model import IPFamily, LocalMode, Node
 from pyproxy.kernel.host import apply_host_settings

@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from pyproxy.cluster.watch import Backoff
+from pyproxy.cluster.watchstate import Backoff
 
 
 class Clock:

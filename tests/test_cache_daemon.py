@@ -10,7 +10,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from pyproxy.cluster.cache import ClusterCache
-from pyproxy.cluster.watch import endpoint_slices_resource
+from pyproxy.cluster.resources import endpoint_slices_resource
 from pyproxy.config import ProxyConfig
 from pyproxy.core import protobuf
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey

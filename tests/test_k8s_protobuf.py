@@ -15,17 +15,16 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.codec import JSON
-from pyproxy.cluster.watch import (
+from pyproxy.cluster.resources import (
     JSON_MEDIA_TYPE,
     PROTOBUF_MEDIA_TYPE,
     SLICE_CODEC,
-    Expired,
-    Reflector,
     Resource,
     endpoint_slices_resource,
     nodes_resource,
     services_resource,
 )
+from pyproxy.cluster.watch import Expired, Reflector
 from pyproxy.core import protobuf
 from pyproxy.core.convert import convert_endpoint_slice, convert_node, convert_service
 from pyproxy.core.wire import SliceDoc

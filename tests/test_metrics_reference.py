@@ -19,7 +19,7 @@ from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.cluster.watch import WatchStatus
+from pyproxy.cluster.watchstate import WatchStatus
 from pyproxy.core.topology import PortSelection, select_all
 from pyproxy.serve.connections import Series
 from pyproxy.serve.metrics import RULES_FILE, SPECS, Metrics, reference_markdown

@@ -9,8 +9,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pyproxy.cluster.resources import SLICE_CODEC
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.cluster.watch import SLICE_CODEC
 from pyproxy.core.convert import convert_endpoint_slice, convert_service
 from pyproxy.core.model import Skipped
 from pyproxy.core.topology import select_all

@@ -15,14 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pyproxy.cluster.codec import JSON, ProtobufCodec
-from pyproxy.cluster.watch import (
-    SLICE_CODEC,
-    Expired,
-    Reflector,
-    Resource,
-    _frames,
-    endpoint_slices_resource,
-)
+from pyproxy.cluster.resources import SLICE_CODEC, Resource, endpoint_slices_resource
+from pyproxy.cluster.watch import Expired, Reflector, _frames
 from pyproxy.core import protobuf
 from pyproxy.core.convert import (
     convert_endpoint_slice,

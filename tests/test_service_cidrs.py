@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.cache import ClusterCache
+from pyproxy.cluster.resources import service_cidrs_resource
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.cluster.watch import Reflector, service_cidrs_resource
+from pyproxy.cluster.watch import Reflector
 from pyproxy.core.convert import convert_service_cidr
 from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, NodeConfig, Skipped

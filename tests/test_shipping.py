@@ -5,8 +5,8 @@ Manifests are validated with the installed `kubernetes` client's models (pydanti
 `extra="forbid"`, strict types), plus a check that every key is the API's wire name (the models
 also accept their snake_case attribute names, which a real API server would drop). The
 ClusterRole is compared with the API calls the daemon really makes: an ApiSource (and every
-Resource in pyproxy/cluster/watch.py) runs against a recording API client, so a new watch fails here
-until the role follows.
+Resource in pyproxy/cluster/resources.py) runs against a recording API client, so a new watch
+fails here until the role follows.
 
 `python tests/test_shipping.py --write-lock` rewrites requirements.lock from the virtualenv.
 """
@@ -252,7 +252,7 @@ def daemon_api_calls(factories_too: bool = True,
     """Every (group, resource, verb) the daemon's API source uses: its reflectors run against
     the recording client until each has listed and watched; plus every Resource in watch.py
     (also those the source does not start yet) unless `factories_too` is off."""
-    from pyproxy.cluster import watch
+    from pyproxy.cluster import resources, watch
     from pyproxy.cluster.sources import ApiSource
 
     class NodeProxier:
@@ -267,11 +267,11 @@ def daemon_api_calls(factories_too: bool = True,
     source.start(NodeProxier())  # type: ignore[arg-type]
     record_start(api, "node-a", stop).join(10)  # what `pyproxy run` records at start
     source.watch_all_nodes()
-    factories = [f for name, f in vars(watch).items()
-                 if callable(f) and getattr(f, "__module__", None) == watch.__name__
+    factories = [f for name, f in vars(resources).items()
+                 if callable(f) and getattr(f, "__module__", None) == resources.__name__
                  and getattr(f, "__annotations__", {}).get("return") in ("Resource",
-                                                                          watch.Resource)]
-    assert factories, "no Resource factories found in pyproxy/cluster/watch.py"
+                                                                          resources.Resource)]
+    assert factories, "no Resource factories found in pyproxy/cluster/resources.py"
     extra = [watch.Reflector(api, factory(), lambda key, obj: None, lambda: None, stop)
              for factory in factories if factories_too]
     for reflector in extra:
@@ -359,15 +359,16 @@ def test_the_daemon_reads_service_cidrs_unless_the_gate_is_off(
 
 def test_a_new_watch_fails_the_rbac_test(monkeypatch: pytest.MonkeyPatch,
                                         objects: dict[str, Any]) -> None:
-    """The derivation follows watch.py: a watch the role does not allow is noticed."""
-    from pyproxy.cluster import watch
+    """The derivation follows resources.py: a watch the role does not allow is noticed."""
+    from pyproxy.cluster import resources
 
-    def pods_resource() -> watch.Resource:
-        return watch.Resource("Pod", lambda api: client.CoreV1Api(api).list_pod_for_all_namespaces)
+    def pods_resource() -> resources.Resource:
+        return resources.Resource("Pod",
+                                  lambda api: client.CoreV1Api(api).list_pod_for_all_namespaces)
 
-    pods_resource.__module__ = watch.__name__
+    pods_resource.__module__ = resources.__name__
     pods_resource.__annotations__["return"] = "Resource"
-    monkeypatch.setattr(watch, "pods_resource", pods_resource, raising=False)
+    monkeypatch.setattr(resources, "pods_resource", pods_resource, raising=False)
     used = daemon_api_calls()
     assert ("", "pods", "watch") in used
     assert ("", "pods") not in role_rules(objects["ClusterRole"])

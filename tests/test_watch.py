@@ -16,21 +16,23 @@ from hypothesis import strategies as st
 
 from pyproxy.cluster import watch as watch_module
 from pyproxy.cluster.codec import JSON
-from pyproxy.cluster.watch import (
+from pyproxy.cluster.resources import (
     JSON_MEDIA_TYPE,
-    MIN_WATCH_TIMEOUT,
     PROTOBUF_MEDIA_TYPE,
     SLICE_CODEC,
-    WATCH_READ_MARGIN,
-    Backoff,
-    Expired,
-    Handler,
-    Reflector,
     Resource,
-    _lines,
     endpoint_slices_resource,
     services_resource,
 )
+from pyproxy.cluster.watch import (
+    MIN_WATCH_TIMEOUT,
+    WATCH_READ_MARGIN,
+    Expired,
+    Handler,
+    Reflector,
+    _lines,
+)
+from pyproxy.cluster.watchstate import Backoff
 from pyproxy.core.convert import convert_endpoint_slice
 from pyproxy.core.model import Skipped, SliceEndpoints
 from pyproxy.core.wire import SliceDoc
@@ -410,7 +412,7 @@ def test_every_watch_connection_of_the_daemons_client_has_tcp_keepalive() -> Non
 
 
 def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
-    from pyproxy.cluster.watch import nodes_resource
+    from pyproxy.cluster.resources import nodes_resource
 
     for name in ("node-a", "node-b"):
         emu.create("nodes", {"metadata": {"name": name, "labels": {"zone": name}}})

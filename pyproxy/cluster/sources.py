@@ -16,18 +16,16 @@ from typing import Any, Protocol
 
 import structlog
 
-from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
-from pyproxy.cluster.watch import (
+from pyproxy.cluster.resources import (
     JSON_MEDIA_TYPE,
-    MIN_WATCH_TIMEOUT,
-    Reflector,
-    WatchStatus,
     endpoint_slices_resource,
     nodes_resource,
     service_cidrs_resource,
     services_resource,
-    watch_problems,
 )
+from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
+from pyproxy.cluster.watch import MIN_WATCH_TIMEOUT, Reflector
+from pyproxy.cluster.watchstate import WatchStatus, watch_problems
 from pyproxy.core.model import ObjectKey, Skipped
 from pyproxy.core.wire import SliceDoc
 
@@ -233,7 +231,7 @@ class ApiSource:
 
     def report(self, now: float | None = None) -> dict[str, Any]:
         """For `pyproxy status`: each watch, and why the API side is not well (a watch
-        without an answer for longer than watch.DISCONNECTED_BOUND)."""
+        without an answer for longer than watchstate.DISCONNECTED_BOUND)."""
         statuses = self.status()
         return {"api": [dataclasses.asdict(s) for s in statuses],
                 "problems": watch_problems(statuses, time.time() if now is None else now)}

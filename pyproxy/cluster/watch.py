@@ -45,21 +45,21 @@ Behaviour, as a Kubernetes informer's:
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import structlog
 
-from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error, request
-from pyproxy.cluster.codec import JSON, Codec, ProtobufCodec, TypedCodec
+from pyproxy.cluster.apirequest import REASON_LIMIT, describe_error
+from pyproxy.cluster.codec import Codec
+from pyproxy.cluster.resources import JSON_MEDIA_TYPE, PROTOBUF_MEDIA_TYPE, Resource
+from pyproxy.cluster.watchstate import Backoff, WatchStatus
 from pyproxy.core import protobuf
 from pyproxy.core.model import ObjectKey
-from pyproxy.core.wire import SliceDoc, metadata
+from pyproxy.core.wire import metadata
 from pyproxy.memory import gc_paused
 
 log = structlog.get_logger(__name__)
@@ -78,134 +78,9 @@ CONNECT_TIMEOUT = 10.0
 # handler(key, object or None for a deletion); the object as the resource's codec decodes it
 Handler = Callable[[ObjectKey, Any | None], None]
 
-JSON_MEDIA_TYPE = "application/json"
-PROTOBUF_MEDIA_TYPE = protobuf.MEDIA_TYPE
 # A protobuf watch, JSON where the server cannot (an aggregated API, the emulator), as
 # client-go's Accept lists both. The response's Content-Type says which it is.
 _PROTOBUF_WATCH = f"{PROTOBUF_MEDIA_TYPE};stream=watch, {JSON_MEDIA_TYPE}"
-
-
-@dataclass(frozen=True)
-class Resource:
-    """One watched resource: how to call the client for it."""
-
-    kind: str
-    # (api_client) → a function taking list/watch options (limit, watch, resource_version…)
-    # and returning the raw response
-    list_function: Callable[[Any], Callable[..., Any]]
-    label_selector: str | None = None
-    field_selector: str | None = None
-    codec: Codec = JSON
-    # Its protobuf codec (None: JSON only).
-    protobuf: Codec | None = None
-
-
-def collection(path: str) -> Callable[[Any], Callable[..., Any]]:
-    """The list function of a collection path, e.g. "/api/v1/services" (all namespaces):
-    a GET through the client's ApiClient (pyproxy/cluster/apirequest.py says why not CoreV1Api)."""
-
-    def bind(api_client: Any) -> Callable[..., Any]:
-        def list_or_watch(_preload_content: bool = False, _request_timeout: Any = None,
-                          _accept: str = JSON_MEDIA_TYPE, **options: Any) -> Any:
-            return request(api_client, "GET", path, query=options, timeout=_request_timeout,
-                           accept=_accept)
-        return list_or_watch
-    return bind
-
-
-def services_resource() -> Resource:
-    return Resource(
-        "Service", collection("/api/v1/services"),
-        # Services another proxy handles are not ours (as kube-proxy's informer).
-        label_selector="!service.kubernetes.io/service-proxy-name",
-        # Nor headless ones, which have no address to proxy: kube-proxy's informer leaves
-        # them on the server too, so their changes are never sent to the nodes.
-        field_selector="spec.clusterIP!=None",
-        protobuf=ProtobufCodec(protobuf.SERVICE),
-    )
-
-
-def endpoint_slices_resource() -> Resource:
-    return Resource(
-        "EndpointSlice", collection("/apis/discovery.k8s.io/v1/endpointslices"),
-        label_selector="!service.kubernetes.io/headless,!service.kubernetes.io/service-proxy-name",
-        codec=SLICE_CODEC, protobuf=ProtobufCodec(protobuf.ENDPOINT_SLICE, protobuf.slice_doc),
-    )
-
-
-# EndpointSlices are most of an initial list: decoded into typed documents (see codec.py).
-SLICE_CODEC = TypedCodec(SliceDoc)
-
-
-def nodes_resource(name: str | None = None) -> Resource:
-    return Resource(
-        "Node", collection("/api/v1/nodes"),
-        field_selector=f"metadata.name={name}" if name else None,
-        protobuf=ProtobufCodec(protobuf.NODE),
-    )
-
-
-def service_cidrs_resource() -> Resource:
-    """ServiceCIDRs (networking.k8s.io/v1, cluster-scoped): the ranges ClusterIPs come from.
-    An API server that does not serve them (before 1.33, or MultiCIDRServiceAllocator off)
-    answers 404: that reads as "none known", an empty list and a watch that stays quiet,
-    instead of an error retried forever. Each watch asks again (every 5 to 10 minutes), so
-    an upgraded server's ServiceCIDRs arrive without a restart."""
-    servicecidrs = collection("/apis/networking.k8s.io/v1/servicecidrs")
-    return Resource(
-        "ServiceCIDR", lambda api: _NotServedIsEmpty("ServiceCIDR", servicecidrs(api)),
-        protobuf=ProtobufCodec(protobuf.SERVICE_CIDR))
-
-
-@dataclass(frozen=True)
-class _NotServedIsEmpty:
-    """A list function whose 404 (resource not served) answers as an empty list, or as a
-    silent watch lasting the watch's timeout. Only for resources whose absence means "none
-    exist": a 404 for Services would be an error."""
-
-    kind: str
-    function: Callable[..., Any]
-
-    def __call__(self, **kwargs: Any) -> Any:
-        try:
-            return self.function(**kwargs)
-        except Exception as err:
-            if getattr(err, "status", None) != 404:
-                raise
-        if not kwargs.get("watch"):
-            log.info("resource_not_served_taken_as_none", kind=self.kind)
-            return _Response(b'{"items": [], "metadata": {"resourceVersion": ""}}')
-        if kwargs.get("send_initial_events"):  # a streamed list of nothing
-            log.info("resource_not_served_taken_as_none", kind=self.kind)
-            return _Response(_EMPTY_STREAMED_LIST)
-        return _Response(b"", quiet_for=float(kwargs.get("timeout_seconds") or 300))
-
-
-_EMPTY_STREAMED_LIST = json.dumps({"type": "BOOKMARK", "object": {"metadata": {
-    "resourceVersion": "", "annotations": {"k8s.io/initial-events-end": "true"}}}}).encode()
-
-
-@dataclass
-class _Response:
-    """What the reflector reads of a raw client response."""
-
-    data: bytes
-    quiet_for: float = 0.0
-
-    def stream(self, amt: int = 0, decode_content: bool = True) -> Iterator[bytes]:
-        if self.data:
-            yield self.data + b"\n"
-        # Empty chunks once a second: the reflector checks its stop event after each one.
-        deadline = time.monotonic() + self.quiet_for
-        while time.monotonic() < deadline:
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-            yield b""
-
-    def release_conn(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Expired(Exception):
@@ -233,120 +108,6 @@ SMALL_LIST = 2000
 
 # The annotation of the bookmark that ends a streamed list's initial events.
 INITIAL_EVENTS_END = "k8s.io/initial-events-end"
-
-
-# client-go's reflector backoff (k8s.io/client-go tools/cache/reflector.go, v0.37.2):
-# wait.Backoff{Duration: 800 ms, Cap: 30 s, Factor: 2, Jitter: 1.0}.DelayWithReset(2 min).
-BACKOFF_INITIAL = 0.8
-BACKOFF_CAP = 30.0
-BACKOFF_FACTOR = 2.0
-BACKOFF_JITTER = 1.0
-BACKOFF_RESET = 120.0
-
-
-@dataclass
-class Backoff:
-    """The pause before the next try, as client-go's reflector draws it (one per reflector,
-    shared by every kind of retry): step n waits d·(1 + jitter·rand) with d = initial·2^n,
-    d capped at `cap` (so a wait is in [d, 2d]: 0.8-1.6 s, 1.6-3.2, 3.2-6.4 … 30-60 s);
-    the steps start again from `initial` only when `reset_after` seconds have passed since
-    they last did (wait.backoffManager: not on a success). Both matter for a fleet: nodes
-    whose API server went away together come back spread over a window that doubles with
-    each refused try, and the relist after a 410 waits the next step, not a fixed pause,
-    so the relists of a restart come in a second, wider wave (docs/fleet.md)."""
-
-    initial: float = BACKOFF_INITIAL
-    cap: float = BACKOFF_CAP
-    factor: float = BACKOFF_FACTOR
-    jitter: float = BACKOFF_JITTER
-    reset_after: float = BACKOFF_RESET
-    clock: Callable[[], float] = time.monotonic
-    rand: Callable[[], float] = random.random
-    _next: float = 0.0  # the next step's d (0: the first, initial)
-    _since: float | None = None  # when the steps last started again (created: now)
-
-    def __post_init__(self) -> None:
-        self._since = self.clock()
-
-    def next(self) -> float:
-        now = self.clock()
-        if self._since is None or now - self._since > self.reset_after:
-            self._next, self._since = self.initial, now
-        elif not self._next:
-            self._next = self.initial
-        current = self._next
-        self._next = min(self.cap, current * self.factor)
-        return current * (1.0 + self.jitter * self.rand())
-
-
-# A watch's state (the metric pyproxy_watch_state, `pyproxy status`): no answer yet since
-# start, an answer on the last try, or an error on it.
-CONNECTING = "connecting"
-CONNECTED = "connected"
-DISCONNECTED = "disconnected"
-WATCH_STATES = (CONNECTING, CONNECTED, DISCONNECTED)
-# `pyproxy status` fails when a watch has been without an answer this long (docs/metrics.md):
-# twice the longest pause between tries (client-go's backoff: 30 s jittered to 30-60 s), so
-# an API server that is back has been tried again within it, and a watch that stays down
-# (a 403, a CA that does not sign the server's certificate, no route) is reported.
-DISCONNECTED_BOUND = 120.0
-
-
-@dataclass
-class WatchStatus:
-    """What `pyproxy status` and the metrics show about one watch."""
-
-    kind: str
-    synced: bool = False
-    connected: bool = False
-    state: str = CONNECTING
-    # Unix time the state began (for a watch that never connected: when it started).
-    state_since: float = field(default_factory=time.time)
-    resource_version: str = ""
-    lists: int = 0
-    watches: int = 0
-    events: int = 0
-    errors: int = 0
-    last_error: str = ""
-    # The last complete list: seconds in all, of those waiting for the server's pages
-    # (request + transfer) and decoding the JSON; the rest is handing the objects over
-    # (conversion and tracking).
-    last_list_seconds: float = 0.0
-    last_list_server_seconds: float = 0.0
-    last_list_decode_seconds: float = 0.0
-    # How the current watch's events come: "json", or "protobuf" (clientConnection.contentType
-    # on a server that speaks it); a streamed list's stream read on as the watch is JSON.
-    watch_encoding: str = ""
-
-    def set_connected(self, connected: bool, now: float | None = None) -> None:
-        """The last try was answered (connected) or failed: the state, and since when (a
-        watch that never connected has been down since it started)."""
-        state = CONNECTED if connected else DISCONNECTED
-        self.connected = connected
-        if connected != (self.state == CONNECTED):
-            self.state_since = time.time() if now is None else now
-        self.state = state
-
-    def down_for(self, now: float) -> float:
-        """Seconds without an answer (0 while connected)."""
-        return 0.0 if self.state == CONNECTED else max(0.0, now - self.state_since)
-
-
-def watch_problems(statuses: Iterable[WatchStatus], now: float,
-                   bound: float | None = None) -> list[str]:
-    """Why `pyproxy status` fails on the API side: each watch without an answer for longer
-    than `bound` (DISCONNECTED_BOUND), with its last error."""
-    bound = DISCONNECTED_BOUND if bound is None else bound
-    problems = []
-    for status in statuses:
-        down = status.down_for(now)
-        if down <= bound:
-            continue
-        never = ", never listed" if not status.synced else ""
-        why = f": {status.last_error}" if status.last_error else ""
-        problems.append(f"watch {status.kind} {status.state} for {down:.0f} s "
-                        f"(more than {bound:.0f} s{never}){why}")
-    return problems
 
 
 class Reflector:

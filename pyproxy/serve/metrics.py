@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pyproxy.cluster.watch import WATCH_STATES, WatchStatus
+from pyproxy.cluster.watchstate import WATCH_STATES, WatchStatus
 from pyproxy.core.model import TrafficPolicy
 from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection
 from pyproxy.serve.connections import Series
