@@ -1,5 +1,5 @@
 """Fakes for the I/O shells (no mocks): an in-memory nftables kernel that applies the
-applier's scripts to tables it can list back (so repair, `diff` and `trace --verify` run
+applier's operations to tables it can list back (so repair, `diff` and `trace --verify` run
 without a namespace), the same kernel recording every script, and a clock that moves only
 when the code under test waits."""
 
@@ -17,25 +17,37 @@ from dataclasses import dataclass, field
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.kernel.libnftables import NftError, parse_elements, split_top_level, table_block
+from pyproxy.kernel.libnftables import NftError, table_block
+from pyproxy.render import ops
+from pyproxy.render.objects import (
+    TABLE,
+    ElementValue,
+    Key,
+    SetDecl,
+    Verdict,
+    element_text,
+    key_text,
+)
+from pyproxy.render.ops import Op, Verb
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.node import NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
 
+# A rule's text is nft's own syntax (the renderer's, passed through): what it jumps to and
+# which sets it uses, for the kernel's "still referenced" refusals.
 _REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
 
 
 @dataclass
 class _Chain:
-    spec: str = ""  # `type … hook … priority …; policy …;` for a base chain
+    base: tuple[str, str, int] | None = None  # (type, hook, priority) of a base chain
     rules: list[str] = field(default_factory=list)
 
 
 @dataclass
 class _Set:
-    kind: str  # "set" or "map"
-    body: str
-    elements: dict[str, str] = field(default_factory=dict)  # key → element as added
+    declaration: SetDecl
+    elements: dict[Key, ElementValue] = field(default_factory=dict)
 
 
 @dataclass
@@ -47,66 +59,49 @@ class _Table:
     def references(self) -> set[str]:
         """Names of the chains and sets that rules and map values refer to."""
         found: set[str] = set()
-        texts = [rule for chain in self.chains.values() for rule in chain.rules]
-        texts += [e for s in self.sets.values() for e in s.elements.values()]
-        for text in texts:
-            for match in _REFERENCE.finditer(text):
-                found.add((match[1] or match[2]).rstrip(";,}"))
+        for chain in self.chains.values():
+            for rule in chain.rules:
+                for match in _REFERENCE.finditer(rule):
+                    found.add((match[1] or match[2]).rstrip(";,}"))
+        for found_set in self.sets.values():
+            found.update(value.chain for value in found_set.elements.values()
+                         if isinstance(value, Verdict) and value.chain)
         return found
 
 
-def element_key(element: str) -> str:
-    """What identifies an element in its set or map: the text before ` : ` (a map's value)
-    and before ` comment ` / ` timeout `."""
-    key = element.split(" : ", 1)[0]
-    for word in (" comment ", " timeout ", " expires "):
-        key = key.split(word, 1)[0]
-    return " ".join(key.split())
-
-
-def _braced(rest: str) -> tuple[str, str]:
-    """`name { body }` → (name, body); `name` → (name, "")."""
-    name, _, body = rest.partition(" ")
-    body = body.strip()
-    if body.startswith("{") and body.endswith("}"):
-        body = body[1:-1].strip()
-    return name, body
-
-
 class FakeKernel:
-    """The commands the applier, staging and cleanup send, applied to in-memory tables:
-    `add|delete table`, `add|flush|delete chain`, `add rule`, `add|flush|delete set|map`,
-    `add|delete element`. Like the kernel, a transaction is all or nothing, and it fails
-    for a missing object, a clashing element, a chain or set still referenced, or a base
-    chain whose properties would change in place. Rule texts are kept as given (nft
-    would normalise them). `fail_next` refuses the next transactions as the kernel
-    would (the drills' /fault)."""
+    """The operations the applier, staging and cleanup send (pyproxy/render/ops.py),
+    applied to in-memory tables as objects: the table, chains and their rules, sets and
+    maps with their declarations and elements. Like the kernel, a transaction is all or
+    nothing, and it fails for a missing object, a clashing element, a chain or set still
+    referenced, a set declared otherwise, or a base chain whose properties would change in
+    place. Rule texts are kept as given (nft would normalise them). `fail_next` refuses the
+    next transactions as the kernel would (the drills' /fault)."""
 
     def __init__(self) -> None:
-        self.tables: dict[tuple[str, str], _Table] = {}
+        self.tables: dict[str, _Table] = {}  # by family: only our table is kept
         self.fail_next = 0
         self.transactions = 0
 
-    # --- what the applier calls (pyproxy.nft.Kernel) -----------------------------------
+    # --- what the applier calls (pyproxy.kernel.nft.Kernel) -------------------------------
 
-    def run(self, script: str) -> str:
+    def apply(self, family: str, transaction: Sequence[Op]) -> str:
         if self.fail_next:
             self.fail_next -= 1
             raise NftError("Error: Could not process rule: Invalid argument (injected)")
         tables = copy.deepcopy(self.tables)
-        for number, line in enumerate(script.splitlines(), 1):
-            line = line.strip()
-            if line and not line.startswith("#"):
-                try:
-                    self._apply(tables, line)
-                except NftError as err:
-                    raise NftError(f"Error: {err} (line {number}: {line[:120]})") from None
+        for number, op in enumerate(transaction, 1):
+            try:
+                self._apply(tables, family, op)
+            except NftError as err:
+                text = ops.line(family, op)[:120]
+                raise NftError(f"Error: {err} (command {number}: {text})") from None
         self.tables = tables
         self.transactions += 1
-        return ""
+        return ops.script(family, transaction)
 
     def add_elements(self, family: str, chunk: ElementChunk) -> None:
-        self.run(chunk.script(family))
+        self.apply(family, chunk.ops())
 
     def bulk(self) -> AbstractContextManager[None]:
         return contextlib.nullcontext()
@@ -121,160 +116,156 @@ class FakeKernel:
         found = self._set(family, name)
         if found is None:
             return None
-        listing = "elements = { " + ", ".join(found.elements.values()) + " }"
-        return parse_elements(listing) if found.elements else []
+        return [element_text(key, value) for key, value in found.elements.items()]
 
-    def get_element(self, family: str, container: str, key: str) -> str | None:
+    def get_element(self, family: str, container: str, key: Key) -> str | None:
         found = self._set(family, container)
-        return None if found is None else found.elements.get(element_key(key))
+        value = None if found is None else found.elements.get(key)
+        return None if value is None else element_text(key, value)
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
-        table = self.tables.get((family, "pyproxy"))
+        table = self.tables.get(family)
         return ([], []) if table is None else (list(table.chains), list(table.sets))
 
     def table_comment(self, family: str) -> str | None:
-        table = self.tables.get((family, "pyproxy"))
-        return None if table is None else table.comment.strip('"')
+        table = self.tables.get(family)
+        return None if table is None else table.comment
 
     # --- for tests -----------------------------------------------------------------------
 
     def list_ruleset(self) -> str:
         """The tables as a terse `nft list ruleset` prints them (elements left out)."""
         lines: list[str] = []
-        for (family, name), table in self.tables.items():
-            lines.append(f"table {family} {name} {{")
+        for family, table in self.tables.items():
+            lines.append(f"table {family} {TABLE} {{")
             if table.comment:
-                lines.append(f"\tcomment {table.comment}")
+                lines.append(f'\tcomment "{table.comment}"')
             for set_name, found in table.sets.items():
-                lines.append(f"\t{found.kind} {set_name} {{")
-                lines += [f"\t\t{p.strip()}" for p in found.body.split(";") if p.strip()]
+                lines.append(f"\t{found.declaration.kind} {set_name} {{")
+                lines += [f"\t\t{p.strip()}" for p in found.declaration.body().split(";")
+                          if p.strip()]
                 lines.append("\t}")
             for chain_name, chain in table.chains.items():
                 lines.append(f"\tchain {chain_name} {{")
-                if chain.spec:
-                    lines.append(f"\t\t{chain.spec}")
+                if chain.base:
+                    kind, hook, priority = chain.base
+                    lines.append(f"\t\ttype {kind} hook {hook} priority {priority}; "
+                                 "policy accept;")
                 lines += [f"\t\t{rule}" for rule in chain.rules]
                 lines.append("\t}")
             lines.append("}")
         return "".join(line + "\n" for line in lines)
 
     def _set(self, family: str, name: str) -> _Set | None:
-        table = self.tables.get((family, "pyproxy"))
+        table = self.tables.get(family)
         return None if table is None else table.sets.get(name)
 
-    # --- one command -----------------------------------------------------------------------
+    # --- one operation -----------------------------------------------------------------------
 
-    def _apply(self, tables: dict[tuple[str, str], _Table], line: str) -> None:
-        words = line.split(" ", 4)
-        if len(words) < 4:
-            raise NftError(f"syntax error: {line!r}")
-        verb, what, family, table_name = words[:4]
-        rest = words[4] if len(words) > 4 else ""
-        where = (family, table_name)
-        if what == "table":
-            self._table(tables, verb, where, rest)
+    def _apply(self, tables: dict[str, _Table], family: str, op: Op) -> None:
+        verb, obj = op
+        if isinstance(obj, ops.Table):
+            self._table(tables, verb, family, obj)
             return
-        table = tables.get(where)
+        table = tables.get(family)
         if table is None:
-            raise NftError(f"No such file or directory: table {family} {table_name}")
-        if what == "chain":
-            self._chain(table, verb, *_braced(rest))
-        elif what == "rule":
-            chain_name, _, rule = rest.partition(" ")
-            if verb != "add" or chain_name not in table.chains:
-                raise NftError(f"No such file or directory: {verb} rule in {chain_name}")
-            table.chains[chain_name].rules.append(" ".join(rule.split()))
-        elif what in ("set", "map"):
-            self._container(table, verb, what, *_braced(rest))
-        elif what == "element":
-            self._element(table, verb, *_braced(rest))
+            raise NftError(f"No such file or directory: table {family} {TABLE}")
+        if isinstance(obj, ops.Chain):
+            self._chain(table, verb, obj)
+        elif isinstance(obj, ops.Rule):
+            if verb is not Verb.ADD or obj.chain not in table.chains:
+                raise NftError(f"No such file or directory: {verb} rule in {obj.chain}")
+            table.chains[obj.chain].rules.append(obj.text)
+        elif isinstance(obj, ops.Set):
+            self._container(table, verb, obj)
         else:
-            raise NftError(f"syntax error: {line!r}")
+            self._elements(table, verb, obj)
 
-    def _table(self, tables: dict[tuple[str, str], _Table], verb: str,
-               where: tuple[str, str], rest: str) -> None:
-        if verb == "add":
+    def _table(self, tables: dict[str, _Table], verb: Verb, family: str,
+               obj: ops.Table) -> None:
+        if verb is Verb.ADD:
             # as the kernel: a comment is the table's from its creation on (an `add` of a
             # table that exists leaves it as it was)
-            if where not in tables:
-                comment = re.search(r'comment ("[^"]*")', rest)
-                tables[where] = _Table(comment=comment[1] if comment else "")
-        elif verb == "delete" and where in tables:
-            del tables[where]
-        elif verb == "flush" and where in tables:
-            for chain in tables[where].chains.values():
+            if family not in tables:
+                tables[family] = _Table(comment=obj.comment)
+        elif verb is Verb.DELETE and family in tables:
+            del tables[family]
+        elif verb is Verb.FLUSH and family in tables:
+            for chain in tables[family].chains.values():
                 chain.rules.clear()
-            for found in tables[where].sets.values():
+            for found in tables[family].sets.values():
                 found.elements.clear()
         else:
-            raise NftError(f"No such file or directory: {verb} table {' '.join(where)}")
+            raise NftError(f"No such file or directory: {verb} table {family} {TABLE}")
 
-    def _chain(self, table: _Table, verb: str, name: str, spec: str) -> None:
-        chain = table.chains.get(name)
-        if verb == "add":
+    def _chain(self, table: _Table, verb: Verb, obj: ops.Chain) -> None:
+        chain = table.chains.get(obj.name)
+        if verb is Verb.ADD:
             if chain is None:
-                table.chains[name] = _Chain(spec)
-            elif spec and chain.spec != spec:
-                raise NftError(f"Device or resource busy: chain {name} is {chain.spec!r}")
+                table.chains[obj.name] = _Chain(obj.base)
+            elif obj.base is not None and chain.base != obj.base:
+                raise NftError(f"Device or resource busy: chain {obj.name} is {chain.base}")
         elif chain is None:
-            raise NftError(f"No such file or directory: {verb} chain {name}")
-        elif verb == "flush":
+            raise NftError(f"No such file or directory: {verb} chain {obj.name}")
+        elif verb is Verb.FLUSH:
             chain.rules.clear()
-        elif verb == "delete":
-            if name in table.references():
-                raise NftError(f"Device or resource busy: chain {name} is still referenced")
-            del table.chains[name]
         else:
-            raise NftError(f"syntax error: {verb} chain")
+            if obj.name in table.references():
+                raise NftError(f"Device or resource busy: chain {obj.name} is still "
+                               "referenced")
+            del table.chains[obj.name]
 
-    def _container(self, table: _Table, verb: str, kind: str, name: str, body: str) -> None:
-        found = table.sets.get(name)
-        if verb == "add":
+    def _container(self, table: _Table, verb: Verb, obj: ops.Set) -> None:
+        found = table.sets.get(obj.name)
+        if verb is Verb.ADD:
+            if obj.declaration is None:
+                raise NftError(f"syntax error: set {obj.name} without a declaration")
             if found is None:
-                table.sets[name] = _Set(kind, body)
-            elif " ".join(found.body.split()) != " ".join(body.split()):
-                raise NftError(f"File exists: {kind} {name} is declared otherwise")
+                table.sets[obj.name] = _Set(obj.declaration)
+            elif found.declaration != obj.declaration:
+                raise NftError(f"File exists: {obj.declaration.kind} {obj.name} is declared "
+                               "otherwise")
         elif found is None:
-            raise NftError(f"No such file or directory: {verb} {kind} {name}")
-        elif verb == "flush":
+            raise NftError(f"No such file or directory: {verb} set {obj.name}")
+        elif verb is Verb.FLUSH:
             found.elements.clear()
-        elif verb == "delete":
-            if name in table.references():
-                raise NftError(f"Device or resource busy: {kind} {name} is still referenced")
-            del table.sets[name]
         else:
-            raise NftError(f"syntax error: {verb} {kind}")
+            if obj.name in table.references():
+                raise NftError(f"Device or resource busy: set {obj.name} is still referenced")
+            del table.sets[obj.name]
 
-    def _element(self, table: _Table, verb: str, name: str, body: str) -> None:
-        found = table.sets.get(name)
+    def _elements(self, table: _Table, verb: Verb, obj: ops.Elements) -> None:
+        found = table.sets.get(obj.set)
         if found is None:
-            raise NftError(f"No such file or directory: set {name}")
-        for element in split_top_level(body):
-            key = element_key(element)
+            raise NftError(f"No such file or directory: set {obj.set}")
+        for key, value in obj.elements:
             have = found.elements.get(key)
-            if verb == "add":
-                if have is not None and have != element:
-                    raise NftError(f"Device or resource busy: {name} holds {have!r}")
-                found.elements[key] = element
-            elif verb == "delete":
+            if verb is Verb.ADD:
+                if have is not None and have != value:
+                    raise NftError(f"Device or resource busy: {obj.set} holds "
+                                   f"{element_text(key, have)!r}")
+                found.elements[key] = value
+            elif verb is Verb.DELETE:
                 if have is None:
-                    raise NftError(f"No such file or directory: element {key} in {name}")
+                    raise NftError(f"No such file or directory: element {key_text(key)} in "
+                                   f"{obj.set}")
                 del found.elements[key]
             else:
                 raise NftError(f"syntax error: {verb} element")
 
 
 class FakeNft(FakeKernel):
-    """The fake kernel, recording every script it was given (`last`: the latest)."""
+    """The fake kernel, recording every transaction it took as the script it writes
+    (`last`: the latest)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.scripts: list[str] = []
 
-    def run(self, script: str) -> str:
-        out = super().run(script)
+    def apply(self, family: str, transaction: Sequence[Op]) -> str:
+        script = super().apply(family, transaction)
         self.scripts.append(script)
-        return out
+        return script
 
     @property
     def last(self) -> str:

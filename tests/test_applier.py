@@ -13,6 +13,8 @@ from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier, FaultyKernel, inject_faults, pending_faults
+from pyproxy.render import ops
+from pyproxy.render.objects import VERDICT, SetDecl, Verdict
 from pyproxy.serve.live import trace_in
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
@@ -48,40 +50,48 @@ def applier(proxier: NodeProxier) -> Applier:
 # --- the fake kernel itself ------------------------------------------------------------------
 
 
+def _addresses(name: str, *addresses: str) -> ops.Elements:
+    return ops.Elements(name, tuple(((address,), ()) for address in addresses))
+
+
 def test_the_fake_kernel_applies_a_transaction_whole_or_not_at_all() -> None:
     nft = FakeKernel()
-    nft.run("add table ip pyproxy\nadd set ip pyproxy s { type ipv4_addr; }\n"
-            "add element ip pyproxy s { 10.0.0.1, 10.0.0.2 }\n")
+    nft.apply("ip", [ops.add(ops.Table()), ops.add(ops.Set("s", SetDecl(("ipv4_addr",)))),
+                     ops.add(_addresses("s", "10.0.0.1", "10.0.0.2"))])
     with pytest.raises(NftError, match="No such file or directory"):
-        nft.run("add element ip pyproxy s { 10.0.0.3 }\nadd element ip pyproxy t { 10.0.0.4 }\n")
+        nft.apply("ip", [ops.add(_addresses("s", "10.0.0.3")),
+                         ops.add(_addresses("t", "10.0.0.4"))])
     assert nft.list_elements("ip", "set", "s") == ["10.0.0.1", "10.0.0.2"]
     assert nft.list_elements("ip", "set", "t") is None
     with pytest.raises(NftError, match="No such file or directory"):
-        nft.run("delete element ip pyproxy s { 10.0.0.9 }\n")
+        nft.apply("ip", [ops.delete(_addresses("s", "10.0.0.9"))])
 
 
 def test_the_fake_kernel_refuses_what_the_kernel_refuses() -> None:
     nft = FakeKernel()
-    nft.run("add table ip pyproxy\nadd chain ip pyproxy a\nadd chain ip pyproxy b\n"
-            "add rule ip pyproxy a goto b\n"
-            "add map ip pyproxy m { type ipv4_addr : verdict; }\n"
-            "add element ip pyproxy m { 10.0.0.1 : goto b }\n"
-            "add chain ip pyproxy nat-prerouting { type nat hook prerouting priority -100; }\n")
+    nat = ops.Chain("nat-prerouting", ("nat", "prerouting", -100))
+    to_b = ops.Elements("m", ((("10.0.0.1",), Verdict("goto", "b")),))
+    nft.apply("ip", [ops.add(ops.Table()), ops.add(ops.Chain("a")), ops.add(ops.Chain("b")),
+                     ops.add(ops.Rule("a", "goto b")),
+                     ops.add(ops.Set("m", SetDecl(("ipv4_addr",), VERDICT))), ops.add(to_b),
+                     ops.add(nat)])
     refused = {
-        "delete chain ip pyproxy b\n": "still referenced",  # by a rule and a map value
-        "add element ip pyproxy m { 10.0.0.1 : goto a }\n": "Device or resource busy",
-        "add chain ip pyproxy nat-prerouting { type nat hook prerouting priority 0; }\n":
+        ops.delete(ops.Chain("b")): "still referenced",  # by a rule and a map value
+        ops.add(to_b._replace(elements=((("10.0.0.1",), Verdict("goto", "a")),))):
+            "Device or resource busy",
+        ops.add(nat._replace(base=("nat", "prerouting", 0))):
             "Device or resource busy",  # a base chain's priority cannot change in place
-        "flush chain ip pyproxy c\n": "No such file",
-        "add rule ip pyproxy c counter\n": "No such file",
+        ops.add(ops.Set("m", SetDecl(("ipv4_addr",), VERDICT, flags=("interval",)))):
+            "File exists",  # a declaration cannot change in place
+        ops.flush(ops.Chain("c")): "No such file",
+        ops.add(ops.Rule("c", "counter")): "No such file",
     }
-    for script, error in refused.items():
+    for op, error in refused.items():
         with pytest.raises(NftError, match=error):
-            nft.run(script)
-    nft.run("flush chain ip pyproxy a\ndelete element ip pyproxy m { 10.0.0.1 }\n"
-            "delete chain ip pyproxy b\n")
+            nft.apply("ip", [op])
+    nft.apply("ip", [ops.flush(ops.Chain("a")), ops.delete(to_b), ops.delete(ops.Chain("b"))])
     assert nft.list_names("ip") == (["a", "nat-prerouting"], ["m"])
-    assert nft.get_element("ip", "m", "10.0.0.1") is None
+    assert nft.get_element("ip", "m", ("10.0.0.1",)) is None
 
 
 # --- tamper repair, diff, verify ---------------------------------------------------------------
@@ -95,18 +105,18 @@ def test_a_fresh_table_is_intact_and_identical() -> None:
 
 
 @pytest.mark.parametrize("tamper, reported", [
-    ("delete table ip pyproxy\n", "table ip pyproxy is missing"),
-    ("flush chain ip pyproxy services\n", "chain services:"),
-    ("add chain ip pyproxy intruder\n", "chain intruder: unexpected"),
-    ("add set ip pyproxy intruder { type ipv4_addr; }\n", "set or map intruder: unexpected"),
+    (ops.delete(ops.Table()), "table ip pyproxy is missing"),
+    (ops.flush(ops.Chain("services")), "chain services:"),
+    (ops.add(ops.Chain("intruder")), "chain intruder: unexpected"),
+    (ops.add(ops.Set("intruder", SetDecl(("ipv4_addr",)))), "set or map intruder: unexpected"),
 ])
-def test_someone_elses_change_to_the_structure_is_found_and_repaired(tamper: str,
+def test_someone_elses_change_to_the_structure_is_found_and_repaired(tamper: ops.Op,
                                                                      reported: str) -> None:
     proxier, nft = synced()
-    nft.run(tamper)
+    nft.apply("ip", [tamper])
     assert not applier(proxier).structure_intact()
     assert any(reported in line for line in applier(proxier).diff()), applier(proxier).diff()
-    proxier.table_changed(f"ip pyproxy: {tamper.strip()}")
+    proxier.table_changed(f"ip pyproxy: {ops.line('ip', tamper)}")
     proxier.sync()
     assert proxier.history[-1].cause is Cause.REPAIR and proxier.history[-1].full
     assert applier(proxier).structure_intact() and applier(proxier).diff() == []
@@ -115,10 +125,10 @@ def test_someone_elses_change_to_the_structure_is_found_and_repaired(tamper: str
 
 def test_a_deleted_element_shows_in_diff_and_a_full_sync_puts_it_back() -> None:
     proxier, nft = synced()
-    nft.run(f"delete element ip pyproxy cluster-ips {{ {VIP} }}\n")
+    nft.apply("ip", [ops.delete(_addresses("cluster-ips", VIP))])
     assert applier(proxier).structure_intact()  # elements are not part of the structure
     assert applier(proxier).diff() == [f"set cluster-ips: missing element {VIP}"]
-    nft.run("add element ip pyproxy cluster-ips { 10.96.0.99 }\n")
+    nft.apply("ip", [ops.add(_addresses("cluster-ips", "10.96.0.99"))])
     assert "set cluster-ips: unexpected element 10.96.0.99" in applier(proxier).diff()
     proxier.proxiers[0].sync(proxier.cache.state(), plan=SyncPlan(Scope.FULL, Cause.PERIODIC))
     assert applier(proxier).diff() == []
@@ -129,7 +139,7 @@ def test_trace_verify_compares_the_answer_with_the_kernel() -> None:
     query = {"src": "192.168.50.9", "dst": f"{VIP}:80/tcp", "verify": "1"}
     answer = trace_in(proxier.proxiers, query)
     assert answer["verified"] == [] and answer["candidates"]
-    nft.run(f"delete element ip pyproxy endpoints-tcp {{ {VIP} . 80 . 0 }}\n")
+    nft.apply("ip", [ops.delete(ops.Elements("endpoints-tcp", (((VIP, 80, 0), ()),)))])
     problems = trace_in(proxier.proxiers, query)["verified"]
     assert len(problems) == 1 and problems[0].startswith("endpoints-tcp: expected "), problems
     assert problems[0].endswith("kernel has None")
@@ -168,7 +178,7 @@ def test_injected_faults_refuse_sync_transactions_and_then_stop() -> None:
     assert nft.list_ruleset() == before and pending_faults(one) == 0
     proxier.sync()
     assert proxier.history[-1].full and proxier.history[-1].error is None
-    assert nft.get_element("ip", "cluster-ips", "10.96.0.20") == "10.96.0.20"
+    assert nft.get_element("ip", "cluster-ips", ("10.96.0.20",)) == "10.96.0.20"
 
 
 def test_an_injected_fault_is_kept_for_a_sync_not_taken_by_a_stale_chain_cleanup() -> None:

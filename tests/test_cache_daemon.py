@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from pyproxy.core.plan import Cause
 from pyproxy.core.wire import Unreadable
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
+from pyproxy.render import ops
 from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
 from pyproxy.render.ruleset import Shape
 from pyproxy.run import build_daemon
@@ -306,9 +307,9 @@ def test_a_sync_record_ends_when_the_sync_returned_not_after_its_three_parts() -
     wall = [100.0]
 
     class SlowKernel(FakeNft):
-        def run(self, script: str) -> str:
+        def apply(self, family: str, transaction: Sequence[ops.Op]) -> str:
             wall[0] += 2.0  # the kernel's answer takes two seconds of the wall clock
-            return super().run(script)
+            return super().apply(family, transaction)
 
     proxier = NodeProxier(
         ClusterCache("node-a"),
@@ -373,10 +374,10 @@ class TamperedDuringCommit(FakeNft):
         super().__init__()
         self.during_next_commit: list[Callable[[], None]] = []
 
-    def run(self, script: str) -> str:
+    def apply(self, family: str, transaction: Sequence[ops.Op]) -> str:
         while self.during_next_commit:
             self.during_next_commit.pop()()
-        return super().run(script)
+        return super().apply(family, transaction)
 
 
 def test_a_change_reported_during_a_sync_is_repaired_by_the_next_one() -> None:

@@ -23,9 +23,8 @@ from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
 from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets, listing_shape
-from pyproxy.render import staging
+from pyproxy.render import ops, staging
 from pyproxy.render.objects import TABLE, ElementValue, Key, SetDecl
-from pyproxy.render.ruleset import declare
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.proxier import FamilyProxier, render_script
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -335,9 +334,8 @@ def test_the_kernel_holds_what_libnftables_would_have_added(ns: Netns,
     # everything but the interval sets (source ranges, ServiceCIDRs) goes over netlink
     assert {name for name, _, _ in left} <= {"firewall-allow", "service-cidrs"}
     assert {"service-ips", "endpoints-tcp", "hairpin", "cluster-ips"} <= {n for n, _ in encoded}
-    twins = "".join(declare(fam, f"{name}-twin", decl) + "\n"
-                    for name, decl, _ in loads if name not in {n for n, _, _ in left})
-    nft.run(twins)
+    nft.apply(fam, [ops.add(ops.Set(f"{name}-twin", decl))
+                    for name, decl, _ in loads if name not in {n for n, _, _ in left}])
     nle.commit(call_in_netns(ns.full, nle.netlink_socket),
                nle.build_batch(fam, TABLE, [(f"{name}-twin", p) for name, p in encoded]))
     for name, _ in encoded:

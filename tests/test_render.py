@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.render import ops
 from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
     Fragment,
@@ -55,6 +56,11 @@ def elements(items: set[Item], container: str) -> dict[str, str]:
 
 def chains(items: set[Item]) -> dict[str, list[str]]:
     return {i.container: i.value.split("\n") for i in items if i.kind is Kind.CHAIN}
+
+
+def lines(operations: list[ops.Op]) -> list[str]:
+    """Operations as the nft commands they write."""
+    return [ops.line("ip", op) for op in operations]
 
 
 def spec(**kw: Any) -> Callable[[dict[str, Any]], None]:
@@ -261,14 +267,15 @@ def test_shared_slots_are_reference_counted() -> None:
     change = Change()
     state.set("a", _frag(chain), change)
     state.set("b", _frag(chain), change)
-    assert incremental_commands("ip", change).rules == ["add rule ip pyproxy cluster-tcp-2 rule"]
+    assert lines(incremental_commands("ip", change).rules) == [
+        "add rule ip pyproxy cluster-tcp-2 rule"]
     change = Change()
     state.set("a", Fragment(), change)
     assert not incremental_commands("ip", change)  # b still uses it
     change = Change()
     state.set("b", Fragment(), change)
     cmds = incremental_commands("ip", change)
-    assert cmds.flush == ["flush chain ip pyproxy cluster-tcp-2"]
+    assert lines(cmds.flush) == ["flush chain ip pyproxy cluster-tcp-2"]
     assert cmds.stale_chains == ["cluster-tcp-2"]
 
 
@@ -284,7 +291,7 @@ def test_an_item_twice_in_a_fragment_is_one_slot_of_one_owner() -> None:
     state.set("a", Fragment(), change)
     # counted twice, it would outlive its only owner
     assert state.value(hairpin[:3]) is None and len(state) == 0
-    assert incremental_commands("ip", change).delete_elements == [
+    assert lines(incremental_commands("ip", change).delete_elements) == [
         "delete element ip pyproxy hairpin { 10.244.1.1 . 10.244.1.1, 10.244.1.2 . 10.244.1.2 }"]
 
 
@@ -318,8 +325,8 @@ def test_changed_element_value_is_deleted_and_added() -> None:
     change = Change()
     state.set("a", _frag(Item(Kind.ELEMENT, "m", ("k",), Verdict("goto", "y"))), change)
     cmds = incremental_commands("ip", change)
-    assert cmds.delete_elements == ["delete element ip pyproxy m { k }"]
-    assert cmds.add_elements == ["add element ip pyproxy m { k : goto y }"]
+    assert lines(cmds.delete_elements) == ["delete element ip pyproxy m { k }"]
+    assert lines(cmds.add_elements) == ["add element ip pyproxy m { k : goto y }"]
     assert cmds.text().index("delete element") < cmds.text().index("add element")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from bench.synth import Cluster as Synthetic
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
-from pyproxy.render import staging
+from pyproxy.render import ops, staging
 from pyproxy.render.objects import BASE_CHAINS
 from pyproxy.render.ruleset import full_commands
 from pyproxy.sync.proxier import desired_state
@@ -32,6 +33,12 @@ def store(services: int) -> Any:
     return desired_state(state, CONFIG, IPFamily.IPv4)
 
 
+def written(transactions: Iterable[staging.Transaction]) -> list[str | staging.ElementChunk]:
+    """The transactions, those of operations as the script they write."""
+    return [t if isinstance(t, staging.ElementChunk) else ops.script("ip", t)
+            for t in transactions]
+
+
 def elements_in(script: str | staging.ElementChunk) -> int:
     if isinstance(script, staging.ElementChunk):
         return len(script)
@@ -42,7 +49,7 @@ def elements_in(script: str | staging.ElementChunk) -> int:
 def test_fresh_table_hooks_come_last_and_chunks_are_bounded() -> None:
     desired = store(40)
     cmds = full_commands("ip", desired)
-    scripts = list(staging.transactions("ip", desired, cmds, table_exists=False, chunk=25))
+    scripts = written(staging.transactions("ip", desired, cmds, table_exists=False, chunk=25))
     first, *chunks, hooks = scripts
     assert isinstance(first, str) and isinstance(hooks, str)
     assert all(isinstance(c, staging.ElementChunk) for c in chunks)
@@ -61,7 +68,7 @@ def test_fresh_table_hooks_come_last_and_chunks_are_bounded() -> None:
 def test_existing_table_switches_to_copies_and_back() -> None:
     desired = store(40)
     cmds = full_commands("ip", desired, ["services"], ["service-ips"])
-    scripts = list(staging.transactions("ip", desired, cmds, table_exists=True, chunk=30))
+    scripts = written(staging.transactions("ip", desired, cmds, table_exists=True, chunk=30))
     copies = scripts[0]
     assert isinstance(copies, str)
     assert "add map ip pyproxy service-ips-staged" in copies

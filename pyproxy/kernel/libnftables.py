@@ -10,14 +10,15 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import structlog
 
 from pyproxy.kernel import nlelements, nltable
-from pyproxy.render import staging
-from pyproxy.render.objects import TABLE
+from pyproxy.render import ops, staging
+from pyproxy.render.objects import TABLE, Key, key_text
+from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import Shape
 
 log = structlog.get_logger(__name__)
@@ -212,6 +213,13 @@ class LibNftables:
             raise NftError(first_lines(err or out or f"nft exited {rc}"))
         return str(out)
 
+    def apply(self, family: str, transaction: Sequence[Op]) -> str:
+        """Commit the operations as one transaction: the nft script they write (returned),
+        through the transaction context."""
+        script = ops.script(family, transaction)
+        self.run(script)
+        return script
+
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
         """Over raw netlink the sets whose declaration and elements nlelements understands
         (all of a table pyproxy renders, but for its interval sets), through libnftables the
@@ -307,9 +315,10 @@ class LibNftables:
         rc, out, _ = self._factory().cmd(f"list {kind} {family} {TABLE} {name}")
         return parse_elements(str(out)) if rc == 0 else None
 
-    def get_element(self, family: str, container: str, key: str) -> str | None:
+    def get_element(self, family: str, container: str, key: Key) -> str | None:
         """One element as the kernel holds it (`nft get element`), or None when absent."""
-        rc, out, _ = self._factory().cmd(f"get element {family} {TABLE} {container} {{ {key} }}")
+        rc, out, _ = self._factory().cmd(
+            f"get element {family} {TABLE} {container} {{ {key_text(key)} }}")
         if rc != 0:
             return None
         found = parse_elements(str(out))

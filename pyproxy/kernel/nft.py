@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -16,8 +16,17 @@ import structlog
 
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
 from pyproxy.kernel.libnftables import LibNftables, NftError, listing_shape
-from pyproxy.render import staging
-from pyproxy.render.objects import TABLE, TABLE_COMMENT, Fragment, Kind, SetDecl, element_text
+from pyproxy.render import ops, staging
+from pyproxy.render.objects import (
+    TABLE,
+    TABLE_COMMENT,
+    Fragment,
+    Key,
+    Kind,
+    SetDecl,
+    element_text,
+)
+from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import (
     Change,
     Commands,
@@ -42,8 +51,9 @@ class Kernel(Protocol):
     stateful fake (testkit/fakes.py) where no namespace is needed. Every method names our
     table by family; listings return None where the object does not exist."""
 
-    def run(self, script: str) -> str:
-        """Commit `script` as one transaction (all or nothing); NftError if refused."""
+    def apply(self, family: str, transaction: Sequence[Op]) -> str:
+        """Commit the operations on our table as one transaction (all or nothing);
+        NftError if refused. Returns them as the nft script they are (for `last_script`)."""
         ...
 
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
@@ -68,8 +78,8 @@ class Kernel(Protocol):
         """The elements of one set or map as nft prints them."""
         ...
 
-    def get_element(self, family: str, container: str, key: str) -> str | None:
-        """One element as the kernel holds it."""
+    def get_element(self, family: str, container: str, key: Key) -> str | None:
+        """One element as the kernel holds it (as nft lists it)."""
         ...
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
@@ -93,10 +103,10 @@ class FaultyKernel:
         self.inner = inner
         self.fail_next = 0
 
-    def run(self, script: str) -> str:
-        if self.fail_next > 0 and script and not _only_chain_deletions(script):
+    def apply(self, family: str, transaction: Sequence[Op]) -> str:
+        if self.fail_next > 0 and transaction and not _only_chain_deletions(transaction):
             self._fail()
-        return self.inner.run(script)
+        return self.inner.apply(family, transaction)
 
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
         if self.fail_next > 0:
@@ -119,7 +129,7 @@ class FaultyKernel:
     def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
         return self.inner.list_elements(family, kind, name)
 
-    def get_element(self, family: str, container: str, key: str) -> str | None:
+    def get_element(self, family: str, container: str, key: Key) -> str | None:
         return self.inner.get_element(family, container, key)
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
@@ -136,8 +146,9 @@ def _refusal(error: str) -> str:
     return ": ".join(lines[:2])
 
 
-def _only_chain_deletions(script: str) -> bool:
-    return all(line.startswith("delete chain ") for line in script.splitlines() if line)
+def _only_chain_deletions(transaction: Sequence[Op]) -> bool:
+    return all(op.verb is ops.Verb.DELETE and isinstance(op.obj, ops.Chain)
+               for op in transaction)
 
 
 def inject_faults(applier: Applier, count: int) -> int:
@@ -245,15 +256,15 @@ class Applier:
             self.stage_chunk and replaced is None else None
         staged = names is not None and staging.worth_staging(self.state, names[1],
                                                              self.stage_chunk)
-        script = "" if staged else cmds.text()
+        script = ""
         t1 = self.clock()
         try:
             try:
                 if staged:
                     assert names is not None
                     script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
-                elif script:
-                    self.nft.run(script)
+                elif cmds:
+                    script = self.nft.apply(self.family, cmds.ops())
             except NftError as err:
                 if not plan.full or replaced is not None:
                     raise
@@ -262,12 +273,14 @@ class Applier:
                 # of another priority). Replaced whole, within this sync, so that nothing
                 # left in our table can keep a node without rules.
                 replaced = f"the kernel refused a full sync: {_refusal(str(err))}"
-                script = full_commands(self.family, self.state, replace=True).text()
+                cmds = full_commands(self.family, self.state, replace=True)
                 self.nft.renew()  # the refused transaction may have left its cache wrong
-                self.nft.run(script)
+                script = self.nft.apply(self.family, cmds.ops())
             if replaced is not None:
                 self._replaced(replaced)
         except NftError:
+            if not staged or replaced is not None:
+                script = cmds.text()  # what was refused
             # Forget stale chains: the next (full) sync finds them again.
             self.stale_chains.clear()
             raise
@@ -321,9 +334,9 @@ class Applier:
             return count + 1, last
         if not transaction:
             return count, last
-        self.nft.run(transaction)
+        script = self.nft.apply(self.family, transaction)
         self.nft.renew()
-        return count + 1, transaction
+        return count + 1, script
 
     def _commands(self, change: Change | None, replace: bool = False) -> Commands:
         """The commands that apply `change`; None: every command of a full sync (`replace`:
@@ -343,7 +356,7 @@ class Applier:
         if not due:
             return
         try:
-            self.nft.run("".join(f"delete chain {self.family} {TABLE} {n}\n" for n in due))
+            self.nft.apply(self.family, [ops.delete(ops.Chain(n)) for n in due])
         except NftError:
             self.cleanup_failures += 1
             return  # retried at the next sync; a full sync finds them again anyway
@@ -426,7 +439,7 @@ class Applier:
     def cleanup(self) -> None:
         """Remove the table and everything in it."""
         with contextlib.suppress(NftError):  # no table: nothing to remove
-            self.nft.run(f"delete table {self.family} {TABLE}")
+            self.nft.apply(self.family, [ops.delete(ops.Table())])
         self.state.clear()
         self.in_step = False
         self.stale_chains.clear()

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from itertools import chain, groupby
 from typing import cast
 
+from pyproxy.render import ops
 from pyproxy.render.objects import (
     BASE_CHAIN_RULES,
     BASE_CHAINS,
-    TABLE,
     TABLE_COMMENT,
     ElementValue,
     Fragment,
@@ -27,10 +27,8 @@ from pyproxy.render.objects import (
     Kind,
     SetDecl,
     Value,
-    base_chain_spec,
-    element_text,
-    key_text,
 )
+from pyproxy.render.ops import Op
 
 # A slot's key within its container: "" for a set, map or chain, the Key for an element.
 SlotKey = str | Key
@@ -350,33 +348,28 @@ def table_shape(state: DesiredState, flushed: Iterable[str] = ()) -> Shape:
 
 @dataclass
 class Commands:
-    """nft commands grouped by the order a transaction needs them in."""
+    """A transaction's operations grouped by the order it needs them in."""
 
     family: str
-    declare: list[str] = field(default_factory=list)  # add set/map/chain
-    flush: list[str] = field(default_factory=list)  # flush chain/set
-    rules: list[str] = field(default_factory=list)  # add rule
-    delete_elements: list[str] = field(default_factory=list)
-    add_elements: list[str] = field(default_factory=list)
-    delete_sets: list[str] = field(default_factory=list)
+    declare: list[Op] = field(default_factory=list)  # add set/map/chain
+    flush: list[Op] = field(default_factory=list)  # flush chain/set
+    rules: list[Op] = field(default_factory=list)  # add rule
+    delete_elements: list[Op] = field(default_factory=list)
+    add_elements: list[Op] = field(default_factory=list)
+    delete_sets: list[Op] = field(default_factory=list)
     stale_chains: list[str] = field(default_factory=list)  # flushed now, deleted later
 
+    def ops(self) -> list[Op]:
+        return [*self.declare, *self.flush, *self.rules, *self.delete_elements,
+                *self.add_elements, *self.delete_sets]
+
     def text(self) -> str:
-        lines = [*self.declare, *self.flush, *self.rules, *self.delete_elements,
-                 *self.add_elements, *self.delete_sets]
-        return "".join(line + "\n" for line in lines)
+        """The transaction as an nft script."""
+        return ops.script(self.family, self.ops())
 
     def __bool__(self) -> bool:
-        return bool(self.text())
-
-
-def _where(family: str, name: str) -> str:
-    return f"{family} {TABLE} {name}"
-
-
-def declare(family: str, name: str, declaration: SetDecl) -> str:
-    """`add set|map FAMILY pyproxy NAME { … }`."""
-    return f"add {declaration.kind} {_where(family, name)} {{ {declaration.body()} }}"
+        return any((self.declare, self.flush, self.rules, self.delete_elements,
+                    self.add_elements, self.delete_sets))
 
 
 def _text(value: Value) -> str:
@@ -412,26 +405,24 @@ def _decl(value: Value | None) -> SetDecl:
     return value
 
 
-def _add_rules(family: str, chain: str, rules: str) -> list[str]:
-    return [f"add rule {_where(family, chain)} {rule}" for rule in rules.split("\n") if rule]
+def _add_rules(chain: str, rules: str) -> list[Op]:
+    return [ops.add(ops.Rule(chain, rule)) for rule in rules.split("\n") if rule]
 
 
-def _group_elements(family: str, verb: str, pairs: list[tuple[str, str]]) -> list[str]:
-    """One command per container: `add element ip pyproxy m { k1 : v1, k2 : v2 }`."""
-    by_container: dict[str, list[str]] = {}
-    for container, element in pairs:
-        by_container.setdefault(container, []).append(element)
-    return [
-        f"{verb} element {_where(family, container)} {{ {', '.join(elements)} }}"
-        for container, elements in by_container.items()
-    ]
+def _group_elements(verb: ops.Verb, pairs: list[tuple[str, Key, ElementValue]]) -> list[Op]:
+    """One operation per container: `add element ip pyproxy m { k1 : v1, k2 : v2 }`."""
+    by_container: dict[str, list[tuple[Key, ElementValue]]] = {}
+    for container, key, value in pairs:
+        by_container.setdefault(container, []).append((key, value))
+    return [ops.Op(verb, ops.Elements(container, tuple(elements)))
+            for container, elements in by_container.items()]
 
 
 def incremental_commands(family: str, change: Change) -> Commands:
     """The commands that apply `change`, assuming the kernel holds its `before` values."""
     cmds = Commands(family)
-    delete_elems: list[tuple[str, str]] = []
-    add_elems: list[tuple[str, str]] = []
+    delete_elems: list[tuple[str, Key, ElementValue]] = []
+    add_elems: list[tuple[str, Key, ElementValue]] = []
     for slot, after in sorted(change.after.items()):
         before = change.before.get(slot)
         if before == after:
@@ -439,11 +430,10 @@ def incremental_commands(family: str, change: Change) -> Commands:
         kind, container, key = slot
         if kind is Kind.SET:
             if before is None and after is not None:
-                cmds.declare.append(declare(family, container, _decl(after)))
+                cmds.declare.append(ops.add(ops.Set(container, _decl(after))))
             elif after is None and before is not None:
                 # Deleted last, after the chains that use it were flushed.
-                cmds.delete_sets.append(f"delete {_decl(before).kind} "
-                                        f"{_where(family, container)}")
+                cmds.delete_sets.append(ops.delete(ops.Set(container, _decl(before))))
             else:
                 # Names are chosen so that no declaration changes in place (an affinity
                 # set's timeout is in its name; the skeleton's depend on the family only):
@@ -451,20 +441,20 @@ def incremental_commands(family: str, change: Change) -> Commands:
                 raise ValueError(f"{container}: a set's declaration cannot change in place")
         elif kind is Kind.CHAIN:
             if before is None:
-                cmds.declare.append(f"add chain {_where(family, container)}")
+                cmds.declare.append(ops.add(ops.Chain(container)))
             else:
-                cmds.flush.append(f"flush chain {_where(family, container)}")
+                cmds.flush.append(ops.flush(ops.Chain(container)))
             if after is None:
                 cmds.stale_chains.append(container)
             else:
-                cmds.rules.extend(_add_rules(family, container, _text(after)))
+                cmds.rules.extend(_add_rules(container, _text(after)))
         else:
             if before is not None:
-                delete_elems.append((container, key_text(_key(key))))
+                delete_elems.append((container, _key(key), _element_value(before)))
             if after is not None:
-                add_elems.append((container, element_text(_key(key), _element_value(after))))
-    cmds.delete_elements = _group_elements(family, "delete", delete_elems)
-    cmds.add_elements = _group_elements(family, "add", add_elems)
+                add_elems.append((container, _key(key), _element_value(after)))
+    cmds.delete_elements = _group_elements(ops.Verb.DELETE, delete_elems)
+    cmds.add_elements = _group_elements(ops.Verb.ADD, add_elems)
     return cmds
 
 
@@ -485,14 +475,13 @@ def full_commands(
     cmds = Commands(family)
     if replace:
         # declared first, so that the delete cannot fail on a table that is not there
-        cmds.declare += [f"add table {family} {TABLE}", f"delete table {family} {TABLE}"]
+        cmds.declare += [ops.add(ops.Table()), ops.delete(ops.Table())]
         existing_chains, existing_sets, recreate_base_chains = (), (), False
-    cmds.declare.append(f"add table {family} {TABLE} {{ comment \"{TABLE_COMMENT}\"; }}")
+    cmds.declare.append(ops.add(ops.Table(TABLE_COMMENT)))
     sets: dict[str, SetDecl] = {}
     chains: dict[str, str] = {}
     # No sorting of the (many) elements: their order in a command is irrelevant.
-    elements = {container: [element_text(key, value) for key, value in entries]
-                for container, entries in state.elements()}
+    elements = {container: tuple(entries) for container, entries in state.elements()}
     for kind, container, entries in state.containers():
         if kind is not Kind.ELEMENT:
             for _key, value in entries:  # one: chains and sets have no key
@@ -502,29 +491,27 @@ def full_commands(
                     sets[container] = _decl(value)
     for name in sorted(sets):
         declaration = sets[name]
-        cmds.declare.append(declare(family, name, declaration))
+        cmds.declare.append(ops.add(ops.Set(name, declaration)))
         if not declaration.dynamic:
-            cmds.flush.append(f"flush {declaration.kind} {_where(family, name)}")
+            cmds.flush.append(ops.flush(ops.Set(name, declaration)))
     for name in BASE_CHAINS:
         if recreate_base_chains:
             # Base chain properties (priority) cannot change in place (kubernetes#123162):
             # declare, delete and create anew within the same transaction.
-            cmds.declare.append(f"add chain {_where(family, name)}")
-            cmds.declare.append(f"delete chain {_where(family, name)}")
-        cmds.declare.append(f"add chain {_where(family, name)} {{ {base_chain_spec(name)} }}")
-        cmds.flush.append(f"flush chain {_where(family, name)}")
-        cmds.rules.extend(_add_rules(family, name, "\n".join(BASE_CHAIN_RULES[name])))
+            cmds.declare.append(ops.add(ops.Chain(name)))
+            cmds.declare.append(ops.delete(ops.Chain(name)))
+        cmds.declare.append(ops.add(ops.Chain(name, BASE_CHAINS[name])))
+        cmds.flush.append(ops.flush(ops.Chain(name)))
+        cmds.rules.extend(ops.add(ops.Rule(name, rule)) for rule in BASE_CHAIN_RULES[name])
     for name in sorted(chains):
-        cmds.declare.append(f"add chain {_where(family, name)}")
-        cmds.flush.append(f"flush chain {_where(family, name)}")
-        cmds.rules.extend(_add_rules(family, name, chains[name]))
+        cmds.declare.append(ops.add(ops.Chain(name)))
+        cmds.flush.append(ops.flush(ops.Chain(name)))
+        cmds.rules.extend(_add_rules(name, chains[name]))
     for name in sorted(set(existing_chains) - set(chains) - set(BASE_CHAINS)):
-        cmds.flush.append(f"flush chain {_where(family, name)}")
+        cmds.flush.append(ops.flush(ops.Chain(name)))
         cmds.stale_chains.append(name)
     for name in sorted(set(existing_sets) - set(sets)):
-        cmds.delete_sets.append(f"delete set {_where(family, name)}")
-    cmds.add_elements = [
-        f"add element {_where(family, container)} {{ {', '.join(items)} }}"
-        for container, items in sorted(elements.items())
-    ]
+        cmds.delete_sets.append(ops.delete(ops.Set(name)))
+    cmds.add_elements = [ops.add(ops.Elements(container, items))
+                         for container, items in sorted(elements.items())]
     return cmds

@@ -31,16 +31,16 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from pyproxy.render import ops
 from pyproxy.render.objects import (
     BASE_CHAINS,
-    TABLE,
     ElementValue,
     Key,
     Kind,
     SetDecl,
-    element_text,
 )
-from pyproxy.render.ruleset import Commands, DesiredState, declare
+from pyproxy.render.ops import Op
+from pyproxy.render.ruleset import Commands, DesiredState
 
 SHADOW_SUFFIX = "-staged"
 # Elements per transaction: ~35 MiB of libnftables memory at ~1.6 KiB a parsed element.
@@ -58,15 +58,18 @@ class ElementChunk:
     def __len__(self) -> int:
         return sum(len(elements) for _, _, elements in self.loads)
 
+    def ops(self) -> list[Op]:
+        """The same transaction as operations (what libnftables or a fake takes)."""
+        return [ops.add(ops.Elements(name, elements)) for name, _, elements in self.loads]
+
     def script(self, family: str) -> str:
         """The same transaction as nft text."""
-        return _script([_add(family, name, [element_text(key, value) for key, value in elements])
-                        for name, _, elements in self.loads])
+        return ops.script(family, self.ops())
 
 
 # A set or map's name, its declaration, elements.
 Load = tuple[str, SetDecl, tuple[tuple[Key, ElementValue], ...]]
-Transaction = str | ElementChunk
+Transaction = list[Op] | ElementChunk
 # The declaration a load carries for elements of a set nobody declares (the kernel says what
 # is wrong when they are added): no field the netlink encoder could encode.
 _UNDECLARED = SetDecl(())
@@ -101,43 +104,44 @@ def transactions(family: str, state: DesiredState, cmds: Commands, table_exists:
     one chunk's text exists at a time)."""
     sets = static_sets(state)
     if not table_exists:
-        lines = [*cmds.declare, *cmds.flush, *cmds.rules]
-        yield _script([line for line in lines if not _on_base(line)])
+        before = [*cmds.declare, *cmds.flush, *cmds.rules]
+        yield [op for op in before if not _on_base(op)]
         yield from _chunks(state, chunk, sets, {})
-        yield _script([line for line in lines if _on_base(line)])
+        yield [op for op in before if _on_base(op)]
         return
     renamed = {name: shadow(name) for name in sets}
     # The table (someone may have deleted it), the copies, and every chain the new state
     # has (empty until the switch): the copies' verdicts must find their chains.
     declare_shadows = [cmds.declare[0],
-                       *(declare(family, shadow(n), sets[n]) for n in sorted(sets)),
-                       *(line for line in cmds.declare
-                         if line.startswith("add chain ") and not _on_base(line))]
-    chain_flushes = [line for line in cmds.flush if line.startswith("flush chain ")]
-    switch = [*cmds.declare, *cmds.flush, *(_renamed(line, renamed) for line in cmds.rules),
+                       *(ops.add(ops.Set(shadow(n), sets[n])) for n in sorted(sets)),
+                       *(op for op in cmds.declare if op.verb is ops.Verb.ADD
+                         and isinstance(op.obj, ops.Chain) and not _on_base(op))]
+    chain_flushes = [op for op in cmds.flush if isinstance(op.obj, ops.Chain)]
+    switch = [*cmds.declare, *cmds.flush, *(_renamed(op, renamed) for op in cmds.rules),
               *cmds.delete_sets]
     back = [*chain_flushes, *cmds.rules,
-            *(f"delete {sets[n].kind} {family} {TABLE} {shadow(n)}"
-              for n in sorted(sets))]
-    yield _script(declare_shadows)
+            *(ops.delete(ops.Set(shadow(n), sets[n])) for n in sorted(sets))]
+    yield declare_shadows
     yield from _chunks(state, chunk, sets, renamed)
-    yield _script(switch)
+    yield switch
     yield from _chunks(state, chunk, sets, {})
-    yield _script(back)
+    yield back
 
 
-def _on_base(line: str) -> bool:
-    """A command on one of the base chains (`add chain|rule`, `flush|delete chain`)."""
-    words = line.split(" ", 5)
-    return len(words) > 4 and words[1] in ("chain", "rule") and words[4] in BASE_CHAINS
+def _on_base(op: Op) -> bool:
+    """An operation on one of the base chains (`add chain|rule`, `flush|delete chain`)."""
+    obj = op.obj
+    return ((isinstance(obj, ops.Chain) and obj.name in BASE_CHAINS)
+            or (isinstance(obj, ops.Rule) and obj.chain in BASE_CHAINS))
 
 
-def _renamed(rule: str, renamed: dict[str, str]) -> str:
-    return _REFERENCE.sub(lambda m: "@" + renamed.get(m[1], m[1]), rule)
-
-
-def _script(lines: list[str]) -> str:
-    return "".join(line + "\n" for line in lines)
+def _renamed(op: Op, renamed: dict[str, str]) -> Op:
+    """A rule using the copies: its text is nft's own syntax, where a set is `@NAME`."""
+    rule = op.obj
+    if not isinstance(rule, ops.Rule):
+        return op
+    text = _REFERENCE.sub(lambda m: "@" + renamed.get(m[1], m[1]), rule.text)
+    return op._replace(obj=rule._replace(text=text))
 
 
 def _chunks(state: DesiredState, chunk: int, sets: dict[str, SetDecl],
@@ -161,6 +165,3 @@ def _chunks(state: DesiredState, chunk: int, sets: dict[str, SetDecl],
     if loads:
         yield ElementChunk(tuple(loads))
 
-
-def _add(family: str, container: str, elements: list[str]) -> str:
-    return f"add element {family} {TABLE} {container} {{ {', '.join(elements)} }}"

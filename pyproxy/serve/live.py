@@ -18,7 +18,7 @@ from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
 from pyproxy.kernel.nlsets import KernelCounters
-from pyproxy.render.objects import ElementValue, Key, element_text, key_text
+from pyproxy.render.objects import ElementValue, Key, element_text
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from pyproxy.serve.connections import (
@@ -140,8 +140,7 @@ def verify(proxier: FamilyProxier, consulted: list[tuple[str, Key, ElementValue]
     problems = []
     for container, key, value in consulted:
         element = element_text(key, value)
-        found = proxier.applier.nft.get_element(proxier.applier.family, container,
-                                                key_text(key))
+        found = proxier.applier.nft.get_element(proxier.applier.family, container, key)
         if found != element:
             problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
     return problems
