@@ -14,13 +14,15 @@ import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Any
 
 from pyproxy.cluster.cache import ClusterCache
 from pyproxy.core.model import IPFamily, NodeConfig
-from pyproxy.kernel.libnftables import NftError, table_block
+from pyproxy.kernel.libnftables import NftError, structure_of
 from pyproxy.render import ops
 from pyproxy.render.objects import (
     TABLE,
+    Element,
     ElementValue,
     Key,
     SetDecl,
@@ -29,6 +31,7 @@ from pyproxy.render.objects import (
     key_text,
 )
 from pyproxy.render.ops import Op, Verb
+from pyproxy.render.ruleset import Structure
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.node import NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
@@ -109,14 +112,12 @@ class FakeKernel:
     def renew(self) -> None:
         pass
 
-    def list_structure(self, family: str) -> str | None:
-        return table_block(self.list_ruleset(), family)
+    def list_structure(self, family: str) -> Structure | None:
+        return structure_of(self.list_ruleset(), family)
 
-    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
+    def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
         found = self._set(family, name)
-        if found is None:
-            return None
-        return [element_text(key, value) for key, value in found.elements.items()]
+        return None if found is None else list(found.elements.items())
 
     def get_element(self, family: str, container: str, key: Key) -> str | None:
         found = self._set(family, container)
@@ -133,28 +134,26 @@ class FakeKernel:
 
     # --- for tests -----------------------------------------------------------------------
 
-    def list_ruleset(self) -> str:
-        """The tables as a terse `nft list ruleset` prints them (elements left out)."""
-        lines: list[str] = []
+    def list_ruleset(self) -> dict[str, Any]:
+        """The tables as a terse `nft -j list ruleset` lists them (no elements; a rule's
+        expression is its text here, where nft would give its JSON form)."""
+        out: list[dict[str, Any]] = [{"metainfo": {"json_schema_version": 1}}]
         for family, table in self.tables.items():
-            lines.append(f"table {family} {TABLE} {{")
-            if table.comment:
-                lines.append(f'\tcomment "{table.comment}"')
+            where = {"family": family, "table": TABLE}
+            out.append({"table": {"family": family, "name": TABLE, "handle": 1}})
             for set_name, found in table.sets.items():
-                lines.append(f"\t{found.declaration.kind} {set_name} {{")
-                lines += [f"\t\t{p.strip()}" for p in found.declaration.body().split(";")
-                          if p.strip()]
-                lines.append("\t}")
+                declaration = found.declaration
+                out.append({declaration.kind: {**where, "name": set_name,
+                                               "type": list(declaration.key_types),
+                                               "flags": list(declaration.flags)}})
             for chain_name, chain in table.chains.items():
-                lines.append(f"\tchain {chain_name} {{")
-                if chain.base:
-                    kind, hook, priority = chain.base
-                    lines.append(f"\t\ttype {kind} hook {hook} priority {priority}; "
-                                 "policy accept;")
-                lines += [f"\t\t{rule}" for rule in chain.rules]
-                lines.append("\t}")
-            lines.append("}")
-        return "".join(line + "\n" for line in lines)
+                base = {} if chain.base is None else dict(zip(
+                    ("type", "hook", "prio"), chain.base, strict=True), policy="accept")
+                out.append({"chain": {**where, "name": chain_name, **base}})
+            for chain_name, chain in table.chains.items():
+                out += [{"rule": {**where, "chain": chain_name, "expr": rule}}
+                        for rule in chain.rules]
+        return {"nftables": out}
 
     def _set(self, family: str, name: str) -> _Set | None:
         table = self.tables.get(family)

@@ -14,7 +14,7 @@ from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier, FaultyKernel, inject_faults, pending_faults
 from pyproxy.render import ops
-from pyproxy.render.objects import VERDICT, SetDecl, Verdict
+from pyproxy.render.objects import VERDICT, Element, SetDecl, Verdict
 from pyproxy.serve.live import trace_in
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
@@ -50,8 +50,13 @@ def applier(proxier: NodeProxier) -> Applier:
 # --- the fake kernel itself ------------------------------------------------------------------
 
 
+def _elements(*addresses: str) -> list[Element]:
+    """Set elements, one address each."""
+    return [((address,), ()) for address in addresses]
+
+
 def _addresses(name: str, *addresses: str) -> ops.Elements:
-    return ops.Elements(name, tuple(((address,), ()) for address in addresses))
+    return ops.Elements(name, tuple(_elements(*addresses)))
 
 
 def test_the_fake_kernel_applies_a_transaction_whole_or_not_at_all() -> None:
@@ -61,7 +66,7 @@ def test_the_fake_kernel_applies_a_transaction_whole_or_not_at_all() -> None:
     with pytest.raises(NftError, match="No such file or directory"):
         nft.apply("ip", [ops.add(_addresses("s", "10.0.0.3")),
                          ops.add(_addresses("t", "10.0.0.4"))])
-    assert nft.list_elements("ip", "set", "s") == ["10.0.0.1", "10.0.0.2"]
+    assert nft.list_elements("ip", "set", "s") == _elements("10.0.0.1", "10.0.0.2")
     assert nft.list_elements("ip", "set", "t") is None
     with pytest.raises(NftError, match="No such file or directory"):
         nft.apply("ip", [ops.delete(_addresses("s", "10.0.0.9"))])

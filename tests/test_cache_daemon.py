@@ -16,11 +16,11 @@ from pyproxy.core import protobuf
 from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause
 from pyproxy.core.wire import Unreadable
-from pyproxy.kernel.libnftables import NftError
+from pyproxy.kernel.libnftables import NftError, structure_of
 from pyproxy.kernel.nft import Applier
 from pyproxy.render import ops
 from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
-from pyproxy.render.ruleset import Shape
+from pyproxy.render.ruleset import Shape, Structure
 from pyproxy.run import build_daemon
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
@@ -409,30 +409,31 @@ def test_a_change_before_the_first_sync_is_not_damage() -> None:
 
 
 class KernelListing(FakeNft):
-    """A fake that lists the table's structure as a terse `list ruleset` does, from the
-    shape the applier expects, unless `tampered` says otherwise; it counts the reads."""
+    """A fake that lists the table's structure as a terse `nft -j list ruleset` does, from
+    the shape the applier expects, unless `tampered` says otherwise; it counts the reads."""
 
     def __init__(self) -> None:
         super().__init__()
         self.applier: Applier | None = None
         self.reads = 0
-        self.tampered: str | None = None
+        self.tampered: Shape | None = None
 
-    def list_structure(self, family: str) -> str | None:
+    def list_structure(self, family: str) -> Structure | None:
         self.reads += 1
-        if self.tampered is not None:
-            return self.tampered
         assert self.applier is not None
-        return terse_listing(family, self.applier.expected_shape())
+        return terse_listing(family, self.tampered or self.applier.expected_shape())
 
 
-def terse_listing(family: str, shape: Shape) -> str:
-    lines = [f"table {family} pyproxy {{"]
+def terse_listing(family: str, shape: Shape) -> Structure | None:
+    where = {"family": family, "table": "pyproxy"}
+    objects: list[dict[str, Any]] = [{"table": {"family": family, "name": "pyproxy"}}]
     for name in sorted(shape.sets):
-        lines += [f"\tset {name} {{", "\t\ttype ipv4_addr", "\t}"]
+        objects.append({"set": {**where, "name": name, "type": "ipv4_addr"}})
     for name, rules in sorted(shape.chains.items()):
-        lines += [f"\tchain {name} {{", *[f"\t\tcounter {n}" for n in range(rules)], "\t}"]
-    return "\n".join([*lines, "}"])
+        objects.append({"chain": {**where, "name": name}})
+        objects += [{"rule": {**where, "chain": name, "expr": [{"counter": n}]}}
+                    for n in range(rules)]
+    return structure_of({"nftables": objects}, family)
 
 
 def listing_proxier() -> tuple[NodeProxier, KernelListing, list[float]]:
@@ -474,8 +475,9 @@ def test_the_periodic_check_finds_tampering_after_our_own_structure_changes() ->
     proxier, nft, now = listing_proxier()
     proxier.on_slice(("ns", "web-1"), eps("10.244.1.1", "10.244.1.2", slice_name="web-1"))
     proxier.sync()
-    nft.tampered = terse_listing("ip", proxier.proxiers[0].applier.expected_shape()).replace(
-        "\tchain services {\n\t\tcounter 0\n", "\tchain services {\n")  # a flushed rule
+    expected = proxier.proxiers[0].applier.expected_shape()
+    nft.tampered = Shape({**expected.chains, "services": expected.chains["services"] - 1},
+                         expected.sets)  # a rule deleted
     assert len(proxier.proxiers[0].applier.diff()) == 1
     assert proxier.proxiers[0].applier.diff()[0].startswith("chain services: ")
     now[0] += 30
@@ -485,7 +487,7 @@ def test_the_periodic_check_finds_tampering_after_our_own_structure_changes() ->
 
 def test_lost_events_check_the_structure_at_the_next_sync_even_with_changes() -> None:
     proxier, nft, now = listing_proxier()
-    nft.tampered = "table ip pyproxy {\n}"
+    nft.tampered = Shape({}, frozenset())  # an empty table
     proxier.events_lost()
     proxier.on_slice(("ns", "web-1"), eps("10.244.1.3", slice_name="web-1"))  # pending
     now[0] += 1  # well within verify_period

@@ -22,9 +22,10 @@ from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets
-from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets, listing_shape
+from pyproxy.kernel.libnftables import LibNftables, NftError, OwnSockets
 from pyproxy.render import ops, staging
 from pyproxy.render.objects import TABLE, ElementValue, Key, SetDecl
+from pyproxy.render.ruleset import Structure
 from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.proxier import FamilyProxier, render_script
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -208,7 +209,7 @@ class CountingReads(LibNftables):
         super().__init__(inner._factory)
         self.reads = 0
 
-    def list_structure(self, family: str) -> str | None:
+    def list_structure(self, family: str) -> Structure | None:
         self.reads += 1
         return super().list_structure(family)
 
@@ -247,7 +248,9 @@ def test_the_store_predicts_how_nft_lists_the_table(ns: Netns, family: IPFamily)
     proxier.sync(example_state())
     listed = proxier.applier.nft.list_structure(family.nft_family)
     assert listed is not None
-    assert listing_shape(listed) == proxier.applier.expected_shape()
+    assert listed.shape == proxier.applier.expected_shape()
+    # every element of every kind, listed as JSON, is the one the store holds
+    assert proxier.applier.diff() == []
 
 
 def test_our_own_commits_do_not_read_the_structure_back(ns: Netns) -> None:
@@ -392,8 +395,8 @@ def test_a_refused_batch_adds_nothing(ns: Netns) -> None:
     nft.add_elements("ip", ElementChunk((
         ("spare", SetDecl(("ipv4_addr",)), _addresses("10.0.0.1", "10.0.0.2")),
         ("ranges", SetDecl(("ipv4_addr",), flags=("interval",)), _addresses("10.1.0.0/16")))))
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
-    assert nft.list_elements("ip", "set", "ranges") == ["10.1.0.0/16"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1", "10.0.0.2")
+    assert nft.list_elements("ip", "set", "ranges") == _elements("10.1.0.0/16")
 
 
 def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
@@ -403,11 +406,11 @@ def test_a_failing_socket_leaves_the_elements_to_libnftables(ns: Netns) -> None:
     nft._netlink.close()  # sending on it fails: EBADF
     with capture_logs() as logs:
         nft.add_elements("ip", _spare("10.0.0.1"))
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1")
     assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
     assert nft._netlink is None  # libnftables from now on
     nft.add_elements("ip", _spare("10.0.0.2"))
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1", "10.0.0.2")
 
 
 class _HeldSocket:
@@ -438,6 +441,10 @@ def _addresses(*addresses: str) -> tuple[tuple[Key, ElementValue], ...]:
     return tuple(((address,), ()) for address in addresses)
 
 
+def _elements(*addresses: str) -> list[tuple[Key, ElementValue]]:
+    return list(_addresses(*addresses))
+
+
 def test_in_a_bulk_the_next_chunk_is_made_while_the_kernel_takes_the_last(ns: Netns) -> None:
     """Inside a bulk (a staged full sync) add_elements hands the batch to a thread and
     returns: the caller encodes the next chunk while the kernel works. The answers are all
@@ -454,14 +461,14 @@ def test_in_a_bulk_the_next_chunk_is_made_while_the_kernel_takes_the_last(ns: Ne
         nft.add_elements("ip", _spare("10.0.0.2"))
         assert release.is_set()
     assert returned_while_held
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1", "10.0.0.2")
     assert not [t for t in threading.enumerate() if t.name == "netlink-commit"]
     # outside a bulk: answered before it returns
     release.clear()
     threading.Timer(0.5, release.set).start()
     nft.add_elements("ip", _spare("10.0.0.3"))
     assert release.is_set()
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1", "10.0.0.2", "10.0.0.3")
 
 
 def test_a_batch_refused_in_the_background_is_handled_as_one_refused_at_once(
@@ -481,7 +488,7 @@ def test_a_batch_refused_in_the_background_is_handled_as_one_refused_at_once(
         nft.add_elements("ip", _spare("10.0.0.2"))
     assert [e["event"] for e in logs] == ["raw_netlink_elements_off"]
     assert nft._netlink is None
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1", "10.0.0.2"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1", "10.0.0.2")
 
 
 def test_a_bulk_that_fails_waits_for_its_batch_in_flight(ns: Netns) -> None:
@@ -495,7 +502,7 @@ def test_a_bulk_that_fails_waits_for_its_batch_in_flight(ns: Netns) -> None:
         nft.add_elements("ip", _spare("10.0.0.1"))
         raise RuntimeError("render failed")
     assert release.is_set()
-    assert nft.list_elements("ip", "set", "spare") == ["10.0.0.1"]
+    assert nft.list_elements("ip", "set", "spare") == _elements("10.0.0.1")
 
 
 def test_its_commits_are_our_own(ns: Netns) -> None:

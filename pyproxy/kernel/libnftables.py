@@ -6,6 +6,7 @@ commit is the applier's (kernel/nft.py)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -17,9 +18,9 @@ import structlog
 
 from pyproxy.kernel import nlelements, nltable
 from pyproxy.render import ops, staging
-from pyproxy.render.objects import TABLE, Key, key_text
+from pyproxy.render.objects import TABLE, Element, Field, Key, Verdict, key_text
 from pyproxy.render.ops import Op
-from pyproxy.render.ruleset import Shape
+from pyproxy.render.ruleset import Structure
 
 log = structlog.get_logger(__name__)
 
@@ -291,16 +292,16 @@ class LibNftables:
                 if commit is not None:  # failing anyway: nothing may reach the kernel later
                     commit.wait()
 
-    def list_structure(self, family: str) -> str | None:
-        """Our table without set elements: chains, rules, set declarations. None when the
-        table does not exist. Stateless: a rule's counter (the localhost NodePort reject
-        chains') moves with traffic, which is nobody's tampering."""
+    def list_structure(self, family: str) -> Structure | None:
+        """Our table without set elements: chains, rules, set declarations, as JSON. None
+        when the table does not exist. Stateless: a rule's counter (the localhost NodePort
+        reject chains') moves with traffic, which is nobody's tampering."""
         ctx = self._factory()
         ctx.set_terse_output(True)
         ctx.set_stateless_output(True)
+        ctx.set_json_output(True)
         rc, out, _ = ctx.cmd("list ruleset")
-        return table_block(str(out), family) if rc == 0 else None
-
+        return structure_of(json.loads(str(out) or "{}"), family) if rc == 0 else None
 
     def table_comment(self, family: str) -> str | None:
         """Our table's comment ("" without one), None when there is no table or no netlink
@@ -310,10 +311,17 @@ class LibNftables:
         with contextlib.closing(self._queries()) as sock:
             return nltable.table_comment(sock, family, TABLE)
 
-    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
-        """The elements of one set or map as nft prints them (None: no such set)."""
-        rc, out, _ = self._factory().cmd(f"list {kind} {family} {TABLE} {name}")
-        return parse_elements(str(out)) if rc == 0 else None
+    def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
+        """The elements of one set or map, read as JSON (None: no such set)."""
+        ctx = self._factory()
+        ctx.set_json_output(True)
+        rc, out, _ = ctx.cmd(f"list {kind} {family} {TABLE} {name}")
+        if rc != 0:
+            return None
+        for entry in json.loads(str(out) or "{}").get("nftables", ()):
+            if kind in entry:
+                return [element_of(item) for item in entry[kind].get("elem", ())]
+        return None
 
     def get_element(self, family: str, container: str, key: Key) -> str | None:
         """One element as the kernel holds it (`nft get element`), or None when absent."""
@@ -326,55 +334,71 @@ class LibNftables:
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         """Names of our table's chains and of its sets and maps."""
-        block = self.list_structure(family)
-        if block is None:
+        structure = self.list_structure(family)
+        if structure is None:
             return [], []  # no table yet
-        chains, sets = [], []
-        for line in block.splitlines():
-            words = line.split()
-            if len(words) >= 3 and words[-1] == "{":
-                if words[0] == "chain":
-                    chains.append(words[1])
-                elif words[0] in ("set", "map"):
-                    sets.append(words[1])
-        return chains, sets
+        return list(structure.chains), list(structure.sets)
 
 
-def table_block(ruleset: str, family: str) -> str | None:
-    """Our table's text in a `list ruleset` output (None: not there). Tables print as
-    `table FAMILY NAME {` … a closing brace alone at the start of a line."""
-    header = f"table {family} {TABLE} {{"
-    start = ruleset.find(header + "\n")
-    if start < 0:
-        return None
-    end = ruleset.find("\n}", start)
-    return ruleset[start:end + 2] if end >= 0 else ruleset[start:]
-
-
-def listing_shape(block: str) -> Shape:
-    """The shape of our table as a terse listing shows it: each chain with its number of
-    rules, and the names of the sets and maps. A chain's `type … hook …` and `comment`
-    lines are properties, not rules."""
+def structure_of(listing: Any, family: str) -> Structure | None:
+    """Our table's objects in a JSON listing (`nft -j -t list ruleset`), None when it has
+    none. Handles are left out: a full sync rewrites every rule, and with it its handle."""
+    lines: list[str] = []
     chains: dict[str, int] = {}
-    sets: set[str] = set()
-    current: str | None = None
-    for line in block.splitlines():
-        words = line.split()
-        if len(words) == 3 and words[2] == "{" and words[0] in ("chain", "set", "map"):
-            current = words[1] if words[0] == "chain" else None
-            if current is not None:
-                chains[current] = 0
-            else:
-                sets.add(words[1])
-        elif words == ["}"]:
-            current = None
-        elif current is not None and words and not _chain_property(words):
-            chains[current] += 1
-    return Shape(chains, frozenset(sets))
+    sets: list[str] = []
+    for entry in listing.get("nftables", ()):
+        (kind, obj), = entry.items()
+        if kind == "metainfo" or obj.get("family") != family or \
+                obj.get("table" if kind != "table" else "name") != TABLE:
+            continue
+        lines.append(json.dumps({kind: {k: v for k, v in obj.items() if k != "handle"}},
+                                sort_keys=True))
+        if kind == "chain":
+            chains[obj["name"]] = 0
+        elif kind == "rule":
+            chains[obj["chain"]] = chains.get(obj["chain"], 0) + 1
+        elif kind in ("set", "map"):
+            sets.append(obj["name"])
+    return Structure(tuple(lines), chains, tuple(sets)) if lines else None
 
 
-def _chain_property(words: list[str]) -> bool:
-    return (words[0] == "type" and "hook" in words) or words[0] in ("comment", "policy")
+def element_of(item: Any) -> Element:
+    """An element as a JSON listing gives it: a set's key, or a map's [key, value]; a key
+    with a comment is {"elem": {"val": key, "comment": …}}; a concatenation is
+    {"concat": [fields]}; an interval {"prefix": …} or {"range": …}; a verdict
+    {"goto": {"target": chain}}, {"drop": null}."""
+    key, value = item if isinstance(item, list) else (item, None)
+    comment = ""
+    if isinstance(key, dict) and "elem" in key:
+        comment = key["elem"].get("comment", "")
+        key = key["elem"]["val"]
+    fields = _fields(key)
+    if value is None:
+        return fields, ()
+    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in _VERDICTS:
+        ((code, target),) = value.items()
+        return fields, Verdict(code, (target or {}).get("target", ""), comment)
+    return fields, _fields(value)
+
+
+_VERDICTS = ("goto", "jump", "drop", "accept", "return", "continue")
+
+
+def _fields(value: Any) -> Key:
+    if isinstance(value, dict) and "concat" in value:
+        return tuple(_field(v) for v in value["concat"])
+    return (_field(value),)
+
+
+def _field(value: Any) -> Field:
+    if isinstance(value, dict) and "prefix" in value:
+        return f"{value['prefix']['addr']}/{value['prefix']['len']}"
+    if isinstance(value, dict) and "range" in value:
+        low, high = value["range"]
+        return f"{low}-{high}"
+    if not isinstance(value, str | int):
+        raise ValueError(f"an element's field nft listed as {value!r}")
+    return value
 
 
 def parse_elements(listing: str) -> list[str]:

@@ -15,11 +15,12 @@ from typing import Protocol
 import structlog
 
 from pyproxy.core.plan import SyncFacts, SyncPlan, plan_sync
-from pyproxy.kernel.libnftables import LibNftables, NftError, listing_shape
+from pyproxy.kernel.libnftables import LibNftables, NftError
 from pyproxy.render import ops, staging
 from pyproxy.render.objects import (
     TABLE,
     TABLE_COMMENT,
+    Element,
     Fragment,
     Key,
     Kind,
@@ -32,6 +33,7 @@ from pyproxy.render.ruleset import (
     Commands,
     DesiredState,
     Shape,
+    Structure,
     full_commands,
     incremental_commands,
     table_shape,
@@ -70,12 +72,12 @@ class Kernel(Protocol):
         change listener, which compares the structure after instead."""
         ...
 
-    def list_structure(self, family: str) -> str | None:
-        """Our table as a terse listing: chains, rules, set declarations, no elements."""
+    def list_structure(self, family: str) -> Structure | None:
+        """Our table's chains, rules and set declarations (no elements), as listed."""
         ...
 
-    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
-        """The elements of one set or map as nft prints them."""
+    def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
+        """The elements of one set or map, (key, value) each."""
         ...
 
     def get_element(self, family: str, container: str, key: Key) -> str | None:
@@ -123,10 +125,10 @@ class FaultyKernel:
     def bulk(self) -> AbstractContextManager[None]:
         return self.inner.bulk()
 
-    def list_structure(self, family: str) -> str | None:
+    def list_structure(self, family: str) -> Structure | None:
         return self.inner.list_structure(family)
 
-    def list_elements(self, family: str, kind: str, name: str) -> list[str] | None:
+    def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
         return self.inner.list_elements(family, kind, name)
 
     def get_element(self, family: str, container: str, key: Key) -> str | None:
@@ -204,7 +206,7 @@ class Applier:
     # commits do not read it again (at 10k services that read cost more CPU than a commit
     # that adds a chain): they set `structure_changed`, and the next check compares the
     # listing's shape with the store's instead, and keeps the listing if they agree.
-    committed_structure: str | None = None
+    committed_structure: Structure | None = None
     structure_changed: bool = False
     cleanup_failures: int = 0  # stale chains that could not be deleted (a metric)
     replacements: int = 0  # tables replaced whole (a metric)
@@ -366,7 +368,7 @@ class Applier:
         # tampering (a needless full "repair" sync, and a false `pyproxy diff` until then).
         self.structure_changed = True
 
-    def _structure(self) -> str | None:
+    def _structure(self) -> Structure | None:
         return self.nft.list_structure(self.family)
 
     def expected_shape(self) -> Shape:
@@ -384,13 +386,13 @@ class Applier:
         if current is None:
             return False  # the table is gone
         if self.structure_changed or self.committed_structure is None:
-            if listing_shape(current) != self.expected_shape():
+            if current.shape != self.expected_shape():
                 return False
             self.adopt_structure(current)
             return True
         return current == self.committed_structure
 
-    def adopt_structure(self, listing: str | None = None) -> None:
+    def adopt_structure(self, listing: Structure | None = None) -> None:
         """Take the kernel's structure, as it is now, as the reference. Also right after a
         repair: were the store's prediction ever to differ from how nft lists a chain, that
         would cost one repair, not one at every check."""
@@ -410,10 +412,10 @@ class Applier:
                 out.append(f"{kind} {name}: missing")
                 continue
             have = set(found)
-            for element in sorted(wanted - have)[:limit]:
-                out.append(f"{kind} {name}: missing element {element}")
-            for element in sorted(have - wanted)[:limit]:
-                out.append(f"{kind} {name}: unexpected element {element}")
+            for text in sorted(element_text(*e) for e in wanted - have)[:limit]:
+                out.append(f"{kind} {name}: missing element {text}")
+            for text in sorted(element_text(*e) for e in have - wanted)[:limit]:
+                out.append(f"{kind} {name}: unexpected element {text}")
         return out
 
     def _structure_diff(self) -> list[str]:
@@ -422,18 +424,17 @@ class Applier:
             return [f"table {self.family} {TABLE} is missing"]
         if self.structure_changed or self.committed_structure is None:
             # our own commits changed it since it was last read: compared by shape
-            return self.expected_shape().differences(listing_shape(current))
+            return self.expected_shape().differences(current.shape)
         return list(difflib.unified_diff(
-            self.committed_structure.splitlines(), current.splitlines(),
+            self.committed_structure.lines, current.lines,
             "committed", "kernel", lineterm="", n=1))
 
-    def _desired_elements(self) -> list[tuple[str, str, set[str]]]:
+    def _desired_elements(self) -> list[tuple[str, str, set[Element]]]:
         declared: dict[str, str] = {}
         for (_kind, container, _key), value in self.state.slots():
             if isinstance(value, SetDecl) and not value.dynamic:
                 declared[container] = value.kind
-        elements = {container: {element_text(key, value) for key, value in entries}
-                    for container, entries in self.state.elements()}
+        elements = {container: set(entries) for container, entries in self.state.elements()}
         return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]
 
     def cleanup(self) -> None:

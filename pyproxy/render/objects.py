@@ -187,6 +187,10 @@ class Verdict(NamedTuple):
 ElementValue = tuple[Field, ...]
 
 
+# An element of a set or map: its key and its value.
+Element = tuple[Key, ElementValue]
+
+
 def key_text(key: Key) -> str:
     """An element's key as nft writes it: `10.96.0.1 . tcp . 80`."""
     return " . ".join([str(field) for field in key])

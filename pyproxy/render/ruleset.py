@@ -326,6 +326,22 @@ class Shape:
         return out
 
 
+@dataclass(frozen=True)
+class Structure:
+    """Our table as the kernel lists it without elements: each object (the table, a chain,
+    a set or map, a rule) as one line of canonical JSON, in the listing's order, and the
+    names it declares. Two listings are the same table when their lines are; the lines'
+    differences are what `pyproxy diff` shows."""
+
+    lines: tuple[str, ...]
+    chains: Mapping[str, int]  # name → its number of rules, in listing order
+    sets: tuple[str, ...]  # sets and maps, in listing order
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.chains, frozenset(self.sets))
+
+
 def table_shape(state: DesiredState, flushed: Iterable[str] = ()) -> Shape:
     """The shape of the table a full sync of `state` leaves, with the `flushed` chains (no
     longer wanted, not yet deleted) still there, empty."""
