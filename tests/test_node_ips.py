@@ -95,6 +95,71 @@ def test_node_cidr_mode_takes_the_nodes_pod_cidrs() -> None:
     assert render_config(config, IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
 
 
+# --- which addresses accept NodePorts (kube-proxy's NodePortAddresses.GetNodeIPs) ----------
+
+TWO_NETWORKS = ("192.168.0.2", "192.168.1.2", "fd00:1::2", "fd00:2::2")
+
+
+@pytest.mark.parametrize(("entries", "node_ips", "local_ips", "v4", "v6"), [
+    pytest.param(("192.168.0.0/24", "192.168.1.0/24"), ("192.168.0.2",), TWO_NETWORKS,
+                 ("192.168.0.2", "192.168.1.2"), None,
+                 id="CIDRs of two networks: an address on each (upstream's multiple "
+                    "nodeport-addresses)"),
+    pytest.param(("192.168.0.0/16", "fd00:2::/64"), ("192.168.0.2",), TWO_NETWORKS,
+                 ("192.168.0.2", "192.168.1.2"), ("fd00:2::2",),
+                 id="one CIDR holding both, and one per family"),
+    pytest.param(("primary",), ("192.168.0.2", "fd00:1::2"), TWO_NETWORKS,
+                 ("192.168.0.2",), ("fd00:1::2",), id="primary: the node IPs only"),
+    pytest.param(("primary",), ("10.250.0.1",), TWO_NETWORKS, (), None,
+                 id="primary, the node IP on no interface: none (its /32 matched)"),
+    pytest.param(("primary", "192.168.1.0/24"), ("192.168.0.2",), TWO_NETWORKS,
+                 ("192.168.0.2", "192.168.1.2"), None, id="primary and a CIDR"),
+    pytest.param(("10.0.0.0/8",), ("192.168.0.2",), TWO_NETWORKS, (), None,
+                 id="a CIDR selecting no address: NodePorts on none"),
+    pytest.param(("0.0.0.0/0", "192.168.1.0/24"), ("192.168.0.2",), TWO_NETWORKS, None, None,
+                 id="0.0.0.0/0: every local address"),
+    pytest.param((), ("192.168.0.2",), TWO_NETWORKS, None, None,
+                 id="empty: every local address"),
+    pytest.param(("127.0.0.0/8", "192.168.1.0/24"), ("192.168.0.2",),
+                 ("127.0.0.1", *TWO_NETWORKS), ("192.168.1.2",), None,
+                 id="loopback never, even when listed"),
+    pytest.param(("192.168.0.0/16",), ("192.168.0.2",), ("192.168.1.2", "192.168.1.2"),
+                 ("192.168.1.2",), None, id="each address once"),
+])
+def test_nodeport_addresses_select_local_addresses(
+        entries: tuple[str, ...], node_ips: tuple[str, ...], local_ips: tuple[str, ...],
+        v4: tuple[str, ...] | None, v6: tuple[str, ...] | None) -> None:
+    """nodePortAddresses' CIDRs (`primary` being the node IP's /32 or /128) are matched
+    against every address of the node's interfaces, as kube-proxy does; a family with no
+    CIDR, or a catch-all one, is every local address (None)."""
+    config = NodeConfig("node-a", node_ips=node_ips, nodeport_addresses=entries,
+                        local_ips=local_ips)
+    assert (config.nodeport_ips(IPFamily.IPv4), config.nodeport_ips(IPFamily.IPv6)) == (v4, v6)
+
+
+def test_without_local_addresses_the_node_ips_stand_in() -> None:
+    """Offline, not told the node's addresses, the node IPs are all it is known to have."""
+    config = NodeConfig("node-a", node_ips=("192.168.0.2",),
+                        nodeport_addresses=("192.168.0.0/16",))
+    assert config.nodeport_ips(IPFamily.IPv4) == ("192.168.0.2",)
+
+
+def test_node_config_keeps_only_the_nodeport_addresses() -> None:
+    """An address no CIDR selects is not part of the node's configuration: its coming or
+    going changes no rule, and must not make the daemon's next sync a full one. A family
+    served on every local address keeps them all (a trace, conntrack cleanup)."""
+    config = ProxyConfig(nodeport_addresses=("192.168.0.0/24", "192.168.1.0/24", "fd00::/8"))
+    node = config.node_config("node-a", ("192.168.0.2",), (),
+                              ("10.9.0.1", "192.168.0.2", "192.168.1.2", "fd00:1::2"))
+    assert node.local_ips == ("192.168.0.2", "192.168.1.2", "fd00:1::2")
+    assert node == config.node_config("node-a", ("192.168.0.2",), (),
+                                      ("192.168.0.2", "172.17.0.1", "192.168.1.2", "fd00:1::2"))
+    assert ProxyConfig().node_config("node-a", ("192.168.0.2",), (), TWO_NETWORKS).local_ips \
+        == ("192.168.0.2", "fd00:1::2", "fd00:2::2")  # primary; IPv6: no node IP, every one
+    assert ProxyConfig(nodeport_addresses=("all",)).node_config(
+        "node-a", ("192.168.0.2",), (), ("127.0.0.1", *TWO_NETWORKS)).local_ips == TWO_NETWORKS
+
+
 # --- offline: pyproxy render ---------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ checks across settings that the file and the flags share (`cross_problems`).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from pyproxy.config.settings import (
     LogFormat,
 )
 from pyproxy.config.values import ConfigError, format_duration
-from pyproxy.core.model import LocalMode, NodeConfig, is_loopback_cidr, override_ips
+from pyproxy.core.model import IPFamily, LocalMode, NodeConfig, is_loopback_cidr, override_ips
 
 # KEP-6032: localhost NodePorts in nftables mode (pyproxy/core/model.py, LocalhostNodePorts).
 # Alpha and off in kube-proxy 1.37; on here, as the KEP's beta for 1.38 has it
@@ -126,15 +127,18 @@ class ProxyConfig:
         return name
 
     def node_config(self, node_name: str, node_ips: Sequence[str],
-                    node_cidrs: Sequence[str] = ()) -> NodeConfig:
+                    node_cidrs: Sequence[str] = (),
+                    local_ips: Sequence[str] | None = None) -> NodeConfig:
         """What the renderer needs for this node. node_ips: the node's IPs, at most one per
         family, primary first (bindAddress overrides the one of its family); node_cidrs: its
-        spec.podCIDRs (used by detect-local mode NodeCIDR)."""
+        spec.podCIDRs (used by detect-local mode NodeCIDR); local_ips: every address of its
+        interfaces, which nodePortAddresses selects from (None: not known, the node IPs
+        stand in). Of those, NodeConfig keeps the ones NodePorts are served on."""
         interface = {
             LocalMode.BRIDGE_INTERFACE: self.bridge_interface,
             LocalMode.INTERFACE_NAME_PREFIX: self.interface_name_prefix,
         }.get(self.detect_local_mode, "")
-        return NodeConfig(
+        node = NodeConfig(
             node_name=node_name,
             node_ips=self._primary_first(node_ips),
             cluster_cidrs=self.cluster_cidrs,
@@ -146,6 +150,11 @@ class ProxyConfig:
             masquerade_all=self.masquerade_all,
             localhost_nodeports_gate=self.localhost_nodeports_gate,
         )
+        if local_ips is None:
+            return node
+        known = dataclasses.replace(node, local_ips=tuple(local_ips))
+        return dataclasses.replace(node, local_ips=tuple(
+            ip for family in IPFamily for ip in known.nodeport_addresses_of(family)))
 
     def _nodeport_cidrs(self) -> tuple[str, ...]:
         """nodePortAddresses for NodeConfig: `localhost` expanded; with `all`, the empty tuple

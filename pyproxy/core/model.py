@@ -423,6 +423,40 @@ def is_loopback_cidr(entry: str) -> bool:
     return net.prefixlen > 0 and localhost in net
 
 
+def select_nodeport_ips(entries: Sequence[str], family: IPFamily, node_ips: Sequence[str],
+                        local_ips: Sequence[str]) -> tuple[str, ...] | None:
+    """The addresses of `family` accepting NodePorts, as kube-proxy chooses them
+    (NodePortAddresses.GetNodeIPs): every one of `local_ips` (the node's interface addresses)
+    inside one of the nodePortAddresses CIDRs of the family, `primary` standing for the node
+    IP's /32 or /128 (its only meaning in kube-proxy's server.go: matched against the
+    interfaces like any CIDR); loopback addresses never (kube-proxy logs and skips them: they
+    are the userspace proxy's). The order is `local_ips`'s, each once.
+
+    None, "every local address" (kube-proxy's MatchAll: `fib daddr type local`): `entries`
+    empty, a 0.0.0.0/0 or ::/0 of the family, or no CIDR of the family at all (`primary` on a
+    node without an IP of it included). A tuple, even empty: exactly those addresses, so CIDRs
+    that select no local address give NodePorts on none, as with kube-proxy."""
+    if not entries:
+        return None
+    version = 4 if family is IPFamily.IPv4 else 6
+    nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+    for entry in entries:
+        if entry == "primary":
+            # server.go leaves out a loopback node IP (kube-proxy's stand-in for none)
+            primary = next((ip for ip in node_ips if ip_family(ip) is family), None)
+            if primary is not None and not ip_address(primary).is_loopback:
+                nets.append(ip_network(primary))
+            continue
+        net = ip_network(entry, strict=False)
+        if net.version == version:
+            nets.append(net)
+    if not nets or any(net.prefixlen == 0 for net in nets):
+        return None
+    chosen = (ip_address(ip) for ip in dict.fromkeys(local_ips) if ip_family(ip) is family)
+    return tuple(str(ip) for ip in chosen
+                 if not ip.is_loopback and any(ip in net for net in nets))
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """How this node proxies (the parts of kube-proxy's configuration that shape rules)."""
@@ -436,6 +470,12 @@ class NodeConfig:
     node_cidrs: tuple[str, ...] = ()
     # CIDRs or "primary" (this node's primary addresses); empty: every local address.
     nodeport_addresses: tuple[str, ...] = ("primary",)
+    # The node's local addresses (its interfaces', as the kernel lists them) that
+    # nodePortAddresses' CIDRs are matched against; None: not known (offline tools given no
+    # --node-address, tests), and the node IPs stand in. `ProxyConfig.node_config` keeps only
+    # those NodePorts are served on (`nodeport_addresses_of`): another address coming or
+    # going changes no rule, and so is no reason for a full sync.
+    local_ips: tuple[str, ...] | None = None
     masquerade_bit: int = 14
     masquerade_all: bool = False
     # New connections counted per endpoint in the kernel (metrics, `services -o wide`).
@@ -457,34 +497,22 @@ class NodeConfig:
         return ""
 
     def nodeport_ips(self, family: IPFamily) -> tuple[str, ...] | None:
-        """Node addresses accepting NodePorts, or None for "every local address". Loopback
-        CIDRs name no address here (kube-proxy leaves loopback out of `nodeport-ips`: they
-        are the userspace proxy's): with nothing else of the family, no address."""
-        mine = [ip for ip in self.node_ips if ip_family(ip) is family]
-        if not self.nodeport_addresses:
-            return None
-        chosen: list[str] = []
-        loopback_only = True
-        names_loopback = False
-        for entry in self.nodeport_addresses:
-            if entry == "primary":
-                chosen.extend(mine[:1])
-                loopback_only = False
-                continue
-            net = ip_network(entry, strict=False)
-            if net.version != (4 if family is IPFamily.IPv4 else 6):
-                continue
-            if net.prefixlen == 0:
-                return None  # match-all for this family
-            if net.network_address.is_loopback:
-                names_loopback = True
-                continue
-            loopback_only = False
-            chosen.extend(ip for ip in mine if ip_address(ip) in net)
-        if not chosen and loopback_only and names_loopback:
-            return ()
-        # No known address: fall back to every local address rather than to no NodePorts.
-        return tuple(dict.fromkeys(chosen)) if chosen else None
+        """Node addresses accepting NodePorts, or None for "every local address" (see
+        `select_nodeport_ips`)."""
+        return select_nodeport_ips(
+            self.nodeport_addresses, family, self.node_ips,
+            self.node_ips if self.local_ips is None else self.local_ips)
+
+    def nodeport_addresses_of(self, family: IPFamily) -> tuple[str, ...]:
+        """The addresses of `family` NodePorts are served on, as far as they are known: those
+        nodePortAddresses selects, or for "every local address" every known one (loopback
+        aside, which is never a NodePort address of the rules)."""
+        selected = self.nodeport_ips(family)
+        if selected is not None:
+            return selected
+        known = self.node_ips if self.local_ips is None else self.local_ips
+        return tuple(ip for ip in dict.fromkeys(known)
+                     if ip_family(ip) is family and not ip_address(ip).is_loopback)
 
     def loopback_cidrs(self, family: IPFamily) -> tuple[str, ...]:
         return tuple(entry for entry in self.nodeport_addresses

@@ -101,6 +101,9 @@ class RenderConfig:
     local_value: str = ""
     # Node addresses that accept NodePorts; None means every local address.
     nodeport_ips: tuple[str, ...] | None = None
+    # The addresses NodePorts are served on, as far as they are known (with nodeport_ips
+    # None, the node's known local addresses): what a trace takes for "this node".
+    nodeport_addresses: tuple[str, ...] = ()
     # This node's addresses (for LoadBalancer source ranges that include the node).
     node_ips: tuple[str, ...] = ()
     masquerade_bit: int = 14
@@ -161,6 +164,7 @@ def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
         local_mode=node.local_mode_for(family),
         local_value=node.local_value(family),
         nodeport_ips=node.nodeport_ips(family),
+        nodeport_addresses=node.nodeport_addresses_of(family),
         node_ips=tuple(ip for ip in node.node_ips if ip_family(ip) is family),
         masquerade_bit=node.masquerade_bit,
         masquerade_all=node.masquerade_all,

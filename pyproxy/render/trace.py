@@ -162,7 +162,7 @@ class _Walker:
     def is_nodeport_address(self) -> bool:
         if self.cfg.nodeport_ips is None:
             # every local address: for a trace, the node's known addresses
-            return self.out.dst in self.cfg.node_ips
+            return self.out.dst in self.cfg.nodeport_addresses
         return self.element(NODEPORT_IPS_SET, (self.out.dst,)) is not None
 
     def follow(self, chain: str) -> bool:
