@@ -27,7 +27,7 @@ from pyproxy.core.model import IPFamily, NodeConfig
 from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.kernel.host import apply_host_settings, log_outcome, warn_if_kernel_below_supported
 from pyproxy.kernel.libnftables import OWN_SOCKETS
-from pyproxy.kernel.netlink import primary_addresses
+from pyproxy.kernel.netlink import local_addresses, primary_addresses
 from pyproxy.kernel.nft import Kernel
 from pyproxy.kernel.nftevents import NftMonitor
 from pyproxy.kernel.privileges import require_privileges
@@ -39,13 +39,13 @@ from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, Servi
 from pyproxy.serve.live import connection_counters
 from pyproxy.serve.localhost import LocalhostProxies, rejected_reader
 from pyproxy.serve.metrics import Metrics, RejectedPackets
-from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting, hcnp_addresses
+from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
 from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker
 from pyproxy.sync.node import AfterSync, FirstSync, NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
 from pyproxy.sync.runner import MONOTONIC, BoundedFrequencyRunner, Clock
-from pyproxy.sync.settings import NodeTracker, families_of, sync_timing
+from pyproxy.sync.settings import LocalAddresses, NodeTracker, families_of, sync_timing
 
 log = structlog.get_logger(__name__)
 
@@ -143,16 +143,20 @@ class Daemon:
 
 def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
                  kernel: Callable[[IPFamily], Kernel] | None = None,
+                 local_addresses: Callable[[], tuple[str, ...]] | None = None,
                  clock: Clock = MONOTONIC, api_client: Any = None,
                  stop: threading.Event | None = None) -> Daemon:
     """Every part built once, each before the parts that need it and given them when made.
     `interface_ips` stand in for the Node's IPs until its object is known; `kernel`: what
-    each family's table is written to (libnftables when None); `clock`: what the syncs and
-    health are timed by (a fake one jumps); `api_client`: None only with a snapshot."""
+    each family's table is written to (libnftables when None); `local_addresses`: reads the
+    node's interface addresses (see `LocalAddresses`); `clock`: what the syncs and health
+    are timed by (a fake one jumps); `api_client`: None only with a snapshot."""
     node_name = config.node_name()
-    node_config = config.node_config(node_name, interface_ips)
+    local_ips = LocalAddresses(local_addresses, config.sync_period, clock)
+    node_config = config.node_config(node_name, interface_ips, (), local_ips())
     families = families_of(node_config.node_ips)
     log.info("starting", node=node_name, node_ips=list(node_config.node_ips),
+             local_ips=list(local_ips.current or ()),
              families=[str(f) for f in families], source="snapshot" if config.snapshot else "api")
     timing = sync_timing(config)
     stop = stop or threading.Event()
@@ -169,8 +173,8 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
                                     timing.retry_interval, timing.max_interval, clock=clock)
     reporting = SyncReporting(health, metrics)
     service_health = ServiceHealth()
-    hcnp = HealthCheckNodePorts(service_health, ServiceHealthServers(
-        service_health, health, hcnp_addresses(node_config.node_ips)), node_config.node_ips)
+    listeners = ServiceHealthServers(service_health, health, node_config.health_check_addresses())
+    hcnp = HealthCheckNodePorts(service_health, listeners, listeners.addresses)
     conntrack = ConntrackWorker(reporting.conntrack_cleaned)
     localhost = LocalhostProxies(metrics)
     address_check = None if config.snapshot else ApiAddressCheck(
@@ -201,7 +205,7 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
         full_sync_period=timing.full_sync_period, verify_period=timing.verify_period,
         clock=clock, observers=observers, request_sync=runner.run,
         reconfigure=NodeTracker(config, node_name, interface_ips, node_config,
-                                lambda: cache.node),
+                                lambda: cache.node, local_ips),
         make_family=make_family, repairs=repairs,
         on_invalid=[lambda s: metrics.invalid_objects.labels(kind=s.kind).inc()],
         on_node_change=[health.set_node])
@@ -239,7 +243,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     # Until the Node object is known (its initial list completes before the first sync), the
     # interfaces' addresses stand in for its IPs.
     daemon = build_daemon(config, api_client=api_client, interface_ips=tuple(node_ips),
-                          stop=stop)
+                          local_addresses=local_addresses, stop=stop)
     warn_if_kernel_below_supported(platform.release())
     daemon.start()
     serving.stop_on_signals(daemon.stopping)

@@ -5,6 +5,7 @@ the daemon's sync core with a fake libnftables."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +15,13 @@ import yaml
 from pyproxy.cli import main
 from pyproxy.config import ProxyConfig
 from pyproxy.core.convert import convert_node
-from pyproxy.core.model import IPFamily, LocalMode, Node, Skipped
+from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
 from pyproxy.core.plan import Cause
 from pyproxy.render.services import render_config
 from pyproxy.run import build_daemon
-from pyproxy.sync.settings import node_config_for
+from pyproxy.sync.settings import LocalAddresses, node_config_for
 from testkit.builders import make_node, make_service
-from testkit.fakes import FakeNft
+from testkit.fakes import FakeClock, FakeNft
 
 Obj = dict[str, Any]
 
@@ -205,11 +206,15 @@ class Daemon:
     libnftables instances that record each family's transactions and the proxier's requests
     for a sync counted."""
 
-    def __init__(self, interface_ips: tuple[str, ...]) -> None:
+    def __init__(self, interface_ips: tuple[str, ...],
+                 local_addresses: Callable[[], tuple[str, ...]] | None = None,
+                 clock: FakeClock | None = None, **settings: Any) -> None:
         self.nfts: dict[IPFamily, FakeNft] = {}
         config = ProxyConfig(snapshot="unused.yaml", hostname_override="node-a",
-                             min_sync_period=0.0)
-        self.daemon = build_daemon(config, interface_ips=interface_ips, kernel=self.kernel)
+                             min_sync_period=0.0, **settings)
+        self.daemon = build_daemon(config, interface_ips=interface_ips, kernel=self.kernel,
+                                   local_addresses=local_addresses,
+                                   **({"clock": clock} if clock else {}))
         self.proxier = self.daemon.proxier
         self.health = self.daemon.health
         for source in ("Service", "EndpointSlice", "Node"):
@@ -288,3 +293,83 @@ def test_a_family_the_node_gains_gets_its_table() -> None:
     assert "nodeport-ips { fd00:50::1 }" in daemon.nfts[IPFamily.IPv6].last
     assert daemon.health.families == (IPFamily.IPv4, IPFamily.IPv6)
     assert daemon.proxier.families == (IPFamily.IPv4, IPFamily.IPv6)
+
+
+# --- the daemon follows the node's local addresses -----------------------------------------
+
+
+def test_local_addresses_are_read_again_after_the_interval() -> None:
+    """Each read costs pyroute2 milliseconds: at most one per interval (syncPeriod); a read
+    that fails keeps what was read before."""
+    reads: list[tuple[str, ...] | Exception] = [("192.168.0.2",), ("192.168.0.2", "10.0.0.1"),
+                                                OSError("netlink gone")]
+
+    def read() -> tuple[str, ...]:
+        item = reads.pop(0)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    clock = FakeClock()
+    addresses = LocalAddresses(read, 30.0, clock)
+    assert addresses() == ("192.168.0.2",)
+    clock.advance(29)
+    assert addresses() == ("192.168.0.2",) and len(reads) == 2  # not read again yet
+    clock.advance(1)
+    assert addresses() == ("192.168.0.2", "10.0.0.1")
+    clock.advance(30)
+    assert addresses() == ("192.168.0.2", "10.0.0.1") and not reads
+
+
+def test_daemon_serves_nodeports_on_a_local_address_that_comes_and_goes() -> None:
+    """nodePortAddresses of two networks: an address of the second network on the node's
+    interfaces gets NodePorts with the next read of the addresses (a full sync, as a change
+    of the node's IPs makes), and so do the health-check node ports and the NodePort
+    conntrack cleanup; an address no CIDR selects changes nothing."""
+    local = ["192.168.0.2"]
+    clock = FakeClock()
+    daemon = Daemon(("192.168.0.2",), lambda: tuple(local), clock,
+                    nodeport_addresses=("192.168.0.0/24", "192.168.1.0/24"))
+    daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.0.2")))
+    for source in ("Service", "EndpointSlice", "Node"):
+        daemon.proxier.source_synced(source)
+    daemon.sync()
+    assert "nodeport-ips { 192.168.0.2 }" in daemon.nfts[IPFamily.IPv4].last
+
+    local.append("192.168.1.2")
+    daemon.sync()  # within syncPeriod of the last read: not seen yet
+    assert daemon.proxier.history[-1].cause is not Cause.RECONFIGURED
+    clock.advance(30)
+    daemon.sync()
+    record = daemon.proxier.history[-1]
+    assert record.full and record.cause is Cause.RECONFIGURED
+    assert "nodeport-ips { 192.168.0.2, 192.168.1.2 }" in daemon.nfts[IPFamily.IPv4].last
+    assert daemon.proxier.node_addresses == ("192.168.0.2", "192.168.1.2")  # conntrack's
+    servers = daemon.daemon.health_check_node_ports.servers
+    assert servers is not None and servers.addresses == ("192.168.0.2", "192.168.1.2")
+
+    local.append("172.17.0.1")  # a bridge coming up: outside the CIDRs
+    clock.advance(30)
+    daemon.sync()
+    assert daemon.proxier.history[-1].cause is not Cause.RECONFIGURED
+
+    local.remove("192.168.1.2")
+    clock.advance(30)
+    daemon.sync()
+    assert daemon.proxier.history[-1].cause is Cause.RECONFIGURED
+    assert "nodeport-ips { 192.168.0.2 }" in daemon.nfts[IPFamily.IPv4].last
+
+
+@pytest.mark.parametrize(("entries", "expected"), [
+    pytest.param(("primary",), ("192.168.0.2", "fd00:1::2"), id="primary: the node IPs"),
+    pytest.param(("192.168.0.0/16",), ("192.168.0.2", "192.168.1.2", "fd00:1::2"),
+                 id="selected addresses; a family served everywhere: its node IP"),
+    pytest.param(("all",), ("192.168.0.2", "fd00:1::2"), id="all: the node IPs"),
+])
+def test_health_check_node_ports_listen_where_nodeports_are_served(
+        entries: tuple[str, ...], expected: tuple[str, ...]) -> None:
+    """kube-proxy's service health server listens on the addresses nodePortAddresses
+    selects."""
+    node = ProxyConfig(nodeport_addresses=entries).node_config(
+        "node-a", ("192.168.0.2", "fd00:1::2"), (), TWO_NETWORKS)
+    assert node.health_check_addresses() == expected

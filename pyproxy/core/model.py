@@ -514,6 +514,27 @@ class NodeConfig:
         return tuple(ip for ip in dict.fromkeys(known)
                      if ip_family(ip) is family and not ip_address(ip).is_loopback)
 
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The node's addresses NodePorts arrive on, as far as they are known: its IPs, then
+        the other local addresses NodePorts are served on (conntrack cleanup's "this
+        node")."""
+        return tuple(dict.fromkeys((*self.node_ips, *(self.local_ips or ()))))
+
+    def health_check_addresses(self) -> tuple[str, ...]:
+        """Where healthCheckNodePorts listen: as kube-proxy's service health server, on the
+        addresses nodePortAddresses selects; a family served on every local address on its
+        node IP (kube-proxy: on every address); a node without IPs on 0.0.0.0."""
+        if not self.node_ips:
+            return ("0.0.0.0",)
+        addresses: list[str] = []
+        for family in dict.fromkeys(ip_family(ip) for ip in self.node_ips):
+            selected = self.nodeport_ips(family)
+            addresses.extend(
+                (ip for ip in self.node_ips if ip_family(ip) is family) if selected is None
+                else selected)
+        return tuple(addresses)
+
     def loopback_cidrs(self, family: IPFamily) -> tuple[str, ...]:
         return tuple(entry for entry in self.nodeport_addresses
                      if is_loopback_cidr(entry) and ip_family(entry) is family)

@@ -17,11 +17,6 @@ if TYPE_CHECKING:
     from pyproxy.kernel.netlink import CleanupResult
 
 
-def hcnp_addresses(node_ips: tuple[str, ...]) -> list[str]:
-    """Where the health-check node ports listen: the node IPs (every address without)."""
-    return list(node_ips) or ["0.0.0.0"]
-
-
 @dataclass
 class SyncReporting:
     """Health and metrics after each sync, and at each change queued or sync failed."""
@@ -88,12 +83,12 @@ class SyncReporting:
 class HealthCheckNodePorts(SyncedOnly):
     """After each sync, the health-check node port of every service that has one and its
     local READY endpoint count (distinct IPs, all ports and families); the servers follow,
-    moved to the node's IPs when those change (`node_ips`: those the servers were given;
-    None: they stay where they are)."""
+    moved when the addresses NodePorts are served on change (`addresses`: those the servers
+    were given, `NodeConfig.health_check_addresses`; None: they stay where they are)."""
 
     service_health: ServiceHealth
     servers: ServiceHealthServers | None = None
-    node_ips: tuple[str, ...] | None = None
+    addresses: tuple[str, ...] | None = None
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         state = proxier.cache.state()
@@ -112,9 +107,10 @@ class HealthCheckNodePorts(SyncedOnly):
             counts[key] = len(ips)
         self.service_health.update(ports, counts)
         if self.servers is not None:
-            if self.node_ips is not None and proxier.node_ips != self.node_ips:
-                self.node_ips = proxier.node_ips
-                self.servers.set_addresses(hcnp_addresses(self.node_ips))
+            wanted = proxier.health_check_addresses
+            if self.addresses is not None and wanted != self.addresses:
+                self.addresses = wanted
+                self.servers.set_addresses(wanted)
             self.servers.sync()
 
     def stop(self) -> None:

@@ -87,7 +87,7 @@ class ConntrackCleanup(SyncedOnly):
         DNAT, which their next packets follow (pyproxy/kernel/conntrack.py, end): deleted
         now, so that those packets are NATed afresh by the repaired rules."""
         for family in proxier.families:
-            self.sink.submit(family, service_frontends(state, family, proxier.node_ips))
+            self.sink.submit(family, service_frontends(state, family, proxier.node_addresses))
 
     def _udp(self, proxier: NodeProxier, state: ClusterState,
              services: frozenset[ServiceKey] | None) -> None:
@@ -110,4 +110,4 @@ class ConntrackCleanup(SyncedOnly):
         for family in families:
             targets = [t for (_name, fam), t in (*work.items(), *gone.items()) if fam is family]
             if targets:
-                self.sink.submit(family, allowed_map(targets, proxier.node_ips))
+                self.sink.submit(family, allowed_map(targets, proxier.node_addresses))

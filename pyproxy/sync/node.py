@@ -294,6 +294,17 @@ class NodeProxier:
         """The node IPs its rules are rendered with (every family has the same configuration)."""
         return self.proxiers[0].config.node_ips if self.proxiers else ()
 
+    @property
+    def node_addresses(self) -> tuple[str, ...]:
+        """The node's addresses NodePorts arrive on, as far as known (`NodeConfig.addresses`)."""
+        return self.proxiers[0].config.addresses if self.proxiers else ()
+
+    @property
+    def health_check_addresses(self) -> tuple[str, ...]:
+        """Where the health-check node ports listen (`NodeConfig.health_check_addresses`)."""
+        return self.proxiers[0].config.health_check_addresses() if self.proxiers else (
+            "0.0.0.0",)
+
     def current_selections(self) -> list[PortSelection]:
         """The selections in force, copied under the sync lock (for metrics and the live CLI)."""
         with self.lock:
