@@ -4,6 +4,7 @@ the daemon's sync core with a fake libnftables."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,33 @@ def test_render_takes_both_families_from_the_node(tmp_path: Path,
     script = capsys.readouterr().out
     assert nodeport_ips(script, "ip") == ["10.250.0.2"]
     assert nodeport_ips(script, "ip6") == ["fd00:250::2"]
+
+
+def test_render_and_trace_take_the_nodes_other_addresses(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--node-address states the node's other interface addresses: --nodeport-addresses
+    CIDRs select among them and the node's IPs, as `run` does among the kernel's."""
+    snapshot = str(dual_stack_snapshot(tmp_path))
+    node = ["--node", "node-a", "--node-ip", "192.168.0.2",
+            "--nodeport-addresses", "192.168.0.0/24,192.168.1.0/24"]
+    assert main(["render", "-f", snapshot, *node, "--node-address", "192.168.1.2",
+                 "--node-address", "10.9.0.1"]) == 0
+    script = capsys.readouterr().out
+    assert nodeport_ips(script, "ip") == ["192.168.0.2, 192.168.1.2"]
+    assert main(["render", "-f", snapshot, *node]) == 0  # the node's IPs alone
+    assert nodeport_ips(capsys.readouterr().out, "ip") == ["192.168.0.2"]
+
+    trace = ["trace", "-f", snapshot, *node, "--src", "203.0.113.9",
+             "--dst", "192.168.1.2:30080/tcp", "-o", "json"]
+    assert main([*trace, "--node-address", "192.168.1.2"]) == 0
+    answer = json.loads(capsys.readouterr().out)  # the NodePort (no endpoints: rejected)
+    assert (answer["service"], answer["verdict"]) == ("ns/web:http", "REJECT")
+    assert main(trace) == 0
+    assert json.loads(capsys.readouterr().out)["verdict"] == "NONE"  # not this node's
+
+    assert main(["render", "-f", snapshot, "--node", "node-a",
+                 "--node-address", "192.168.1.0/24"]) == 2
+    assert "--node-address" in capsys.readouterr().err
 
 
 # --- the daemon follows its Node -----------------------------------------------------------

@@ -286,10 +286,16 @@ def _node_flags(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--node", help="the node's name (as in its Node object); the same as "
                                     "--hostname-override, which may also come from --config")
     cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
-                     help="this node's address, at most one per family (repeat for "
-                          "dual-stack); NodePorts listen on it. Default: the Node object's "
+                     help="this node's IP, at most one per family (repeat for "
+                          "dual-stack); NodePorts listen on it with --nodeport-addresses "
+                          "primary (the default). Default: the Node object's "
                           "(status.addresses, InternalIP first); a given address replaces the "
                           "Node's of its family, the other family keeps the Node's")
+    cmd.add_argument("--node-address", action="append", default=[], metavar="IP",
+                     help="another address of the node's interfaces (repeat for each): "
+                          "--nodeport-addresses CIDRs select among these and the node's IPs, "
+                          "as `run` matches them against every local address. Default: the "
+                          "node's IPs are its only addresses")
     add_flags(cmd, settings=NODE_SETTINGS)
 
 
@@ -308,11 +314,20 @@ def _node_ips(texts: Sequence[str]) -> tuple[str, ...]:
     return tuple(by_family.values())
 
 
+def _node_addresses(texts: Sequence[str]) -> tuple[str, ...]:
+    """--node-address values: addresses, each once."""
+    try:
+        return tuple(dict.fromkeys(str(ipaddress.ip_address(text)) for text in texts))
+    except ValueError as err:
+        raise UsageError(f"--node-address: {err}") from None
+
+
 def _node_config(args: argparse.Namespace, state: ClusterState) -> NodeConfig:
     """The node options over what the snapshot's Node object says, as `run` resolves them:
     --config, then the flags; the Node's IPs (status.addresses, as kube-proxy picks them),
     each --node-ip replacing the one of its family; its podCIDRs (detect-local mode
-    NodeCIDR)."""
+    NodeCIDR); its local addresses, which nodePortAddresses selects from: the node IPs and
+    every --node-address (without any, the node IPs stand in, as they always did)."""
     try:
         config = from_args(args)
     except ConfigError as err:
@@ -323,7 +338,12 @@ def _node_config(args: argparse.Namespace, state: ClusterState) -> NodeConfig:
                          f"hostnameOverride in --config)")
     node = state.nodes.get(name)
     ips = override_ips(_node_ips(args.node_ip), node.host_ips if node else ())
-    return config.node_config(name, ips, node.pod_cidrs if node else ())
+    addresses = _node_addresses(args.node_address)
+    node_config = config.node_config(name, ips, node.pod_cidrs if node else ())
+    if not addresses:
+        return node_config
+    local = dict.fromkeys((*node_config.node_ips, *addresses))
+    return config.node_config(name, ips, node.pod_cidrs if node else (), tuple(local))
 
 
 class UsageError(ValueError):

@@ -82,7 +82,10 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   `--pod-interface-name-prefix`, `--nodeport-addresses` with `primary` and `all`,
   `--masquerade-all`, `--iptables-masquerade-bit`) and `--config`, resolved and checked as
   `run` does; `--node-ip` (at most one per family) replaces the snapshot Node's address of its
-  family, the other family keeps the Node's.
+  family, the other family keeps the Node's; `--node-address` (repeated) gives the node's other
+  interface addresses, which `--nodeport-addresses` CIDRs select from with the node's IPs, as
+  `run` matches them against every local address (without it the node's IPs are its only
+  addresses).
 - **Checking.** `pyproxy config check [--config FILE] [flags]` reports every problem at once,
   each with its field or flag and the file, then the warnings and the notes `run` would log,
   and what it finds of the API connection (a note: its files may exist only on the node);

@@ -285,9 +285,10 @@ SETTINGS: tuple[Setting, ...] = (
             flag_help="pod interface name prefix, for --detect-local-mode InterfaceNamePrefix"),
     Setting("nodeport_addresses", ValueType.STRINGS, _nodeport_addresses,
             "CIDRs, `primary` (the node's primary IPs), `localhost` (127.0.0.0/8 and ::1/128) "
-            "or `all`, in any combination, of node addresses accepting NodePorts; localhost "
-            "(`localhost`, 127.0.0.1/32, ::1/128, any CIDR but 0.0.0.0/0 and ::/0 holding "
-            "127.0.0.1 or ::1) turns on the userspace proxy for TCP NodePorts on it "
+            "or `all`, in any combination, of node addresses accepting NodePorts (matched "
+            "against every address of the node's interfaces, read again every syncPeriod); "
+            "localhost (`localhost`, 127.0.0.1/32, ::1/128, any CIDR but 0.0.0.0/0 and ::/0 "
+            "holding 127.0.0.1 or ::1) turns on the userspace proxy for TCP NodePorts on it "
             "(featureGates KubeProxyNFTablesLocalhostNodePorts)",
             applied_by="`NodeConfig` → pyproxy.render (NodePort addresses)",
             paths=("nodePortAddresses",),
