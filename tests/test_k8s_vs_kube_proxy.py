@@ -45,6 +45,11 @@ NODE = "node-a"
 LB_LOCAL, LB_ALLOWED, LB_DENIED, EXTERNAL = ("192.168.77.20", "192.168.77.21",
                                              "192.168.77.22", "192.168.77.30")
 UNALLOCATED = "10.96.5.5"
+# Two more addresses of node-a, there before either proxy starts (kube-proxy reads the
+# interfaces' addresses at its full syncs): one inside the nodePortAddresses CIDR both proxies
+# are given beside primary and localhost, which serves NodePorts, and one outside it.
+NODEPORT_CIDR, NODEPORT_ADDRESS, OTHER_ADDRESS = ("192.168.51.0/24", "192.168.51.1",
+                                                  "192.168.52.1")
 
 
 @dataclass(frozen=True)
@@ -98,13 +103,13 @@ class Flow:
     name: str
     source: str  # "client", "pod-client", "node" or a backend pod's name (hairpin)
     service: str | None  # its ClusterIP, or with `to` another address of it
-    # cluster-ip | cluster-ip6 | node-port | node-port6 | localhost | localhost6 | lb |
-    # external | raw
+    # cluster-ip | cluster-ip6 | node-port | node-port6 | node-port-at | localhost |
+    # localhost6 | lb | external | raw
     to: str = "cluster-ip"
     port: int = 80
     proto: str = "tcp"
     count: int = 30
-    address: str = ""  # for to == "raw"
+    address: str = ""  # for to == "raw" and "node-port-at" (another address of the node)
     expect: tuple[str, ...] | None = None  # the outcome both must give, where the flow says
 
 
@@ -136,6 +141,13 @@ FLOWS = (
     Flow("iTP=Local ClusterIP", "pod-client", "itp-local"),
     Flow("no endpoints: ClusterIP", "client", "empty", count=5),
     Flow("no endpoints: NodePort", "client", "empty", to="node-port", count=5),
+    # nodePortAddresses [primary, localhost, 192.168.51.0/24]: the CIDR is matched against
+    # every address of the node's interfaces (upstream's TestNodePorts, "multiple
+    # nodeport-addresses"; issue 35).
+    Flow("NodePort on another address nodePortAddresses selects", "client", "nodeport",
+         to="node-port-at", address=NODEPORT_ADDRESS, expect=("pod-a/masq", "pod-b/masq")),
+    Flow("NodePort on an address nodePortAddresses does not select", "client", "nodeport",
+         to="node-port-at", address=OTHER_ADDRESS, count=5, expect=("refused",)),
     Flow("ClientIP affinity", "client", "affinity", count=20),
     Flow("PreferSameZone hints", "client", "zonal"),
     Flow("terminating, serving fallback", "client", "terminating"),
@@ -156,7 +168,7 @@ FLOWS = (
 # Both proxies serve NodePorts on loopback too (KEP-6032; alpha and off by default in v1.37.2,
 # on by default in pyproxy as the KEP's 1.38 beta).
 LOCALHOST_NODEPORTS = {"featureGates": {"KubeProxyNFTablesLocalhostNodePorts": True},
-                       "nodePortAddresses": ["primary", "localhost"]}
+                       "nodePortAddresses": ["primary", "localhost", NODEPORT_CIDR]}
 # The same flows against kube-proxy of the next release with its default gates: the gate is
 # not set, only the addresses.
 LOCALHOST_FLOWS = tuple(f for f in FLOWS if f.to in ("localhost", "localhost6"))
@@ -231,6 +243,8 @@ class SideBySide:
             return island.cluster.node_ip4, self.node_ports[svc.name]
         if flow.to == "node-port6":
             return island.cluster.node_ip6, self.node_ports[svc.name]
+        if flow.to == "node-port-at":
+            return flow.address, self.node_ports[svc.name]
         if flow.to in ("localhost", "localhost6"):
             ports = self.udp_node_ports if flow.proto == "udp" else self.node_ports
             return ("127.0.0.1" if flow.to == "localhost" else "::1"), ports[svc.name]
@@ -260,6 +274,8 @@ def island(lab: Lab, plane: ControlPlane) -> Island:
     # under a limit that is the root namespace's (net.ipv4.route.error_burst: 5, then 1/s per
     # client), so a batch of 5 got one "timeout" among the "unreachable" now and then.
     cluster.node.run(["ip", "route", "add", "blackhole", "192.168.77.0/24"])
+    for address in (NODEPORT_ADDRESS, OTHER_ADDRESS):  # the client routes them via the node
+        lab.add_addr(cluster.node, "eth0", f"{address}/24")
     plane.attach(cluster.node)
     return Island(lab, cluster)
 
@@ -354,7 +370,8 @@ def side_by_side(control_plane: ControlPlane) -> Iterator[SideBySide]:
         py_kubeconfig = control_plane.node_kubeconfig(py_lab.workdir / "pyproxy.kubeconfig",
                                                       service_account_token(kube))
         daemon = start_pyproxy(py_lab, py.cluster.node, py_kubeconfig, NODE,
-                               "--nodeport-addresses", "primary,localhost")
+                               "--nodeport-addresses",
+                               f"primary,localhost,{NODEPORT_CIDR}")
         both = SideBySide(kube, kp, py, node_ports, udp_node_ports)
         try:
             wait_for(lambda: kube.endpoint_conditions(NS, "terminating").get(
