@@ -383,7 +383,7 @@ def test_failed_transaction_leaves_rules_intact(cluster: Cluster, proxy: NodePro
     objs = [*NODES, service(), endpoints(cluster, ["pod-a"])]
     proxy.apply(objs)
     applier = proxy.proxiers[0].applier
-    broken = Fragment((Item(Kind.CHAIN, "broken", "", "this is not nft"),))
+    broken = Fragment((Item(Kind.CHAIN, "broken", "", ("this is not nft",)),))
     with pytest.raises(NftError):
         applier.sync({"bad": broken})
     assert not applier.in_step

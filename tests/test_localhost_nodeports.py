@@ -26,6 +26,7 @@ from pyproxy.core.model import IPFamily, LocalhostNodePorts, NodeConfig, Protoco
 from pyproxy.core.topology import select_all
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import rule_packets
+from pyproxy.render.objects import Kind
 from pyproxy.render.services import render_config, skeleton
 from pyproxy.render.trace import trace
 from pyproxy.serve.localhost import LocalhostListeners
@@ -142,8 +143,8 @@ def test_the_reject_map_holds_the_nodeports_nobody_serves(config: NodeConfig,
              "@localhost-nodeport-reject-ports")
     assert (check in script) == bool(rejected)
     six = skeleton(render_config(config, V6))
-    assert any("ip6 daddr ::1 meta l4proto" in item.value for item in six.items) == bool(
-        rejected)
+    assert any("ip6 daddr ::1 meta l4proto" in rule for item in six.items
+               if item.kind is Kind.CHAIN for rule in item.value) == bool(rejected)
     assert any(item.container == "localhost-nodeport-reject-sctp" for item in six.items) == bool(
         rejected)
 

@@ -212,12 +212,15 @@ def element_text(key: Key, value: ElementValue) -> str:
 
 class Kind(StrEnum):
     SET = "set"  # a set or map declaration; value = its SetDecl
-    CHAIN = "chain"  # value = the rules, one per line
+    CHAIN = "chain"  # value = its Rules
     ELEMENT = "element"  # container = set/map name, key = its Key, value = its ElementValue
 
 
+# A chain's rules, in order, each nft's own syntax (written by the renderer and passed through
+# as it is, as knftables keeps them).
+Rules = tuple[str, ...]
 # A slot's value: what `Item.value` holds for its kind.
-Value = str | SetDecl | ElementValue
+Value = Rules | SetDecl | ElementValue
 
 
 class Item(NamedTuple):

@@ -25,8 +25,10 @@ from pyproxy.render.objects import (
     Item,
     Key,
     Kind,
+    Rules,
     SetDecl,
     Value,
+    Verdict,
 )
 from pyproxy.render.ops import Op
 
@@ -76,10 +78,10 @@ class DesiredState:
             return current
         return min(current)
 
-    def rules(self, chain: str) -> list[str] | None:
+    def rules(self, chain: str) -> Rules | None:
         """The rules of `chain`, None when no owner wants it."""
         value = self.value((Kind.CHAIN, chain, ""))
-        return None if value is None else [rule for rule in _text(value).split("\n") if rule]
+        return None if value is None else _rules(value)
 
     def element(self, container: str, key: Key) -> ElementValue | None:
         """The value of element `key` of `container`, None when no owner wants it."""
@@ -189,7 +191,7 @@ class DesiredState:
             for i in range(0, len(flat), 4):
                 slot = (Kind(str(flat[i])), str(flat[i + 1]), _slot_key(flat[i + 2]))
                 if slot in disputed:
-                    owners.setdefault((slot, flat[i + 3]), []).append(owner)
+                    owners.setdefault((slot, cast(Value, flat[i + 3])), []).append(owner)
         return [Dispute(slot, tuple((value, tuple(owners.get((slot, value), ())))
                                     for value in sorted(values)))
                 for slot, values in sorted(disputed.items())]
@@ -350,7 +352,7 @@ def table_shape(state: DesiredState, flushed: Iterable[str] = ()) -> Shape:
     for kind, container, entries in state.containers():
         if kind is Kind.CHAIN:
             for _key, rules in entries:
-                chains[container] = sum(1 for rule in _text(rules).split("\n") if rule)
+                chains[container] = len(_rules(rules))
         elif kind is Kind.SET:
             sets.add(container)
     for name in flushed:
@@ -388,15 +390,15 @@ class Commands:
                     self.add_elements, self.delete_sets))
 
 
-def _text(value: Value) -> str:
-    """A chain's rules: text until they are typed too."""
-    if not isinstance(value, str):
+def _rules(value: Value) -> Rules:
+    """A chain's slot holds its Rules: rule texts."""
+    if isinstance(value, SetDecl | Verdict) or not all(isinstance(r, str) for r in value):
         raise TypeError(f"not a chain's rules: {value!r}")
-    return value
+    return cast(Rules, value)
 
 
 def _element_value(value: Value) -> ElementValue:
-    if isinstance(value, str | SetDecl):
+    if isinstance(value, SetDecl):
         raise TypeError(f"not an element's value: {value!r}")
     return value
 
@@ -421,8 +423,8 @@ def _decl(value: Value | None) -> SetDecl:
     return value
 
 
-def _add_rules(chain: str, rules: str) -> list[Op]:
-    return [ops.add(ops.Rule(chain, rule)) for rule in rules.split("\n") if rule]
+def _add_rules(chain: str, rules: Rules) -> list[Op]:
+    return [ops.add(ops.Rule(chain, rule)) for rule in rules]
 
 
 def _group_elements(verb: ops.Verb, pairs: list[tuple[str, Key, ElementValue]]) -> list[Op]:
@@ -463,7 +465,7 @@ def incremental_commands(family: str, change: Change) -> Commands:
             if after is None:
                 cmds.stale_chains.append(container)
             else:
-                cmds.rules.extend(_add_rules(container, _text(after)))
+                cmds.rules.extend(_add_rules(container, _rules(after)))
         else:
             if before is not None:
                 delete_elems.append((container, _key(key), _element_value(before)))
@@ -495,14 +497,14 @@ def full_commands(
         existing_chains, existing_sets, recreate_base_chains = (), (), False
     cmds.declare.append(ops.add(ops.Table(TABLE_COMMENT)))
     sets: dict[str, SetDecl] = {}
-    chains: dict[str, str] = {}
+    chains: dict[str, Rules] = {}
     # No sorting of the (many) elements: their order in a command is irrelevant.
     elements = {container: tuple(entries) for container, entries in state.elements()}
     for kind, container, entries in state.containers():
         if kind is not Kind.ELEMENT:
             for _key, value in entries:  # one: chains and sets have no key
                 if kind is Kind.CHAIN:
-                    chains[container] = _text(value)
+                    chains[container] = _rules(value)
                 else:
                     sets[container] = _decl(value)
     for name in sorted(sets):
@@ -518,7 +520,7 @@ def full_commands(
             cmds.declare.append(ops.delete(ops.Chain(name)))
         cmds.declare.append(ops.add(ops.Chain(name, BASE_CHAINS[name])))
         cmds.flush.append(ops.flush(ops.Chain(name)))
-        cmds.rules.extend(ops.add(ops.Rule(name, rule)) for rule in BASE_CHAIN_RULES[name])
+        cmds.rules.extend(_add_rules(name, BASE_CHAIN_RULES[name]))
     for name in sorted(chains):
         cmds.declare.append(ops.add(ops.Chain(name)))
         cmds.flush.append(ops.flush(ops.Chain(name)))

@@ -201,7 +201,7 @@ def _set(name: str, declaration: SetDecl) -> Item:
 
 
 def _chain(name: str, rules: Sequence[str]) -> Item:
-    return Item(Kind.CHAIN, name, "", "\n".join(rules))
+    return Item(Kind.CHAIN, name, "", tuple(rules))
 
 
 # Item(...) goes through the NamedTuple's Python-level __new__; building the tuple directly

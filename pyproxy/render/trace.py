@@ -29,6 +29,7 @@ from pyproxy.render.objects import (
     SERVICE_NODEPORTS_MAP,
     ElementValue,
     Key,
+    Rules,
     Verdict,
     key_text,
     value_text,
@@ -175,7 +176,7 @@ class _Walker:
             return self.per_service_chain(chain, rules)
         return self.pick_chain(chain, rules)
 
-    def pick_chain(self, chain: str, rules: list[str]) -> bool:
+    def pick_chain(self, chain: str, rules: Rules) -> bool:
         """A shared pick chain: optional masquerade rules, then DNATs through the endpoints
         map, each guarded by the source kind it applies to (pyproxy.render's shapes)."""
         mark = f"meta mark set meta mark | {self.cfg.mark}"
@@ -274,7 +275,7 @@ class _Walker:
                   f"0x{seed:08x} = slot {offset + slot} of @{container}")
         return self.dnat([slots[slot]])
 
-    def per_service_chain(self, chain: str, rules: list[str]) -> bool:
+    def per_service_chain(self, chain: str, rules: Rules) -> bool:
         """Upstream-shaped chains (session affinity services): `external-…` decides the
         masquerade and goes on to `service-…`/`local-…`, which pick an endpoint."""
         mark = f"meta mark set meta mark | {self.cfg.mark}"
