@@ -115,6 +115,34 @@ class TestCheck:
                 "config.conf") in out
 
 
+    @pytest.mark.parametrize(("body", "where"), [
+        pytest.param("mode: " + "[" * 5000 + "]" * 5000 + "\n", " at line 3", id="flow"),
+        pytest.param("nftables:\n" + "".join(f"{' ' * i}k:\n" for i in range(1, 1000)),
+                     " at line 102", id="block, 1,000 deep (5,000 is beyond the size limit)"),
+        pytest.param("mode:\n" + "- " * 5000 + "x\n", " at line 4", id="compact sequences"),
+        pytest.param("mode: &m nftables\nx: " + "[" * 5000 + "]" * 5000 + "\n", "",
+                     id="with an anchor (PyYAML's own path)"),
+    ])
+    def test_5000_deep(self, tmp_path: Path, capsys: pytest.CaptureFixture[str], body: str,
+                       where: str) -> None:
+        """YAML nested 5,000 deep is one error naming the file and the limit, exit code 1
+        (issue 35: it was a RecursionError traceback)."""
+        path = written(tmp_path, body)
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}")
+        assert code == 1
+        assert f"error: {path}: nested deeper than 100 levels (the limit){where}" in out
+
+    def test_a_huge_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A file beyond a ConfigMap's 1 MiB is refused by its size, naming the limit."""
+        path = written(tmp_path, "")
+        with open(path, "ab") as fh:
+            fh.truncate(4 << 30)  # a hole: no room taken
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}")
+        assert code == 1
+        assert (f"error: --config {path}: larger than 1 MiB, the limit for a configuration "
+                "file") in out
+
+
 class TestWarnings:
     """What kube-proxy only warns about (its lenient decoding) is a warning here too."""
 

@@ -27,6 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyproxy"
 # of it; the commands.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("logs", "version", "memory"),  # process housekeeping: import nothing of pyproxy
+    ("yamlfile",),  # documents read within limits: the configuration file, snapshots
     ("core",),
     ("config",),
     ("cluster", "render"),

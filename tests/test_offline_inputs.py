@@ -152,8 +152,7 @@ class TestNothingUsable:
         code, _, err = cli(capsys, "explain", "-f", str(path), "--node=node-a")
         assert code == 1
         assert err == (f"pyproxy: {path}: not valid YAML or JSON: while parsing a flow node: "
-                       "expected the node content, but found '<stream end>' at line 2, "
-                       "column 1\n")
+                       "did not find expected node content at line 2, column 1\n")
 
 
 class TestReportedTheSameEverywhere:
@@ -315,3 +314,55 @@ def test_a_big_service_keeps_its_row_readable(tmp_path: Path,
     assert "(endpoint lists are cut after 3: -o json has them all)" in out
     _, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "-o", "json")
     assert len(json.loads(out)["services"][0]["clusterEndpoints"]) == 300
+
+
+def sparse(path: Path, size: int) -> Path:
+    """A file of `size` bytes that takes no room (a hole): a huge snapshot, made instantly."""
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path
+
+
+class TestLimits:
+    """A snapshot nested too deep or too large is an error naming the file and the limit
+    (issue 35, point 4): 5,000 levels were a RecursionError traceback, in YAML and in JSON."""
+
+    @pytest.mark.parametrize(("name", "text", "where"), [
+        pytest.param("deep.yaml", "items:\n- " + "[" * 5000 + "]" * 5000 + "\n", " at line 2",
+                     id="YAML, flow"),
+        pytest.param("deep.yaml", "items:\n" + "".join(f"{' ' * i}- k:\n" for i in
+                                                       range(0, 10000, 2)), " at line 51",
+                     id="YAML, block"),
+        pytest.param("deep.json", '{"items": [' + "[" * 5000 + "]" * 5000 + "]}", "",
+                     id="JSON"),
+    ])
+    def test_5000_deep(self, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str,
+                       text: str, where: str) -> None:
+        """Every offline command says so in one line and exits 1."""
+        path = tmp_path / name
+        path.write_text(text)
+        code, out, err = cli(capsys, "explain", "-f", str(path), "--node=node-a")
+        assert (code, out) == (1, "")
+        assert f"pyproxy: {path}: nested deeper than 100 levels (the limit){where}\n" == err
+
+    def test_a_huge_file(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A file beyond the limit is refused by its size, before it is read."""
+        path = sparse(tmp_path / "huge.yaml", 8 << 30)
+        code, _, err = cli(capsys, "render", "-f", str(path), "--node=node-a")
+        assert code == 1
+        assert f"pyproxy: {path}: larger than 512 MiB, the limit for a snapshot\n" == err
+
+    def test_the_daemon_keeps_its_rules(self, tmp_path: Path) -> None:
+        """The daemon's --snapshot source reports a file beyond the limits as a reading that
+        failed (logged, counted), as a broken file, and goes on with what it had."""
+        path = snapshot(tmp_path, make_node("node-a"),
+                        make_service("demo", "web", ip="10.96.0.10"))
+        _, source = snapshot_daemon(path, FakeNft())
+        assert source.poll()
+        path.write_text("items:\n- " + "[" * 5000 + "]" * 5000 + "\n")
+        assert not source.poll()
+        assert f"{path}: nested deeper than 100 levels (the limit) at line 2" == source.last_error
+        sparse(path, 8 << 30)
+        assert not source.poll()
+        assert f"{path}: larger than 512 MiB, the limit for a snapshot" == source.last_error
+        assert source.errors == 2

@@ -23,7 +23,7 @@ from pyproxy.cluster.resources import (
     service_cidrs_resource,
     services_resource,
 )
-from pyproxy.cluster.snapshot import SnapshotError, parse_objects, snapshot_items
+from pyproxy.cluster.snapshot import SnapshotError, parse_objects, read_snapshot, snapshot_items
 from pyproxy.cluster.watch import MIN_WATCH_TIMEOUT, Reflector
 from pyproxy.cluster.watchstate import WatchStatus, watch_problems
 from pyproxy.core.model import ObjectKey, Skipped
@@ -102,8 +102,7 @@ class SnapshotSource:
             return False
         self._stamp = stamp
         try:
-            with open(self.path, "rb") as fh:
-                data = fh.read()
+            data = read_snapshot(self.path)
             digest = hashlib.sha256(data).hexdigest()
             if digest == self._digest:
                 return False

@@ -12,12 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import yaml
-
+from pyproxy import yamlfile
 from pyproxy.config.proxyconfig import ProxyConfig, cross_problems, default_servers
 from pyproxy.config.settings import DEFAULT_BIND_ADDRESS, SETTINGS, setting_value
 from pyproxy.config.values import ConfigError, ValueType, describe, from_json
@@ -126,25 +124,6 @@ def _tree(fields: Sequence[Field]) -> dict[str, Any]:
 _TREE = _tree(FIELDS)
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys: YAML keeps the last one silently, kube-proxy's
-    strict decoding refuses them."""
-
-
-def _unique_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node)
-        if key in seen:
-            raise ConfigError(f"{key}: duplicate field (line {key_node.start_mark.line + 1})")
-        seen.add(key)
-    return loader.construct_mapping(node)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_config(text: str) -> ProxyConfig:
     """A KubeProxyConfiguration (YAML or JSON) as a validated ProxyConfig. Raises ConfigError
     with every problem found, each naming the field at fault. Fields v1alpha1 never had are
@@ -176,8 +155,8 @@ def _raw(document: Mapping[str, Any], path: str) -> Any:
 def load_config_file(path: str) -> ProxyConfig:
     """`load_config` of a file; every problem names the file."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        text = yamlfile.read_limited(path, MAX_FILE_BYTES, "a configuration file").decode()
+    except (OSError, UnicodeDecodeError, yamlfile.TooLargeError) as err:
         raise ConfigError(f"--config {path}: {getattr(err, 'strerror', None) or err}") from err
     try:
         config = load_config(text)
@@ -186,11 +165,15 @@ def load_config_file(path: str) -> ProxyConfig:
     return dataclasses.replace(config, warnings=tuple(f"{path}: {w}" for w in config.warnings))
 
 
+# A ConfigMap holds at most 1 MiB (etcd's limit on one object, less its envelope).
+MAX_FILE_BYTES = 1 << 20
+
+
 def _parse(text: str) -> dict[str, Any]:
-    try:
-        document = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as err:
-        raise ConfigError(f"not valid YAML or JSON: {err}") from None
+    try:  # duplicate keys refused: kube-proxy's strict decoding refuses them
+        document = yamlfile.load(text, strict=True)
+    except yamlfile.DocumentError as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(document, dict):
         raise ConfigError(f"expected a {KIND} object, got {describe(document)}")
     if document.get(KIND_FIELD) == "ConfigMap":
