@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml demo clean \
 	k8s k8s-path kube-proxy-next \
 	images
 
@@ -127,6 +127,13 @@ bench-fleet: venv k8s
 WIRE_FLAGS ?=
 bench-wire: venv k8s
 	$(BIN)/python -m bench.bench_wire $(WIRE_FLAGS)
+
+# `pyproxy explain` on one snapshot as YAML and as JSON: time and peak memory, and the ratios
+# (issue 39: YAML within 2x of JSON each; bench/bench_yaml.py; a few minutes, no root).
+# YAML_FLAGS e.g. --size 3000x10 --rounds 5 --against 5dbe308.
+YAML_FLAGS ?=
+bench-yaml: venv
+	$(BIN)/python -m bench.bench_yaml $(YAML_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
