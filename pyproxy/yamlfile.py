@@ -190,73 +190,79 @@ class _Fallback(Exception):
 def _build(loader: _Loader) -> list[Any]:
     """The documents built from the parser's events, in one pass over them. Raises
     _Fallback on anything outside plain collections and untagged scalars."""
+    # Everything the loop touches is a local: a million events, each a few lookups.
     get_event = loader.get_event
     resolve = loader.resolve
     constructors = loader.yaml_constructors
+    scalar, mapping_start, sequence_start = ScalarEvent, MappingStartEvent, SequenceStartEvent
+    mapping_end, sequence_end = MappingEndEvent, SequenceEndEvent
+    fallback, limit, plain_tags, strict = _Fallback, MAX_DEPTH, _PLAIN_TAGS, loader.strict
     plain_values: dict[str, Any] = {}  # a plain scalar's value by its text
     documents: list[Any] = []
     # The collections being built, innermost last: a list, or a mapping's keys and values
     # in one flat list (made a dict at its end, as construct_mapping does: last one wins).
     stack: list[list[Any]] = []
     top: list[Any] = documents
+    append = top.append
     depth = 0  # the collections open
-    event = get_event()
-    if type(event) is not StreamStartEvent:
+    if type(get_event()) is not StreamStartEvent:
         raise _Fallback
     while True:
         event = get_event()
         kind = type(event)
-        if kind is ScalarEvent:
+        if kind is scalar:
             if event.anchor is not None:
-                raise _Fallback
-            if depth >= MAX_DEPTH:
+                raise fallback
+            if depth >= limit:
                 raise TooDeepError(event.start_mark.line + 1)
             value = event.value
             # Resolved by its text when plain, or tagged "!" (libyaml and PyYAML's parser
             # both mark those implicit), as the composer does; quoted: a string.
             if event.implicit[0]:
-                got = plain_values.get(value, _Fallback)
-                if got is _Fallback:
+                got = plain_values.get(value, fallback)
+                if got is fallback:
                     tag = resolve(ScalarNode, value, event.implicit)
-                    if tag not in _PLAIN_TAGS:
-                        raise _Fallback
+                    if tag not in plain_tags:
+                        raise fallback
                     got = value if tag == _STR else constructors[tag](
                         loader, ScalarNode(tag, value, event.start_mark, event.end_mark))
                     plain_values[value] = got
-                value = got
-            elif event.tag is not None:
-                raise _Fallback
-            top.append(value)
-        elif kind is MappingStartEvent or kind is SequenceStartEvent:
+                append(got)
+            elif event.tag is None:
+                append(value)
+            else:
+                raise fallback
+        elif kind is mapping_start or kind is sequence_start:
             if event.anchor is not None or (event.tag is not None and event.tag != "!"):
-                raise _Fallback
-            if depth >= MAX_DEPTH:
+                raise fallback
+            if depth >= limit:
                 raise TooDeepError(event.start_mark.line + 1)
             depth += 1
             stack.append(top)
             top = []
-        elif kind is SequenceEndEvent:
-            done: Any = top
-            top = stack.pop()
-            depth -= 1
-            top.append(done)
-        elif kind is MappingEndEvent:
+            append = top.append
+        elif kind is mapping_end:
             items = top
             top = stack.pop()
+            append = top.append
             depth -= 1
             try:
                 done = dict(zip(items[0::2], items[1::2], strict=True))
             except TypeError:  # a key that is a collection: PyYAML says it is unhashable
-                raise _Fallback from None
-            if 2 * len(done) != len(items) and loader.strict:
-                raise _Fallback  # a duplicate: the strict constructor names it
-            top.append(done)
-        elif kind is DocumentStartEvent or kind is DocumentEndEvent:
-            continue
+                raise fallback from None
+            if strict and 2 * len(done) != len(items):
+                raise fallback  # a duplicate: the strict constructor names it
+            append(done)
+        elif kind is sequence_end:
+            items = top
+            top = stack.pop()
+            append = top.append
+            depth -= 1
+            append(items)
         elif kind is StreamEndEvent:
             return documents
-        else:  # an alias
-            raise _Fallback
+        elif kind is not DocumentStartEvent and kind is not DocumentEndEvent:
+            raise fallback  # an alias
 
 
 def _standard(text: str, *, strict: bool, single: bool) -> list[Any]:
