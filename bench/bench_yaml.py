@@ -1,14 +1,16 @@
-"""`pyproxy explain` on one cluster snapshot written as YAML and as JSON: wall time and peak
+"""`pyproxy explain` on one cluster snapshot written as YAML and as JSON: time and peak
 resident memory of the whole command, and the ratios YAML / JSON (issue 39: within 2x each).
 
 The snapshot is bench/synth.py's cluster (SERVICES x ENDPOINTS, its mix of kinds and
 policies) as `kubectl get nodes,services,endpointslices -A -o yaml|json` prints it: one
 `kind: List`, keys sorted, YAML in block style, JSON indented by 4. Each round runs both
 commands in fresh processes, one after the other (their order alternating), with standard
-output to /dev/null; the figures are the medians over the rounds, the peak from the child's
-own rusage. With --against REV, that commit's pyproxy (a temporary git worktree, bench/against.py)
-runs in the same rounds: before and after a change, on the machine's speed of the moment.
-No root needed; a few minutes at 3,000 x 10 (with a pure-Python YAML reader, much longer).
+output to /dev/null. The figures are the medians over the rounds of the wall time, the CPU
+time (user + system: on a loaded machine the steadier figure) and the peak, from the
+child's own rusage. With --against REV, that commit's pyproxy (a temporary git worktree,
+bench/against.py) runs in the same rounds: before and after a change, at the machine's speed
+of the moment. No root needed; a few minutes at 3,000 x 10 (with a pure-Python YAML
+reader, much longer).
 
     make bench-yaml [YAML_FLAGS='--size 3000x10 --rounds 5 --against 5dbe308']
 """
@@ -55,10 +57,12 @@ def write_snapshot(directory: Path, services: int, endpoints: int) -> dict[str, 
     return paths
 
 
-def run_explain(pyproxy: str, path: Path) -> tuple[float, float]:
-    """(seconds, peak resident MiB) of one `pyproxy explain -f path --node THIS_NODE`. The
-    peak is the child's own, from wait4: Linux counts in it the memory of the process that
-    started it until its exec, which is why the snapshot is written by another process."""
+def run_explain(pyproxy: str, path: Path) -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds, peak resident MiB) of one `pyproxy explain -f path --node
+    THIS_NODE`. CPU time (user + system) is what the command costs; the wall time on a
+    loaded machine is several times it, and varies as much. The peak is the child's own,
+    from wait4: Linux counts in it the memory of the process that started it until its
+    exec, which is why the snapshot is written by another process."""
     command = [pyproxy, "explain", "-f", str(path), "--node", THIS_NODE]
     started = time.perf_counter()
     with open(os.devnull, "wb") as sink:
@@ -67,33 +71,34 @@ def run_explain(pyproxy: str, path: Path) -> tuple[float, float]:
     elapsed = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{' '.join(command)} exited {os.waitstatus_to_exitcode(status)}")
-    return elapsed, usage.ru_maxrss / 1024  # KiB on Linux
+    return elapsed, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024  # KiB on Linux
 
 
 def measure(builds: dict[str, str], paths: dict[str, Path], rounds: int) -> dict[str, Any]:
     """Per build: both formats' medians and the ratios. Each round runs every (build,
     format), the order reversed every other round."""
     order = [(build, fmt) for build in builds for fmt in FORMATS]
-    runs: dict[tuple[str, str], list[tuple[float, float]]] = {key: [] for key in order}
+    runs: dict[tuple[str, str], list[tuple[float, float, float]]] = {key: [] for key in order}
     for round_ in range(rounds):
         for build, fmt in order if round_ % 2 == 0 else order[::-1]:
-            seconds, mib = run_explain(builds[build], paths[fmt])
-            runs[build, fmt].append((seconds, mib))
-            print(f"  round {round_ + 1} {build} {fmt}: {seconds:.2f} s, {mib:.0f} MiB",
-                  flush=True)
+            runs[build, fmt].append(run_explain(builds[build], paths[fmt]))
+            wall, cpu, mib = runs[build, fmt][-1]
+            print(f"  round {round_ + 1} {build} {fmt}: {wall:.2f} s ({cpu:.2f} s CPU), "
+                  f"{mib:.0f} MiB", flush=True)
     report: dict[str, Any] = {}
     for build in builds:
         figures: dict[str, Any] = {}
         for fmt in FORMATS:
             got = runs[build, fmt]
             figures[fmt] = {
-                "seconds": round(statistics.median(s for s, _ in got), 3),
-                "peak_mib": round(statistics.median(m for _, m in got), 1),
-                "runs": [[round(s, 3), round(m, 1)] for s, m in got],
+                "seconds": round(statistics.median(r[0] for r in got), 3),
+                "cpu_seconds": round(statistics.median(r[1] for r in got), 3),
+                "peak_mib": round(statistics.median(r[2] for r in got), 1),
+                "runs": [[round(x, 3) for x in r] for r in got],
             }
-        figures["time_ratio"] = round(figures["yaml"]["seconds"] / figures["json"]["seconds"], 2)
-        figures["memory_ratio"] = round(figures["yaml"]["peak_mib"] / figures["json"]["peak_mib"],
-                                        2)
+        for key, name in (("seconds", "time_ratio"), ("cpu_seconds", "cpu_ratio"),
+                          ("peak_mib", "memory_ratio")):
+            figures[name] = round(figures["yaml"][key] / figures["json"][key], 2)
         report[build] = figures
     return report
 
@@ -127,10 +132,11 @@ def main() -> int:
         report["builds"] = measure(builds, paths, args.rounds)
     for build, figures in report["builds"].items():
         print(f"{build}: " + ", ".join(
-            f"{fmt} {figures[fmt]['seconds']:.2f} s {figures[fmt]['peak_mib']:.0f} MiB"
-            for fmt in FORMATS)
-              + f"; YAML / JSON: time {figures['time_ratio']:.2f}, memory "
-                f"{figures['memory_ratio']:.2f} (target: each within 2)")
+            f"{fmt} {figures[fmt]['seconds']:.2f} s ({figures[fmt]['cpu_seconds']:.2f} s CPU) "
+            f"{figures[fmt]['peak_mib']:.0f} MiB" for fmt in FORMATS)
+              + f"; YAML / JSON: time {figures['time_ratio']:.2f} (CPU "
+                f"{figures['cpu_ratio']:.2f}), memory {figures['memory_ratio']:.2f} "
+                "(target: each within 2)")
     out = Path(args.json or REPO / "bench" / "results" /
                f"yaml-{args.size}-{report['commit']}.json")
     out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
