@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from structlog.testing import capture_logs
 
 from pyproxy.cli import main
 from pyproxy.config import ProxyConfig
@@ -401,3 +402,72 @@ def test_health_check_node_ports_listen_where_nodeports_are_served(
     node = ProxyConfig(nodeport_addresses=entries).node_config(
         "node-a", ("192.168.0.2", "fd00:1::2"), (), TWO_NETWORKS)
     assert node.health_check_addresses() == expected
+
+
+# --- an address that does not parse: passed over, with a warning saying where NodePorts are --
+
+
+def bad_internal_ip(*more: tuple[str, str]) -> Obj:
+    return node_with(("InternalIP", "10.0.0.300"), *more)
+
+
+def nodeport_snapshot(tmp_path: Path, node: Obj) -> str:
+    service = make_service("ns", "web", lambda s: s["spec"].update(
+        type="NodePort", ports=[{"name": "http", "port": 80, "nodePort": 30080}]))
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump_all([node, service]))
+    return str(path)
+
+
+WARNING = ("Node node-a: InternalIP '10.0.0.300' is not an IP address: passed over, as "
+           "kube-proxy does; NodePorts are served on {} instead")
+
+
+class TestAnAddressThatDoesNotParse:
+    def test_kept_beside_the_ones_used(self) -> None:
+        """The Node keeps it (as written, cut at 64 characters) beside the IPs it uses."""
+        node = converted(bad_internal_ip(("ExternalIP", "203.0.113.7"),
+                                         ("InternalIP", "x" * 100), ("Hostname", "nope")))
+        assert node.host_ips == ("203.0.113.7",)
+        assert node.unusable_addresses == ("InternalIP '10.0.0.300'", f"InternalIP '{'x' * 64}'")
+
+    @pytest.mark.parametrize(("more", "flags", "served"), [
+        pytest.param([("ExternalIP", "203.0.113.7")], [], "203.0.113.7", id="the ExternalIP"),
+        pytest.param([], ["--node-ip=192.0.2.5"], "192.0.2.5", id="--node-ip"),
+        pytest.param([], [], "every local address", id="no other address"),
+        pytest.param([("InternalIP", "fd00:250::1")], [], "fd00:250::1", id="the other family"),
+    ])
+    def test_offline_commands_warn(self, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   more: list[tuple[str, str]], flags: list[str],
+                                   served: str) -> None:
+        """render, apply and trace -f say on stderr which address the NodePorts are on
+        instead (kube-proxy passes it over without a word)."""
+        snapshot = nodeport_snapshot(tmp_path, bad_internal_ip(*more))
+        assert main(["render", "-f", snapshot, "--node", "node-a", *flags]) == 0
+        err = capsys.readouterr().err
+        assert f"pyproxy: warning: {WARNING.format(served)}\n" == err
+
+    def test_explain_warns(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """explain -f lists it with its warnings."""
+        snapshot = nodeport_snapshot(tmp_path, bad_internal_ip(("ExternalIP", "203.0.113.7")))
+        assert main(["explain", "-f", snapshot, "--node", "node-a"]) == 0
+        assert f"warning: {WARNING.format('203.0.113.7')}" in capsys.readouterr().out
+
+    def test_the_daemon_logs_it_when_it_changes(self) -> None:
+        """The daemon logs node_address_passed_over with where NodePorts are served instead,
+        once, not at every sync."""
+        daemon = Daemon(interface_ips=("192.168.50.1",))
+        daemon.proxier.on_node(("", "node-a"), bad_internal_ip())
+        for source in ("Service", "EndpointSlice", "Node"):
+            daemon.proxier.source_synced(source)
+        with capture_logs() as logs:
+            daemon.proxier.sync()
+            daemon.proxier.sync()
+        passed_over = [e for e in logs if e["event"] == "node_address_passed_over"]
+        assert passed_over == [{
+            "event": "node_address_passed_over", "log_level": "warning", "node": "node-a",
+            "address": "InternalIP '10.0.0.300'", "nodeports_served": "192.168.50.1"}]
+        daemon.proxier.on_node(("", "node-a"), node_with(("InternalIP", "192.168.50.1")))
+        with capture_logs() as logs:
+            daemon.proxier.sync()
+        assert not [e for e in logs if e["event"] == "node_address_passed_over"]

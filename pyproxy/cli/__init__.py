@@ -29,7 +29,14 @@ from pyproxy.config import (
     run_actions,
 )
 from pyproxy.core.explain import conflict_text, explain_report, format_table
-from pyproxy.core.model import ClusterState, IPFamily, NodeConfig, ServiceKey, override_ips
+from pyproxy.core.model import (
+    ClusterState,
+    IPFamily,
+    NodeConfig,
+    ServiceKey,
+    override_ips,
+    unusable_address_warnings,
+)
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
 from pyproxy.kernel.privileges import MissingPrivilege
@@ -340,10 +347,13 @@ def _node_config(args: argparse.Namespace, state: ClusterState) -> NodeConfig:
     ips = override_ips(_node_ips(args.node_ip), node.host_ips if node else ())
     addresses = _node_addresses(args.node_address)
     node_config = config.node_config(name, ips, node.pod_cidrs if node else ())
-    if not addresses:
-        return node_config
-    local = dict.fromkeys((*node_config.node_ips, *addresses))
-    return config.node_config(name, ips, node.pod_cidrs if node else (), tuple(local))
+    if addresses:
+        local = dict.fromkeys((*node_config.node_ips, *addresses))
+        node_config = config.node_config(name, ips, node.pod_cidrs if node else (),
+                                         tuple(local))
+    for warning in unusable_address_warnings(node, node_config):
+        print(f"pyproxy: warning: {warning}", file=sys.stderr)
+    return node_config
 
 
 class UsageError(ValueError):
@@ -429,7 +439,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             raise UsageError("explain -f needs --node")
         state = _load_offline(args.file, None)
         report = explain_report(state, args.node, service)
-        report["conflicts"] = _explain_conflicts(state, args.node, service)
+        config = _explain_config(state, args.node)
+        report["conflicts"] = _explain_conflicts(state, config, service)
+        if unusable := unusable_address_warnings(state.nodes.get(args.node), config):
+            report["warnings"] = [*report.get("warnings", ()), *unusable]
         where = "in the snapshot"
     else:
         report = ask(args.socket, "/explain", service=service)
@@ -444,12 +457,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _explain_conflicts(state: ClusterState, node_name: str,
-                       service: ServiceKey | None) -> list[dict[str, Any]]:
-    """The conflicts render would report for this node (with run's default node settings)."""
+def _explain_config(state: ClusterState, node_name: str) -> NodeConfig:
+    """The node as explain sees it: run's default node settings, the Node's addresses."""
     node = state.nodes.get(node_name)
-    config = ProxyConfig().node_config(node_name, node.host_ips if node else (),
-                                       node.pod_cidrs if node else ())
+    return ProxyConfig().node_config(node_name, node.host_ips if node else (),
+                                     node.pod_cidrs if node else ())
+
+
+def _explain_conflicts(state: ClusterState, config: NodeConfig,
+                       service: ServiceKey | None) -> list[dict[str, Any]]:
+    """The conflicts render would report for this node."""
     return disputes_report(((family, desired_state(state, config, family))
                             for family in node_families(state, config)), service)
 

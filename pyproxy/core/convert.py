@@ -962,6 +962,7 @@ def convert_node(obj: Any) -> Node | Skipped:
             deleting=meta.get("deletionTimestamp") is not None,
             taints=taints,
             host_ips=_host_ips(_mapping(data.get("status"), "status")),
+            unusable_addresses=_unusable_addresses(_mapping(data.get("status"), "status")),
             pod_cidrs=_pod_cidrs(spec),
         )
     except Invalid as why:
@@ -990,6 +991,14 @@ def _host_ips(status: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     other = next((ip for ip in ips if ip_family(ip) is not ip_family(ips[0])), None)
     return (ips[0],) if other is None else (ips[0], other)
+
+
+def _unusable_addresses(status: Mapping[str, Any]) -> tuple[str, ...]:
+    """The addresses `_host_ips` passes over, as "InternalIP '10.0.0.300'"."""
+    addresses = [a for a in _list(status.get("addresses"), "status.addresses", 256)
+                 if isinstance(a, Mapping) and a.get("type") in _HOST_IP_TYPES]
+    return tuple(f"{a['type']} {str(a.get('address'))[:64]!r}" for a in addresses
+                 if _ip_or_none(a.get("address")) is None)
 
 
 def _pod_cidrs(spec: Mapping[str, Any]) -> tuple[str, ...]:

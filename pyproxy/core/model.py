@@ -280,10 +280,13 @@ class Node:
     host_ips: tuple[str, ...] = ()
     # spec.podCIDRs (detect-local mode NodeCIDR).
     pod_cidrs: tuple[str, ...] = ()
+    # The InternalIPs and ExternalIPs of status.addresses that do not parse, passed over as
+    # kube-proxy does ("InternalIP '10.0.0.300'"): `unusable_address_warnings` says so.
+    unusable_addresses: tuple[str, ...] = ()
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.labels.items())), self.deleting, self.taints,
-                     self.host_ips, self.pod_cidrs))
+                     self.host_ips, self.pod_cidrs, self.unusable_addresses))
 
     @property
     def zone(self) -> str:
@@ -535,6 +538,19 @@ class NodeConfig:
                 else selected)
         return tuple(addresses)
 
+    def nodeports_served(self) -> str:
+        """Where NodePorts are served, in words: "192.168.0.5", "every local address", per
+        family when there are two."""
+        families = tuple(dict.fromkeys(ip_family(ip) for ip in self.node_ips)) or (
+            IPFamily.IPv4,)
+        served = []
+        for family in families:
+            ips = self.nodeport_ips(family)
+            text = ("every local address" if ips is None else ", ".join(ips) if ips
+                    else "no address")
+            served.append(text if len(families) == 1 else f"{text} ({family})")
+        return "; ".join(served)
+
     def loopback_cidrs(self, family: IPFamily) -> tuple[str, ...]:
         return tuple(entry for entry in self.nodeport_addresses
                      if is_loopback_cidr(entry) and ip_family(entry) is family)
@@ -547,6 +563,17 @@ class NodeConfig:
         if self.loopback_cidrs(family):
             return LocalhostNodePorts.PROXY
         return LocalhostNodePorts.REJECT
+
+
+def unusable_address_warnings(node: Node | None, config: NodeConfig) -> tuple[str, ...]:
+    """One warning per address of the Node's status.addresses that does not parse: passed over
+    as kube-proxy does (not a reason to lose the Node), so NodePorts are served elsewhere than
+    the operator may think; where, from `config` (what the node runs with without it)."""
+    if node is None:
+        return ()
+    return tuple(f"Node {node.name}: {address} is not an IP address: passed over, as kube-proxy "
+                 f"does; NodePorts are served on {config.nodeports_served()} instead"
+                 for address in node.unusable_addresses)
 
 
 def _first_of(cidrs: Sequence[str], family: IPFamily) -> str:

@@ -79,11 +79,20 @@ class NodeTracker:
     current: NodeConfig
     node: Callable[[], Node | None]
     local_ips: Callable[[], tuple[str, ...] | None] = lambda: None
+    # The Node's addresses that do not parse, logged when they change (not every sync).
+    unusable: tuple[str, ...] = ()
 
     def __call__(self) -> NodeConfig | None:
         """The new configuration, or None when it did not change."""
-        wanted = node_config_for(self.config, self.node_name, self.node(), self.interface_ips,
+        node = self.node()
+        wanted = node_config_for(self.config, self.node_name, node, self.interface_ips,
                                  self.local_ips())
+        unusable = node.unusable_addresses if node is not None else ()
+        if unusable != self.unusable:
+            for address in unusable:  # kube-proxy passes them over without a word
+                log.warning("node_address_passed_over", node=self.node_name, address=address,
+                            nodeports_served=wanted.nodeports_served())
+            self.unusable = unusable
         if wanted == self.current:
             return None
         log.info("node_config_from_node", node_ips=list(wanted.node_ips),
