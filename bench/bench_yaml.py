@@ -45,6 +45,17 @@ def commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+def launcher(folder: Path, source: Path) -> str:
+    """A `pyproxy` that runs `source`'s package (not whatever the virtualenv's entry point
+    imports; -P keeps the working directory off sys.path): the bench can run from a
+    worktree of its own while this one is edited."""
+    path = folder / "pyproxy"
+    path.write_text(f"#!/bin/sh\nPYTHONPATH={source} exec {sys.executable} -P -c "
+                    "'import sys; from pyproxy.cli import main; sys.exit(main())' \"$@\"\n")
+    path.chmod(0o755)
+    return str(path)
+
+
 def write_snapshot(directory: Path, services: int, endpoints: int) -> dict[str, Path]:
     """The same List in both formats, as kubectl prints them."""
     document = {"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": ""},
@@ -119,8 +130,8 @@ def main() -> int:
     report: dict[str, Any] = {"commit": commit(), "services": services, "endpoints": endpoints,
                               "pyyaml": yaml.__version__,
                               "libyaml": bool(getattr(yaml, "__with_libyaml__", False))}
-    builds = {"this checkout": str(Path(sys.executable).parent / "pyproxy")}
     with tempfile.TemporaryDirectory(prefix="bench-yaml-") as tmp, contextlib.ExitStack() as stack:
+        builds = {"this checkout": launcher(Path(tmp), REPO)}
         subprocess.run([sys.executable, "-m", "bench.bench_yaml", "--size", args.size,
                         "--write-to", tmp], check=True, cwd=REPO)
         paths = {fmt: Path(tmp) / f"snapshot.{fmt}" for fmt in FORMATS}
