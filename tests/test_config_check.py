@@ -177,6 +177,32 @@ class TestWarnings:
                 "(kernel_below_supported) and runs") in out
         assert out.splitlines()[-1] == f"{path}: ok (1 warning(s))"
 
+    def test_warnings_with_the_errors(self, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+        """A problem does not hide the warnings (issue 35: they appeared only once the file
+        was fixed): the file's unknown fields and the flags accepted but not applied, beside
+        the file's errors, counted in the last line."""
+        path = written(tmp_path, "mode: ipvs\nmasqueradeAll: true\n")
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}", "--profiling")
+        assert code == 1
+        assert out.splitlines() == [
+            f"error: {path}: mode: pyproxy only implements nftables mode, got 'ipvs' (use "
+            "nftables; iptables or empty run nftables too)",
+            f"warning: {path}: masqueradeAll: unknown field, ignored (as kube-proxy does, with "
+            "a warning): not a v1alpha1 field; a typo keeps the default",
+            "warning: --profiling: accepted, not applied (pyproxy serves no pprof)",
+            f"{path}: 1 problem(s), 2 warning(s): pyproxy run would refuse to start"]
+
+    def test_the_files_warnings_with_a_flags_error(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A good file's warnings are reported beside a flag's error."""
+        path = written(tmp_path, "masqueradeAll: true\n")
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}",
+                           "--min-sync-period=soon")
+        assert code == 1
+        assert [line.split(":")[0] for line in out.splitlines()] == ["error", "warning", str(path)]
+        assert f"warning: {path}: masqueradeAll: unknown field" in out
+
     def test_a_wrong_value_is_still_an_error(self) -> None:
         with pytest.raises(ConfigError, match=r"^nftables\.syncPeriod: expected"):
             load_config(HEADER + "nftables: {syncPeriod: 5, skipKernelVersionCheck: true}\n")

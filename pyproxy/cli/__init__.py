@@ -249,7 +249,9 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
             print(f"{kind}: {line}")
     where = args.config or "the defaults and flags"
     if report.problems:
-        print(f"{where}: {len(report.problems)} problem(s): pyproxy run would refuse to start")
+        warned = f", {len(report.warnings)} warning(s)" if report.warnings else ""
+        print(f"{where}: {len(report.problems)} problem(s){warned}: pyproxy run would refuse to "
+              "start")
         return EXIT_ERROR
     print(f"{where}: ok" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     return EXIT_OK

@@ -136,7 +136,7 @@ def load_config(text: str) -> ProxyConfig:
     config = _build(values, problems)
     problems += cross_problems(config)
     if problems:
-        raise ConfigError(*problems)
+        raise ConfigError(*problems, warnings=tuple(warnings))
     kept = {spec.path: _raw(document, spec.path) for spec in _KEPT_FIELDS
             if spec.path in values and (spec.path in _POINTER_FIELDS
                                         or not _is_zero(spec.type, values[spec.path]))}
@@ -161,7 +161,8 @@ def load_config_file(path: str) -> ProxyConfig:
     try:
         config = load_config(text)
     except ConfigError as err:
-        raise ConfigError(*(f"{path}: {problem}" for problem in err.problems)) from None
+        raise ConfigError(*(f"{path}: {problem}" for problem in err.problems),
+                          warnings=tuple(f"{path}: {w}" for w in err.warnings)) from None
     return dataclasses.replace(config, warnings=tuple(f"{path}: {w}" for w in config.warnings))
 
 

@@ -19,11 +19,14 @@ from typing import Any
 
 class ConfigError(ValueError):
     """The configuration cannot be used. `problems`: every one found, each naming the field
-    or flag at fault (and the file, when there is one); the message is one a line."""
+    or flag at fault (and the file, when there is one); the message is one a line.
+    `warnings`: what was found beside them that would only be warned about (unknown fields,
+    settings accepted but not applied), so that `config check` reports those too."""
 
-    def __init__(self, *problems: str) -> None:
+    def __init__(self, *problems: str, warnings: tuple[str, ...] = ()) -> None:
         super().__init__("\n".join(problems))
         self.problems: tuple[str, ...] = problems
+        self.warnings = warnings
 
 
 # ---------------------------------------------------------------------------------------------

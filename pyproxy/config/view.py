@@ -128,8 +128,10 @@ class ConfigCheck:
 
 def check_configuration(args: argparse.Namespace) -> ConfigCheck:
     """The --config file in `args` and the flags given, every problem of both collected (the
-    flags are checked over the defaults when the file has problems)."""
+    flags are checked over the defaults when the file has problems), and every warning with
+    them: a problem does not hide what would be warned about once it is fixed."""
     problems: list[str] = []
+    warnings: tuple[str, ...] = ()
     base = ProxyConfig()
     path = getattr(args, "config", None)
     if path:
@@ -137,10 +139,13 @@ def check_configuration(args: argparse.Namespace) -> ConfigCheck:
             base = load_config_file(path)
         except ConfigError as err:
             problems += err.problems
+            warnings = err.warnings
     try:
         config = apply_flags(base, args)
     except ConfigError as err:
-        return ConfigCheck(config=None, problems=(*problems, *err.problems))
+        return ConfigCheck(config=None, problems=(*problems, *err.problems),
+                           warnings=(*warnings, *base.unapplied))
     if problems:
-        return ConfigCheck(config=None, problems=tuple(problems))
+        return ConfigCheck(config=None, problems=tuple(problems),
+                           warnings=(*warnings, *config.unapplied))
     return ConfigCheck(config=config, warnings=config.unapplied, notes=config.notes)
