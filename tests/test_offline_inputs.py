@@ -366,3 +366,27 @@ class TestLimits:
         assert not source.poll()
         assert f"{path}: larger than 512 MiB, the limit for a snapshot" == source.last_error
         assert source.errors == 2
+
+
+class TestExplainOfAServiceThatDoesNotExist:
+    """explain NS/NAME exits 1 when there is no such Service (issue 35, point 4)."""
+
+    def test_an_endpointslice_of_that_name_is_not_the_service(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A skipped EndpointSlice named as the Service asked for (hand-made slices often
+        are) made explain exit 0 with the slice listed, as if the Service existed."""
+        orphan = make_slice("demo", "web", [ep("10.244.1.5", "node-a")], name="ghost")
+        del orphan["metadata"]["labels"]["kubernetes.io/service-name"]
+        path = snapshot(tmp_path, make_node("node-a"), make_service("demo", "web"), orphan)
+        code, out, err = cli(capsys, "explain", "-f", str(path), "--node=node-a", "demo/ghost")
+        assert (code, out) == (1, "")
+        assert err == "pyproxy: service demo/ghost is not in the snapshot\n"
+
+    def test_a_service_skipped_is_one_that_exists(
+            self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """A Service that is there but not proxied (headless) is explained: exit 0, and why."""
+        headless = make_service("demo", "db", lambda s: s["spec"].update(clusterIP="None"))
+        path = snapshot(tmp_path, make_node("node-a"), make_service("demo", "web"), headless)
+        code, out, _ = cli(capsys, "explain", "-f", str(path), "--node=node-a", "demo/db")
+        assert code == 0
+        assert "Service demo/db (not proxied): headless" in out

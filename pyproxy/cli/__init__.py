@@ -449,7 +449,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         report = ask(args.socket, "/explain", service=service)
         where = "known to the daemon"
-    if service is not None and not report["services"] and not report["skipped"]:
+    if service is not None and not _service_known(report, service):
         print(f"pyproxy: service {service} is not {where}", file=sys.stderr)
         return EXIT_ERROR
     if args.output == "json":
@@ -457,6 +457,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(format_table(report))
     return EXIT_OK
+
+
+def _service_known(report: dict[str, Any], service: ServiceKey) -> bool:
+    """Whether explain found the Service: its ports, or the Service itself skipped (invalid,
+    not proxied). Another object of that name skipped (an EndpointSlice named as the
+    Service, as hand-made ones often are) is listed, but says nothing of the Service."""
+    return bool(report["services"]) or f"Service {service}" in (
+        s["object"] for s in report["skipped"])
 
 
 def _explain_config(state: ClusterState, node_name: str) -> NodeConfig:
