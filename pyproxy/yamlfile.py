@@ -2,17 +2,18 @@
 the configuration file and of cluster snapshots.
 
 libyaml parses (PyYAML's C extension: the wheel has it built in, as Debian's python3-yaml
-does); PyYAML's SafeConstructor decides what every value is. PyYAML's own pure-Python parser
+does; without it, PyYAML's own parser does, slowly, with the same results); PyYAML's
+resolver and SafeConstructor decide what every value is. PyYAML's own pure-Python parser
 took 16 times as long as `json` on a snapshot (issue 39: 12.3 against 0.73 s for `explain`
 on 3,000 Services), and going through libyaml alone is not enough: composing a document
 into PyYAML's nodes and constructing it from them costs three times the parsing and holds
 the whole node tree (two position marks per scalar) in memory until the end. So the common
 case is built straight from libyaml's events: plain block and flow collections, scalars
 without an explicit tag, as `kubectl -o yaml` and every hand-written configuration use
-them. Anything else — an anchor or alias, an explicit tag, a merge key (`<<`), a key that
-is not a plain value, a duplicate key, any error — sends the whole text through PyYAML's
-standard path (libyaml again, then nodes), which gives the answer and raises the error. The
-fast path never decides anything the standard one would not: it only skips the nodes.
+them. Anything else (an anchor or alias, an explicit tag, a merge key `<<`, a key that is a
+collection, a duplicate key in strict reading, any error) sends the whole text through
+PyYAML's standard path (libyaml again, then nodes), which gives the answer and raises the
+error. The fast path never decides anything the standard one would not: it skips the nodes.
 
 Limits, both paths (issue 35): nesting deeper than MAX_DEPTH levels is refused (PyYAML's
 composer is recursive: 5,000 levels were a RecursionError), and `read_limited` refuses a
@@ -41,12 +42,11 @@ from yaml.events import (
 from yaml.nodes import MappingNode, ScalarNode
 
 # Levels of nodes, the document's root the first and a scalar a level too (as PyYAML's
-# composer descends). Deeper than any Kubernetes object (a Node with its managedFields has
-# ~15, a CRD's schema ~60) and far below the interpreter's recursion limit (1,000), which
-# the code reading a document may still come near.
+# composer descends). Kubernetes objects stay well under 20, managedFields included; the
+# interpreter's recursion limit (1,000) is far above, which code reading a document may
+# still come near.
 MAX_DEPTH = 100
 
-WITH_LIBYAML = bool(getattr(yaml, "__with_libyaml__", False))
 _BASE: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 _STR = "tag:yaml.org,2002:str"
@@ -167,9 +167,7 @@ def read_limited(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     read whole (a pipe or a file still growing too: at most limit + 1 bytes are read).
     `what` names the limit in the error ("a snapshot")."""
     with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size > limit:
-            data = b""
-        else:
+        if os.fstat(fh.fileno()).st_size <= limit:  # 0 for a pipe
             data = fh.read(limit + 1)
             if len(data) <= limit:
                 return data
