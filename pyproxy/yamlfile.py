@@ -244,8 +244,9 @@ def _build(loader: _Loader) -> list[Any]:
             top = stack.pop()
             append = top.append
             depth -= 1
+            pairs = iter(items)  # key, value, key, value…: libyaml gives them in pairs
             try:
-                done = dict(zip(items[0::2], items[1::2], strict=True))
+                done = dict(zip(pairs, pairs, strict=True))
             except TypeError:  # a key that is a collection: PyYAML says it is unhashable
                 raise fallback from None
             if strict and 2 * len(done) != len(items):
