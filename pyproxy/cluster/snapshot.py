@@ -26,9 +26,10 @@ class SnapshotError(ValueError):
     limits)."""
 
 
-# The largest cluster Kubernetes supports (10,000 Services, 150,000 Pods, 5,000 Nodes) is
-# ~200 MB as `kubectl get -o json`; read as YAML, a snapshot takes about 4 times its size in
-# memory.
+# The largest cluster Kubernetes supports (10,000 Services, 150,000 Pods, 5,000 Nodes) comes
+# to ~200 MB as `kubectl get -o json` by our estimate (bench/synth.py's objects: 9 KB of JSON
+# per Service with its 10 endpoints); read as YAML, a snapshot takes about 4 times its size
+# in memory (make bench-yaml).
 MAX_SNAPSHOT_BYTES = 512 << 20
 
 

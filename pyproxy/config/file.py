@@ -152,6 +152,10 @@ def _raw(document: Mapping[str, Any], path: str) -> Any:
     return node
 
 
+# A ConfigMap holds at most 1 MiB (etcd's limit on one object, less its envelope).
+MAX_FILE_BYTES = 1 << 20
+
+
 def load_config_file(path: str) -> ProxyConfig:
     """`load_config` of a file; every problem names the file."""
     try:
@@ -164,10 +168,6 @@ def load_config_file(path: str) -> ProxyConfig:
         raise ConfigError(*(f"{path}: {problem}" for problem in err.problems),
                           warnings=tuple(f"{path}: {w}" for w in err.warnings)) from None
     return dataclasses.replace(config, warnings=tuple(f"{path}: {w}" for w in config.warnings))
-
-
-# A ConfigMap holds at most 1 MiB (etcd's limit on one object, less its envelope).
-MAX_FILE_BYTES = 1 << 20
 
 
 def _parse(text: str) -> dict[str, Any]:
