@@ -11,7 +11,7 @@ APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
 .PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml demo clean \
-	k8s k8s-path kube-proxy-next \
+	k8s k8s-path kube-proxy-next tools \
 	images
 
 all: test
@@ -48,7 +48,7 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q -m 'not netns'
 
-test: venv lint k8s kube-proxy-next images
+test: venv lint k8s kube-proxy-next tools images
 	$(BIN)/pytest -q
 
 # The real control plane the `k8s` tests start (testkit/controlplane.py): kube-apiserver,
@@ -60,6 +60,15 @@ k8s:
 
 k8s-path:
 	@e2e/k8s/build.sh --path
+
+# The operators' tools the tests run, built as the control plane is (from upstream's Go modules
+# with the machine's Go, e2e/tools/build.sh): promtool (the alert rules' checks and unit
+# tests), helm and syft (the image's bill of materials, `make image`). Each into
+# ~/.cache/pyproxy/tools-NAME-VERSION/bin (PYPROXY_K8S_CACHE moves it); a no-op when it
+# exists. TOOLS= picks some, e.g. TOOLS=promtool.
+TOOLS ?=
+tools:
+	@e2e/tools/build.sh $(TOOLS)
 
 # kube-proxy alone of the release after the pinned one (e2e/k8s-next/go.mod: v1.38.0-beta.0,
 # which needs Go 1.27: the go command fetches that toolchain from the module proxy), for the

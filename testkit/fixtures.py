@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,11 +20,33 @@ from testkit.controlplane import (
     running_control_plane,
 )
 from testkit.netlab import NETNS_USABLE, Cluster, Lab
+from testkit.tools import tool_path
 
 requires_netns = pytest.mark.skipif(
     not NETNS_USABLE, reason="needs root and `ip netns` (network namespaces)"
 )
 requires_nft = pytest.mark.skipif(shutil.which("nft") is None, reason="needs the nft tool")
+
+
+def _built(binary: Path, target: str) -> Path:
+    if not os.access(binary, os.X_OK):
+        message = f"{binary} is not built: run `make {target}`"
+        if os.environ.get("CI"):  # CI builds it first: a skip there would hide the test
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary
+
+
+def require_tool(name: str) -> Path:
+    """NAME's binary (promtool, helm, syft: `make tools`); the test is skipped when it is not
+    built, and fails in CI."""
+    return _built(tool_path(name), "tools")
+
+
+def require_kubectl() -> Path:
+    """The control plane's kubectl (`make k8s`); the test is skipped when it is not built, and
+    fails in CI."""
+    return _built(binaries_dir() / "kubectl", "k8s")
 
 
 @pytest.fixture(name="lab")
