@@ -756,7 +756,7 @@ class RealCluster:
         shutil.copytree(REPO / "manifests", overlay / "base", dirs_exist_ok=True)
         (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": [f"base/{f.name}" for f in sorted((REPO / "manifests").glob("*.yaml"))],
+            "resources": ["base"],  # manifests/kustomization.yaml
             "images": [{"name": "ghcr.io/pyproxy/pyproxy", "newName": name, "newTag": tag}],
             "patches": [{"target": {"kind": "ConfigMap", "name": "pyproxy"},
                          "patch": yaml.safe_dump([

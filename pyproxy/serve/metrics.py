@@ -465,7 +465,7 @@ histograms with `_bucket`, `_sum` and `_count`.
 
 ## Scraping with the Prometheus Operator
 
-`manifests/monitoring/` (not applied by `kubectl apply -f manifests/`):
+`manifests/monitoring/` (not applied by `kubectl apply -k manifests/`):
 
 - `service.yaml`: a headless Service `pyproxy-metrics` over the pods' port 10249;
 - `servicemonitor.yaml`: a ServiceMonitor scraping it every 30 s, with the node's name as the
@@ -475,7 +475,7 @@ histograms with `_bucket`, `_sum` and `_count`.
 The default `metricsBindAddress` is the node's loopback, which nothing off the node can
 reach: set `metricsBindAddress: 0.0.0.0:10249` in the configuration (`02-configmap.yaml`, or
 kubeadm's ConfigMap) to scrape it, knowing that the metrics describe the cluster's Services
-(limit who reaches port 10249). Then `kubectl apply -f manifests/monitoring/`.
+(limit who reaches port 10249). Then `kubectl apply -k manifests/monitoring/`.
 
 {alerts}
 
