@@ -31,15 +31,27 @@ deps:
 # The virtualenv holds the package and its test extras. Debian's nftables binding is the one
 # that matches the installed libnftables; only that package is linked in, because putting all
 # of dist-packages on PYTHONPATH would shadow the virtualenv's own packages.
+# The runtime dependencies come from requirements.lock, each file checked against its hashes;
+# the package and the test extras then, held to the lock's versions by a constraints file of
+# its pins (pip refuses hashes in constraints for packages the lock does not list).
 $(BIN)/pyproxy: pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c requirements.lock -e '.[test]'
+	$(BIN)/pip install -q --require-hashes --no-deps -r requirements.lock
+	grep -o '^[A-Za-z0-9][^ ]*==[^ ]*' requirements.lock > $(VENV)/constraints.txt
+	$(BIN)/pip install -q -c $(VENV)/constraints.txt -e '.[test]'
 	@touch $@
 
 venv: deps $(BIN)/pyproxy
 	@site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	  [ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"
+
+# requirements.lock from the virtualenv's versions, with every file's hash from the package
+# index (pip-tools' pip-compile, a test extra): after a change of dependencies in pyproject.toml
+# and `make venv`. tests/test_shipping.py fails when the lock and the virtualenv disagree.
+.PHONY: lock
+lock: venv
+	$(BIN)/python tests/test_shipping.py --write-lock
 
 lint: venv
 	$(BIN)/ruff check setup.py pyproxy testkit tests drills demo bench
@@ -160,6 +172,8 @@ clean:
 # stays in buildah's storage (`buildah push IMAGE docker://...` publishes it) and is written
 # as an OCI archive that `ctr -n k8s.io images import` takes, into the cache outside the
 # checkout (~/.cache/pyproxy/images, PYPROXY_K8S_CACHE moves it), whose path it prints.
+# Beside the archive, its bill of materials: syft's SPDX JSON document (the archive's name with
+# .spdx.json for .tar; syft is built by `make tools`, once).
 # Fails (non-zero) when it cannot build. testkit/images.py does the work.
 # pyproject.toml's version: the package's (`pyproxy --version`), the image's tag and label.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
@@ -168,7 +182,8 @@ IMAGE_APT_PACKAGES := buildah mmdebstrap
 
 image: deps
 	@$(call apt_need,$(IMAGE_APT_PACKAGES))
-	@$(PYTHON) -m testkit.images --path-only --pyproxy-tag '$(IMAGE)' pyproxy
+	@e2e/tools/build.sh syft
+	@$(PYTHON) -m testkit.images --path-only --sbom --pyproxy-tag '$(IMAGE)' pyproxy
 
 # `make install`: the package in a virtualenv at PREFIX, the unit in UNITDIR, the example
 # configuration in SYSCONFDIR (existing files are kept). DESTDIR stages everything under
@@ -194,7 +209,8 @@ install:
 	$(INSTALL_PYTHON) -m venv $(VENV_FLAGS) "$$root"; \
 	compile=""; [ -n "$(DESTDIR)" ] && compile="--no-compile"; \
 	if [ -n "$(REQUIREMENTS)" ]; then \
-	  "$$root/bin/python" -m pip install -q $(PIP_FLAGS) $$compile --no-deps -r "$(REQUIREMENTS)"; fi; \
+	  "$$root/bin/python" -m pip install -q $(PIP_FLAGS) $$compile --require-hashes --no-deps \
+	    -r "$(REQUIREMENTS)"; fi; \
 	"$$root/bin/python" -m pip install -q $(PIP_FLAGS) $$compile --no-deps .; \
 	site=$$("$$root/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
 	[ -e "$$site/nftables" ] || ln -s $(DEBIAN_NFT) "$$site/nftables"; \

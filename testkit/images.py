@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from pyproxy import version as pyproxy_version
+from testkit.tools import tool_path
 
 REPO = Path(__file__).resolve().parent.parent
 K8S_MODULE_DIR = REPO / "e2e" / "k8s"
@@ -1131,7 +1132,39 @@ def ensure_image(recipe: Recipe) -> ImageArchive:
         for old in stale_archives(target, target.parent.glob(f"{recipe.slug}-*.tar"),
                                   time.time()):
             old.unlink(missing_ok=True)
+            sbom_path(old).unlink(missing_ok=True)
     return ImageArchive(recipe.name, target)
+
+
+# The image's bill of materials (`make image`): syft's SPDX document (JSON) of the archive,
+# beside it. syft (`make tools`) finds Debian's packages (dpkg's status) and the virtualenv's
+# Python packages (their dist-info), with versions, licenses and purls.
+SBOM_SUFFIX = ".spdx.json"
+
+
+def sbom_path(archive: Path) -> Path:
+    return archive.with_name(archive.name.removesuffix(".tar") + SBOM_SUFFIX)
+
+
+def ensure_sbom(archive: Path) -> Path:
+    """syft's SPDX JSON document of archive, beside it; once per archive (an archive's name
+    is keyed by its inputs)."""
+    target = sbom_path(archive)
+    if not target.exists():
+        syft = tool_path("syft")
+        if not os.access(syft, os.X_OK):
+            raise ImageBuildError(f"{syft} is not built: run `make tools TOOLS=syft`")
+        start = time.monotonic()
+
+        def scan(out: Path) -> None:
+            # No network: syft does not look for its own updates.
+            env = {**os.environ, "SYFT_CHECK_FOR_APP_UPDATE": "false"}
+            run(syft, "scan", "--quiet", f"oci-archive:{archive}", "-o", f"spdx-json={out}",
+                env=env)
+
+        _publish(scan, target)
+        log(f"SBOM {target} in {time.monotonic() - start:.1f} s")
+    return target
 
 
 # Another checkout of another commit (a helper's worktree, a pinned bench or drill run) may
@@ -1190,9 +1223,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"the name of pyproxy's image (default {PYPROXY})")
     parser.add_argument("--path-only", action="store_true",
                         help="print only the archives' paths")
+    parser.add_argument("--sbom", action="store_true",
+                        help="write syft's SPDX JSON document beside each archive "
+                        f"(ARCHIVE without .tar + {SBOM_SUFFIX}; `make tools` builds syft)")
     args = parser.parse_args(argv)
     try:
         archives = ensure_images(args.names or None, pyproxy_tag=args.pyproxy_tag)
+        if args.sbom:
+            for archive in archives:
+                ensure_sbom(archive.path)
     except ImageBuildError as err:
         print(f"images: {err}", file=sys.stderr)
         return 1

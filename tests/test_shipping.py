@@ -8,7 +8,8 @@ ClusterRole is compared with the API calls the daemon really makes: an ApiSource
 Resource in pyproxy/cluster/resources.py) runs against a recording API client, so a new watch
 fails here until the role follows.
 
-`python tests/test_shipping.py --write-lock` rewrites requirements.lock from the virtualenv.
+`python tests/test_shipping.py --write-lock` (`make lock`) rewrites requirements.lock from the
+virtualenv, with hashes (pip-tools, and the package index).
 """
 
 from __future__ import annotations
@@ -649,30 +650,64 @@ def runtime_closure() -> dict[str, tuple[str, str]]:
 
 
 LOCK_HEADER = """\
-# pyproxy's runtime dependencies and everything they pull in, pinned: the Containerfile and
-# `make install` install them with `pip install --no-deps -r requirements.lock`.
-# Generated from the project virtualenv by `.venv/bin/python tests/test_shipping.py --write-lock`;
-# tests/test_shipping.py fails when this file and the virtualenv disagree.
+# pyproxy's runtime dependencies and everything they pull in, pinned, with the sha256 of every
+# file PyPI serves for each version: the Containerfile, `make install` and the Makefile's venv
+# install them with `pip install --require-hashes --no-deps -r requirements.lock`.
+# Generated from the project virtualenv by `make lock` (`.venv/bin/python tests/test_shipping.py
+# --write-lock`: the virtualenv's versions, their hashes by pip-tools' `pip-compile
+# --generate-hashes`); tests/test_shipping.py fails when this file and the virtualenv disagree.
 """
 
 
-def lock_text() -> str:
-    lines = [f"{name}=={version}" for _, (name, version) in sorted(runtime_closure().items())]
-    return LOCK_HEADER + "\n".join(lines) + "\n"
+def lock_pins() -> list[str]:
+    """NAME==VERSION of each package of the virtualenv's runtime closure, sorted by name."""
+    return [f"{name}=={version}" for _, (name, version) in sorted(runtime_closure().items())]
+
+
+def write_lock() -> None:
+    """requirements.lock: the virtualenv's pins, with the hashes pip-compile finds on the
+    package index for exactly those versions (it resolves the pins to themselves: they are a
+    closed set)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pins, out = Path(tmp) / "pins.in", Path(tmp) / "pins.txt"
+        pins.write_text("\n".join(lock_pins()) + "\n")
+        subprocess.run([sys.executable, "-m", "piptools", "compile", "--quiet",
+                        "--generate-hashes", "--allow-unsafe", "--strip-extras",
+                        "--no-header", "--no-annotate", "--no-emit-index-url",
+                        "--no-emit-find-links", "--output-file", str(out), str(pins)],
+                       check=True, cwd=tmp)
+        LOCK.write_text(LOCK_HEADER + out.read_text().lstrip("\n"))
+
+
+def lock_requirements() -> dict[str, list[str]]:
+    """requirements.lock: NAME==VERSION → its hashes (continuation lines joined)."""
+    text = re.sub(r"\\\n", " ", LOCK.read_text())
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            pin, *options = line.split()
+            assert all(option.startswith("--hash=sha256:") for option in options), line
+            found[pin] = [option.removeprefix("--hash=sha256:") for option in options]
+    return found
 
 
 def test_requirements_lock_matches_the_virtualenv() -> None:
     try:
-        expected = lock_text()
+        expected = lock_pins()
     except PackageNotFoundError as err:
         pytest.skip(f"not installed in this environment: {err}")
-    lines = [line for line in LOCK.read_text().splitlines() if line and line[0] != "#"]
-    for line in lines:
-        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+", line), line
-    assert LOCK.read_text() == expected, (
-        "requirements.lock differs from the virtualenv; regenerate it with "
-        "`.venv/bin/python tests/test_shipping.py --write-lock` and review the diff")
-    assert "pyproxy" not in {line.split("==")[0].lower() for line in lines}
+    assert LOCK.read_text().startswith(LOCK_HEADER)
+    pins = lock_requirements()
+    for pin, hashes in pins.items():
+        assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+", pin), pin
+        assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), pin
+    norm = {re.sub(r"[-_.]+", "-", pin).lower(): pin for pin in pins}
+    assert sorted(norm) == sorted(re.sub(r"[-_.]+", "-", pin).lower() for pin in expected), (
+        "requirements.lock differs from the virtualenv; regenerate it with `make lock` "
+        "(`.venv/bin/python tests/test_shipping.py --write-lock`) and review the diff")
+    assert "pyproxy" not in {pin.split("==")[0].lower() for pin in pins}
 
 
 def containerfile_instructions() -> list[tuple[str, str]]:
@@ -701,7 +736,7 @@ def test_containerfile() -> None:
     for package in ("libnftables1", "python3-nftables", "conntrack", "iproute2", "nftables",
                     "python3-venv", "--no-install-recommends"):
         assert f" {package} " in f" {run} ", package
-    assert "pip install --no-deps -r /src/requirements.lock" in run
+    assert "pip install --require-hashes --no-deps -r /src/requirements.lock" in run
     assert "pip check" in run
     # Debian's nftables binding linked into the virtualenv as the Makefile's venv target does.
     makefile = (ROOT / "Makefile").read_text()
@@ -797,12 +832,13 @@ def test_make_image_builds_pyproxy_with_buildah() -> None:
     dry = _make("-n", "image", "IMAGE=registry.example/pyproxy:9")
     assert dry.returncode == 0, dry.stderr
     assert "buildah mmdebstrap" in dry.stdout
-    assert ("-m testkit.images --path-only --pyproxy-tag 'registry.example/pyproxy:9' pyproxy"
-            in dry.stdout)
+    assert ("-m testkit.images --path-only --sbom --pyproxy-tag 'registry.example/pyproxy:9' "
+            "pyproxy" in dry.stdout)
+    assert "e2e/tools/build.sh syft" in dry.stdout  # the SBOM's tool, built once
     assert "localhost/pyproxy:" + VERSION in _make("-n", "image").stdout
 
 
-def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
                  **extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     from testkit import images
 
@@ -814,11 +850,48 @@ def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     wheels = images.wheelhouse_path()
     wheels.mkdir(parents=True)
     (wheels / "x-1-py3-none-any.whl").write_bytes(b"")
-    result = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only",
+    result = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only", *flags,
                              "--pyproxy-tag", "registry.example/pyproxy:9", "pyproxy"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                             check=False)
     return result, log
+
+
+def test_make_image_writes_syfts_sbom_beside_the_archive(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--sbom (`make image`): syft's SPDX JSON document of the archive, beside it, once per
+    archive; the archive's path alone is printed."""
+    from testkit import images
+    from testkit.tools import tool_path
+
+    monkeypatch.setenv("PYPROXY_K8S_CACHE", str(tmp_path / "cache"))
+    syft = tool_path("syft")
+    assert syft.is_relative_to(tmp_path / "cache")
+    syft.parent.mkdir(parents=True)
+    calls = tmp_path / "syft.log"
+    syft.write_text(f"""#!/bin/bash
+echo "$SYFT_CHECK_FOR_APP_UPDATE $*" >> {calls}
+for arg; do
+  case "$arg" in spdx-json=*) echo '{{"spdxVersion": "SPDX-2.3"}}' > "${{arg#spdx-json=}}";; esac
+done
+""")
+    syft.chmod(0o755)
+    result, _ = _build_image(tmp_path, monkeypatch, "--sbom")
+    assert result.returncode == 0, result.stdout + result.stderr
+    [archive] = [Path(line) for line in result.stdout.splitlines()]
+    sbom = images.sbom_path(archive)
+    assert sbom.parent == archive.parent
+    assert sbom.name == archive.name.removesuffix(".tar") + ".spdx.json"
+    assert json.loads(sbom.read_text()) == {"spdxVersion": "SPDX-2.3"}
+    [call] = calls.read_text().splitlines()
+    assert call.split() == ["false", "scan", "--quiet", f"oci-archive:{archive}", "-o",
+                            f"spdx-json={sbom}.partial"]
+    again = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only", "--sbom",
+                            "--pyproxy-tag", "registry.example/pyproxy:9", "pyproxy"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+                           env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert again.returncode == 0, again.stderr
+    assert len(calls.read_text().splitlines()) == 1  # the same archive: its SBOM is kept
 
 
 def test_image_is_built_from_a_minimal_context(tmp_path: Path,
@@ -1040,7 +1113,7 @@ def test_make_uninstall_is_careful(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write-lock"]:
-        LOCK.write_text(lock_text())
+        write_lock()
         print(f"wrote {LOCK}")
     else:
         print(__doc__)
