@@ -152,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     version_cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
     version_cmd.set_defaults(handler=_cmd_version)
 
+    completion = commands.add_parser(
+        "completion", help="print the shell completion script for bash or zsh",
+        description="Print a completion script of pyproxy's commands and flags for bash or "
+        "zsh, generated from this command line's parser (shtab). bash: `source <(pyproxy "
+        "completion bash)`, or write it to /etc/bash_completion.d/pyproxy; zsh: write it as "
+        "_pyproxy into a folder of $fpath.")
+    completion.add_argument("shell", choices=("bash", "zsh"))
+    completion.set_defaults(handler=_cmd_completion)
+
     for name, command in commands.choices.items():
         # `run` and `config`'s commands have it among kube-proxy's flags (and from --config)
         if name not in ("run", "config"):
@@ -182,6 +191,13 @@ def _cmd_version(args: argparse.Namespace) -> int:
                      "python": platform.python_version()})
     else:
         print(f"pyproxy {version()} (commit {commit()}, Python {platform.python_version()})")
+    return EXIT_OK
+
+
+def _cmd_completion(args: argparse.Namespace) -> int:
+    import shtab  # only here: nothing else needs it
+
+    sys.stdout.write(shtab.complete(build_parser(), shell=args.shell))
     return EXIT_OK
 
 
