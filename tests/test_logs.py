@@ -81,6 +81,8 @@ def test_every_command_takes_logging_format() -> None:
             args = ["--src=10.0.0.1", "--dst=10.96.0.1:80"]
         if name == "config":
             args = ["check"]
+        if name == "completion":
+            args = ["bash"]
         parsed = parser.parse_args([name, *args, "--logging-format", "json"])
         assert parsed.logging_format == "json", name
 

@@ -703,8 +703,11 @@ def test_requirements_lock_matches_the_virtualenv() -> None:
     for pin, hashes in pins.items():
         assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*==[A-Za-z0-9.+!-]+", pin), pin
         assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), pin
-    norm = {re.sub(r"[-_.]+", "-", pin).lower(): pin for pin in pins}
-    assert sorted(norm) == sorted(re.sub(r"[-_.]+", "-", pin).lower() for pin in expected), (
+    def norm(pin: str) -> str:  # the name as PyPI compares it, the version as it is
+        name, _, pinned = pin.partition("==")
+        return f"{re.sub(r'[-_.]+', '-', name).lower()}=={pinned}"
+
+    assert sorted(map(norm, pins)) == sorted(map(norm, expected)), (
         "requirements.lock differs from the virtualenv; regenerate it with `make lock` "
         "(`.venv/bin/python tests/test_shipping.py --write-lock`) and review the diff")
     assert "pyproxy" not in {pin.split("==")[0].lower() for pin in pins}
