@@ -18,7 +18,8 @@ import time
 
 from bench.synth import NODE_CONFIG, Cluster
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.convert import convert_endpoint_slice, convert_service
+from pyproxy.core.convert import convert_service
+from pyproxy.core.convert_endpoints import convert_endpoint_slice
 from pyproxy.core.model import IPFamily, ServiceKey
 from pyproxy.sync.proxier import FamilyProxier
 

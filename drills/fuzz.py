@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from drills.inputs import Expectation
-from pyproxy.core.convert import parse_cidr_sloppy, parse_ip_sloppy
+from pyproxy.core.goip import parse_cidr_sloppy, parse_ip_sloppy
 
 Obj = dict[str, Any]
 ROOT = Path(__file__).resolve().parents[1]
@@ -584,13 +584,13 @@ def generate(count: int, seed_value: int,
 def disagreements(objects: list[Obj], broken: list[str | None]) -> list[tuple[str, Obj]]:
     """Objects on which pyproxy's converter and the oracle disagree (what the drill then
     reports as a failure): for developing the generator, and for the report."""
-    import pyproxy.core.convert as convert
+    from pyproxy.core.convert import convert_service
+    from pyproxy.core.convert_endpoints import convert_endpoint_slice
     from pyproxy.core.model import Skipped
 
     out = []
     for obj, kind in zip(objects, broken, strict=True):
-        fn = convert.convert_service if obj["kind"] == "Service" else \
-            convert.convert_endpoint_slice
+        fn = convert_service if obj["kind"] == "Service" else convert_endpoint_slice
         result = fn(obj)
         invalid = isinstance(result, Skipped) and result.invalid
         if invalid != (kind == obj["kind"]):

@@ -9,13 +9,9 @@ from typing import Any
 import pytest
 from structlog.testing import capture_logs
 
-from pyproxy.core.convert import (
-    convert_endpoint_slice,
-    convert_node,
-    convert_service,
-    parse_cidr_sloppy,
-    parse_ip_sloppy,
-)
+from pyproxy.core.convert import convert_service
+from pyproxy.core.convert_endpoints import convert_endpoint_slice, convert_node
+from pyproxy.core.goip import parse_cidr_sloppy, parse_ip_sloppy
 from pyproxy.core.model import (
     IPFamily,
     Protocol,

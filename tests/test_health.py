@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
-from pyproxy.core.convert import convert_node
+from pyproxy.core.convert_endpoints import convert_node
 from pyproxy.core.model import IPFamily, Node, NodeConfig, ServiceKey
 from pyproxy.core.plan import Cause, Scope
 from pyproxy.serve.health import (

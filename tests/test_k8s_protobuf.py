@@ -26,7 +26,8 @@ from pyproxy.cluster.resources import (
 )
 from pyproxy.cluster.watch import Expired, Reflector
 from pyproxy.core import protobuf
-from pyproxy.core.convert import convert_endpoint_slice, convert_node, convert_service
+from pyproxy.core.convert import convert_service
+from pyproxy.core.convert_endpoints import convert_endpoint_slice, convert_node
 from pyproxy.core.wire import SliceDoc
 from testkit.controlplane import ControlPlane, Kube, wait_for
 from testkit.fixtures import requires_netns

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 
 from pyproxy.cli import main
 from pyproxy.config import ProxyConfig
-from pyproxy.core.convert import convert_node
+from pyproxy.core.convert_endpoints import convert_node
 from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
 from pyproxy.core.plan import Cause
 from pyproxy.render.services import render_config

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from pyproxy.cluster.resources import SLICE_CODEC
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.convert import convert_endpoint_slice, convert_service
+from pyproxy.core.convert import convert_service
+from pyproxy.core.convert_endpoints import convert_endpoint_slice
 from pyproxy.core.model import Skipped
 from pyproxy.core.topology import select_all
 

@@ -18,12 +18,8 @@ from pyproxy.cluster.codec import JSON, ProtobufCodec
 from pyproxy.cluster.resources import SLICE_CODEC, Resource, endpoint_slices_resource
 from pyproxy.cluster.watch import Expired, Reflector, _frames
 from pyproxy.core import protobuf
-from pyproxy.core.convert import (
-    convert_endpoint_slice,
-    convert_node,
-    convert_service,
-    convert_service_cidr,
-)
+from pyproxy.core.convert import convert_service, convert_service_cidr
+from pyproxy.core.convert_endpoints import convert_endpoint_slice, convert_node
 from pyproxy.core.model import Skipped
 from pyproxy.core.wire import SliceDoc, Unreadable
 from testkit import protoenc

@@ -33,7 +33,7 @@ from pyproxy.cluster.watch import (
     _lines,
 )
 from pyproxy.cluster.watchstate import Backoff
-from pyproxy.core.convert import convert_endpoint_slice
+from pyproxy.core.convert_endpoints import convert_endpoint_slice
 from pyproxy.core.model import Skipped, SliceEndpoints
 from pyproxy.core.wire import SliceDoc
 from testkit.apiemu import ApiEmulator

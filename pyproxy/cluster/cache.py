@@ -13,12 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyproxy.core.convert import (
-    convert_endpoint_slice,
-    convert_node,
-    convert_service,
-    convert_service_cidr,
-)
+from pyproxy.core.convert import convert_service, convert_service_cidr
+from pyproxy.core.convert_endpoints import convert_endpoint_slice, convert_node
 from pyproxy.core.model import (
     ClusterState,
     Node,

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from pyproxy.core.convert import node_is_eligible
+from pyproxy.core.convert_endpoints import node_is_eligible
 from pyproxy.core.model import IPFamily, Node, ServiceKey
 
 log = structlog.get_logger(__name__)
