@@ -28,7 +28,8 @@ import sys
 from typing import Any
 
 from bench.synth import Cluster as Synthetic
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.netlab import Cluster, Lab
 from testkit.nftns import NodeProxy

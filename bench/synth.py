@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import ClusterState, LocalMode, NodeConfig, ServiceKey
+from pyproxy.core.model import ClusterState, LocalMode, ServiceKey
+from pyproxy.core.nodeconfig import NodeConfig
 
 Obj = dict[str, Any]
 

@@ -23,7 +23,8 @@ from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.events import record_start
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.config import ProxyConfig
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.kernel.basechains import CoexistenceCheck
 from pyproxy.kernel.host import apply_host_settings, log_outcome, warn_if_kernel_below_supported
 from pyproxy.kernel.libnftables import OWN_SOCKETS

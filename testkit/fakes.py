@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyproxy.cluster.cache import ClusterCache
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.kernel.libnftables import NftError, structure_of
 from pyproxy.render import ops
 from pyproxy.render.objects import (

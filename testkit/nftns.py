@@ -12,7 +12,8 @@ import json
 from typing import Any
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import SyncPlan
 from pyproxy.kernel.libnftables import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.kernel.nlelements import netlink_socket

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.cache import ClusterCache
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier, FaultyKernel, inject_faults, pending_faults

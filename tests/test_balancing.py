@@ -18,7 +18,8 @@ from pyproxy.core.balancing import (
     weighted_slots,
 )
 from pyproxy.core.convert import convert_service
-from pyproxy.core.model import Algorithm, Endpoint, IPFamily, NodeConfig, ServicePort, Skipped
+from pyproxy.core.model import Algorithm, Endpoint, IPFamily, ServicePort, Skipped
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace
 from testkit.builders import ep, make_node, make_service, make_slice

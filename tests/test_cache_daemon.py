@@ -13,7 +13,8 @@ from pyproxy.cluster.cache import ClusterCache
 from pyproxy.cluster.resources import endpoint_slices_resource
 from pyproxy.config import ProxyConfig
 from pyproxy.core import protobuf
-from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.model import IPFamily, ServiceKey
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause
 from pyproxy.core.wire import Unreadable
 from pyproxy.kernel.libnftables import NftError, structure_of

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import NodeConfig
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import KernelCounters

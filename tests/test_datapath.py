@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pyproxy.core.model import NodeConfig
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.render.objects import Fragment, Item, Kind
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice

@@ -19,7 +19,8 @@ import pytest
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
 from pyproxy.core.convert_endpoints import convert_node
-from pyproxy.core.model import IPFamily, Node, NodeConfig, ServiceKey
+from pyproxy.core.model import IPFamily, Node, ServiceKey
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope
 from pyproxy.serve.health import (
     HealthServer,

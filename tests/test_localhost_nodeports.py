@@ -22,7 +22,8 @@ import yaml
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.config import ProxyConfig
 from pyproxy.core.localhost import NodePortSpec, nodeport_specs
-from pyproxy.core.model import IPFamily, LocalhostNodePorts, NodeConfig, Protocol, ServicePortName
+from pyproxy.core.model import IPFamily, Protocol, ServicePortName
+from pyproxy.core.nodeconfig import LocalhostNodePorts, NodeConfig
 from pyproxy.core.topology import select_all
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import rule_packets

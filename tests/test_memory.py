@@ -5,7 +5,8 @@ from __future__ import annotations
 import gc
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.memory import gc_paused
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice

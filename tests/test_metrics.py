@@ -14,7 +14,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
-from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.model import ANNOTATION_TRIGGER_TIME, IPFamily, ServiceKey
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope
 from pyproxy.core.topology import PortSelection
 from pyproxy.kernel.libnftables import NftError

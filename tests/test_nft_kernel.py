@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig, ServiceKey
+from pyproxy.core.model import IPFamily, ServiceKey
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel import nlelements as nle
 from pyproxy.kernel import nlsets

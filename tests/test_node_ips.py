@@ -17,7 +17,8 @@ from structlog.testing import capture_logs
 from pyproxy.cli import main
 from pyproxy.config import ProxyConfig
 from pyproxy.core.convert_endpoints import convert_node
-from pyproxy.core.model import IPFamily, LocalMode, Node, NodeConfig, Skipped
+from pyproxy.core.model import IPFamily, LocalMode, Node, Skipped
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause
 from pyproxy.render.services import render_config
 from pyproxy.run import build_daemon

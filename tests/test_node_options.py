@@ -17,7 +17,8 @@ import yaml
 from pyproxy.cli import _node_config, build_parser, main
 from pyproxy.cluster.snapshot import load_snapshot
 from pyproxy.config import from_args
-from pyproxy.core.model import LocalMode, NodeConfig
+from pyproxy.core.model import LocalMode
+from pyproxy.core.nodeconfig import NodeConfig
 from testkit.builders import ep, make_node, make_service, make_slice
 
 OFFLINE = ("render", "apply", "trace")

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.render import ops
 from pyproxy.render.objects import (
     BASE_CHAIN_RULES,

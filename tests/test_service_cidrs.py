@@ -18,7 +18,8 @@ from pyproxy.cluster.snapshot import build_state
 from pyproxy.cluster.watch import Reflector
 from pyproxy.core.convert import convert_service_cidr
 from pyproxy.core.explain import explain_report, format_table
-from pyproxy.core.model import IPFamily, NodeConfig, Skipped
+from pyproxy.core.model import IPFamily, Skipped
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.render.objects import Kind, SetDecl, key_text
 from pyproxy.render.services import render_config
 from pyproxy.render.trace import trace

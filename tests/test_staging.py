@@ -12,7 +12,8 @@ import pytest
 
 from bench.synth import Cluster as Synthetic
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.render import ops, staging
 from pyproxy.render.objects import BASE_CHAINS

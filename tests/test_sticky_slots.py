@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pyproxy.core.balancing import keep_slots
-from pyproxy.core.model import Endpoint, IPFamily, NodeConfig
+from pyproxy.core.model import Endpoint, IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from testkit.builders import ep, make_service, make_slice
 from testkit.fakes import fake_node_proxier
 

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.render.objects import TABLE_COMMENT
 from pyproxy.sync.proxier import FamilyProxier

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pyproxy.core.model import IPFamily, NodeConfig
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally

@@ -29,14 +29,8 @@ from pyproxy.config import (
     run_actions,
 )
 from pyproxy.core.explain import conflict_text, explain_report, format_table
-from pyproxy.core.model import (
-    ClusterState,
-    IPFamily,
-    NodeConfig,
-    ServiceKey,
-    override_ips,
-    unusable_address_warnings,
-)
+from pyproxy.core.model import ClusterState, IPFamily, ServiceKey, override_ips
+from pyproxy.core.nodeconfig import NodeConfig, unusable_address_warnings
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
 from pyproxy.kernel.privileges import MissingPrivilege

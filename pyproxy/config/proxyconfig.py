@@ -21,7 +21,8 @@ from pyproxy.config.settings import (
     LogFormat,
 )
 from pyproxy.config.values import ConfigError, format_duration
-from pyproxy.core.model import IPFamily, LocalMode, NodeConfig, is_loopback_cidr, override_ips
+from pyproxy.core.model import IPFamily, LocalMode, override_ips
+from pyproxy.core.nodeconfig import NodeConfig, is_loopback_cidr
 
 # KEP-6032: localhost NodePorts in nftables mode (pyproxy/core/model.py, LocalhostNodePorts).
 # Alpha and off in kube-proxy 1.37; on here, as the KEP's beta for 1.38 has it

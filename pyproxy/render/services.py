@@ -44,13 +44,12 @@ from pyproxy.core.model import (
     Algorithm,
     Endpoint,
     IPFamily,
-    LocalhostNodePorts,
     LocalMode,
-    NodeConfig,
     ServicePort,
     TrafficPolicy,
     ip_family,
 )
+from pyproxy.core.nodeconfig import LocalhostNodePorts, NodeConfig
 from pyproxy.core.topology import Selection
 from pyproxy.render.objects import (
     CLUSTER_IPS_CHECK,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
 
 from pyproxy.core.balancing import flow_key, hash_index
-from pyproxy.core.model import LocalhostNodePorts
+from pyproxy.core.nodeconfig import LocalhostNodePorts
 from pyproxy.render.objects import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,

@@ -28,7 +28,8 @@ import structlog
 
 from pyproxy.cluster.cache import Checkout
 from pyproxy.core.localhost import NodePortSpec, nodeport_specs
-from pyproxy.core.model import IPFamily, LocalhostNodePorts
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import LocalhostNodePorts
 from pyproxy.kernel.nlsets import rule_packets
 from pyproxy.render.objects import PROTOCOLS, localhost_nodeport_reject_chain
 from pyproxy.serve.metrics import Metrics

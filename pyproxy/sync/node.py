@@ -25,15 +25,8 @@ from typing import Any, Protocol
 import structlog
 
 from pyproxy.cluster.cache import Checkout, ClusterCache
-from pyproxy.core.model import (
-    IPFamily,
-    Node,
-    NodeConfig,
-    ObjectKey,
-    ServiceKey,
-    ServicePort,
-    Skipped,
-)
+from pyproxy.core.model import IPFamily, Node, ObjectKey, ServiceKey, ServicePort, Skipped
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncFacts, SyncPeriods, SyncPlan, plan_sync
 from pyproxy.core.topology import PortSelection
 from pyproxy.core.wire import SliceDoc

@@ -14,11 +14,11 @@ from pyproxy.core.model import (
     ClusterState,
     Endpoint,
     IPFamily,
-    NodeConfig,
     ServiceKey,
     ServicePortName,
     ip_family,
 )
+from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Scope, SyncPlan
 from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.memory import gc_paused, trim_heap

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import structlog
 
 from pyproxy.config import ProxyConfig
-from pyproxy.core.model import IPFamily, Node, NodeConfig, ip_family, override_ips
+from pyproxy.core.model import IPFamily, Node, ip_family, override_ips
+from pyproxy.core.nodeconfig import NodeConfig
 
 log = structlog.get_logger(__name__)
 
