@@ -235,7 +235,7 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
     require_privileges()  # CAP_NET_ADMIN, or one clear error (kernel/privileges.py)
     if not config.snapshot and api_client is None:
         api_client = client_for(apiconnection.load(config), config)
-    for warning in config.unapplied:
+    for warning in (*config.unapplied, *config.changes):
         log.warning("configuration", note=warning)
     if node_ips is None:
         node_ips = primary_addresses()

@@ -151,8 +151,12 @@ MODE_IPTABLES_NOTE = (
     "mode, takes masqueradeBit, masqueradeAll, syncPeriod and minSyncPeriod from the iptables "
     "section")
 NODEPORT_NOTE = (
-    "nodePortAddresses is unset: NodePorts are served on the node's primary IPs only (nftables "
-    "mode's default; iptables mode served every local address, nodePortAddresses: [all])")
+    "nodePortAddresses is unset: NodePorts are served as kube-proxy's iptables mode served "
+    "them, on every local address and 127.0.0.1 (TCP, through pyproxy's localhost proxy): "
+    "nodePortAddresses: [all, 127.0.0.0/8]. nodePortAddresses: [primary] serves the node's "
+    "primary IPs only, as nftables mode does")
+# iptables mode's NodePort addresses, as pyproxy serves them (the localhost proxy on 127.0.0.1).
+IPTABLES_NODEPORTS = ("all", "127.0.0.0/8")
 NO_CLUSTER_CIDR_NOTE = (
     "detectLocalMode is ClusterCIDR but clusterCIDR is empty: traffic from local pods is not "
     "told apart from other traffic (as kube-proxy does)")
@@ -412,6 +416,7 @@ class TestKubeadm:
         expected = ProxyConfig(
             kubeconfig="/var/lib/kube-proxy/kubeconfig.conf",
             cluster_cidrs=("10.244.0.0/16", "fd00:10:244::/56"),
+            nodeport_addresses=IPTABLES_NODEPORTS, kube_proxy_mode="iptables",
             file_notes=(MODE_EMPTY_NOTE, NODEPORT_NOTE),
         )
         assert expected == loaded
@@ -471,12 +476,14 @@ class TestEveryField:
     @pytest.mark.parametrize("path", [s.path for s in FIELDS
                                       if s.attr is None and s.path != "mode"])
     def test_ignored_fields_are_noted_when_set(self, path: str) -> None:
-        """A field pyproxy does not use, set to a value that means something, is noted."""
+        """A field pyproxy does not use, set to a value that means something, is noted (in
+        nftables mode: iptables.localhostNodePorts is read in iptables mode only)."""
         spec = next(s for s in FIELDS if s.path == path)
         document = {"apiVersion": config.API_VERSION, "kind": config.KIND, "mode": "nftables",
                     **nested(path, SET[spec.type])}
         loaded = load_config(json.dumps(document))
-        assert (f"{path}: ignored ({spec.doc})",) == loaded.file_notes
+        why = "iptables mode only; mode is nftables" if spec.section == "iptables" else spec.doc
+        assert (f"{path}: ignored ({why})",) == loaded.file_notes
 
 
 ZERO: dict[Any, Any] = {
@@ -530,16 +537,78 @@ class TestModes:
         assert loaded.warnings == ()
 
     def test_iptables_proxy_mode_flag_warns(self) -> None:
-        """--proxy-mode=iptables is accepted with a warning: pyproxy runs nftables."""
+        """--proxy-mode=iptables is accepted with a warning: pyproxy runs nftables, and the
+        flag does not bring iptables mode's NodePort addresses (a file's mode does): the
+        warning names the flag that does, unless --nodeport-addresses is given."""
         config = from_args(parse_flags("--proxy-mode=iptables"))
+        assert config.warnings == (
+            "--proxy-mode=iptables: pyproxy runs nftables, its only mode; NodePorts are served "
+            "on nodePortAddresses (primary), not where iptables mode served them (every local "
+            "address and 127.0.0.1): --nodeport-addresses=all,127.0.0.0/8 keeps that",)
+        assert config.nodeport_addresses == ("primary",)
+        config = from_args(parse_flags("--proxy-mode=iptables", "--nodeport-addresses=primary"))
         assert config.warnings == ("--proxy-mode=iptables: pyproxy runs nftables, its only mode",)
 
     def test_localhost_nodeports_noted(self) -> None:
-        """iptables.localhostNodePorts set (even to false) is noted: it never applies."""
+        """iptables.localhostNodePorts set (even to false) is noted in nftables mode, where it
+        never applies."""
         loaded = load("mode: nftables\niptables: {localhostNodePorts: true}\n")
         assert loaded.file_notes == (
-            "iptables.localhostNodePorts: ignored (localhost NodePorts need route_localnet, "
-            "which nftables mode never sets)",)
+            "iptables.localhostNodePorts: ignored (iptables mode only; mode is nftables)",)
+
+    @pytest.mark.parametrize(("fields", "addresses"), [
+        pytest.param("", IPTABLES_NODEPORTS, id="unset: every local address and 127.0.0.1"),
+        pytest.param("nodePortAddresses: []\n", IPTABLES_NODEPORTS, id="empty is unset"),
+        pytest.param("iptables: {localhostNodePorts: false}\n", ("all",),
+                     id="localhostNodePorts false: no 127.0.0.1"),
+        pytest.param("nodePortAddresses: [0.0.0.0/0]\n", ("0.0.0.0/0", "127.0.0.0/8"),
+                     id="0.0.0.0/0 served 127.0.0.1 in iptables mode"),
+        pytest.param("nodePortAddresses: [fd00::/64]\n", ("fd00::/64", "127.0.0.0/8"),
+                     id="no IPv4 CIDR: IPv4 matched all, 127.0.0.1 too"),
+        pytest.param("nodePortAddresses: [primary]\n", ("primary",), id="primary: as given"),
+        pytest.param("nodePortAddresses: [192.168.0.0/16]\n", ("192.168.0.0/16",),
+                     id="a CIDR without loopback: as given"),
+        pytest.param("nodePortAddresses: [all, localhost]\n", ("all", "localhost"),
+                     id="loopback named already"),
+    ])
+    def test_iptables_mode_gets_iptables_mode_nodeport_addresses(
+            self, fields: str, addresses: tuple[str, ...]) -> None:
+        """A file whose mode is iptables (or empty) serves NodePorts where kube-proxy's
+        iptables mode served them: every local address when nodePortAddresses is unset, and
+        127.0.0.1 (the localhost proxy) wherever iptables mode served localhost NodePorts
+        (v1.37: localhostNodePorts on, an IPv4 CIDR holding 127.0.0.0, none meaning all)."""
+        for mode in ("iptables", "''"):
+            loaded = load(f"mode: {mode}\n{fields}")
+            assert loaded.nodeport_addresses == addresses
+            assert loaded.kube_proxy_mode == "iptables"
+        nftables = load(f"mode: nftables\n{fields}")
+        assert nftables.kube_proxy_mode == "nftables"
+        assert "127.0.0.0/8" not in nftables.nodeport_addresses
+
+    def test_what_still_differs_from_iptables_mode(self) -> None:
+        """Where iptables mode served NodePorts on 127.0.0.1, one change is always left (UDP
+        and SCTP, the rest of 127.0.0.0/8); without the localhost proxy (the gate off, or
+        nodePortAddresses without loopback) the change names the setting that keeps TCP.
+        Nothing differs where iptables mode did not serve them, nor in nftables mode."""
+        (change,) = load("mode: iptables\n").changes
+        assert change.startswith("NodePorts on 127.0.0.0/8: TCP ones are served on 127.0.0.1 "
+                                 "only, by pyproxy's localhost proxy")
+        assert "UDP and SCTP ones are rejected" in change and "Nothing keeps those" in change
+        (change,) = load("mode: iptables\nnodePortAddresses: [all, localhost]\n"
+                         "featureGates: {KubeProxyNFTablesLocalhostNodePorts: false}\n").changes
+        assert change.startswith("NodePorts on 127.0.0.1 are rejected, every protocol")
+        assert change.endswith(
+            "TCP ones are kept by nodePortAddresses: [all, localhost, 127.0.0.0/8] and "
+            "featureGates KubeProxyNFTablesLocalhostNodePorts: true: pyproxy's localhost proxy "
+            "serves them")
+        flagged = apply_flags(load("mode: iptables\n"), parse_flags("--nodeport-addresses=all"))
+        (change,) = flagged.changes
+        assert change.endswith("TCP ones are kept by nodePortAddresses: [all, 127.0.0.0/8]: "
+                               "pyproxy's localhost proxy serves them")
+        assert load("mode: iptables\niptables: {localhostNodePorts: false}\n").changes == ()
+        assert load("mode: iptables\nnodePortAddresses: [primary]\n").changes == ()
+        assert load("mode: nftables\n").changes == ()
+        assert load("mode: nftables\nnodePortAddresses: [all]\n").changes == ()
 
 
 ERRORS = [
@@ -1005,7 +1074,8 @@ class TestReferenceDoc:
         """The settings table describes every ProxyConfig setting once, in the class's order,
         and every file field and flag with a setting comes from its row."""
         settings = [f.name for f in dataclasses.fields(ProxyConfig)
-                    if f.name not in ("file_notes", "warnings", "unapplied_fields")]
+                    if f.name not in ("kube_proxy_mode", "file_notes", "warnings",
+                                      "unapplied_fields")]
         assert [s.attr for s in SETTINGS] == settings
         for row in SETTINGS:
             assert row.description and row.applied_by, row.attr
@@ -1017,5 +1087,5 @@ class TestReferenceDoc:
         """Every ProxyConfig setting is reachable from the file or a flag."""
         reachable = ({s.attr for s in FIELDS} | {f.attr for f in FLAGS})
         settings = {f.name for f in dataclasses.fields(ProxyConfig)} - {
-            "file_notes", "warnings", "unapplied_fields"}
+            "kube_proxy_mode", "file_notes", "warnings", "unapplied_fields"}
         assert settings <= reachable

@@ -51,13 +51,25 @@ def written(tmp_path: Path, body: str) -> Path:
 class TestCheck:
     def test_kubeadm_config_conf_is_accepted(self, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-        """kubeadm's config.conf checks out, with the notes `run` would log."""
+        """kubeadm's config.conf checks out, with the notes `run` would log, and, before the
+        switch, what differs from the kube-proxy iptables mode it names: never a plain "ok"
+        after a change of behaviour."""
         path = kubeadm_config_conf(tmp_path)
         code, out, _ = cli(capsys, "config", "check", f"--config={path}",
                            "--hostname-override=node-a")
         assert code == 0, out
-        assert out.splitlines()[-1] == f"{path}: ok"
+        assert out.splitlines()[-1] == (
+            f"{path}: pyproxy run would start; 1 change(s) from kube-proxy's iptables mode: "
+            f"read them before the switch")
         assert "note: mode is iptables: pyproxy runs nftables" in out
+        assert ("note: nodePortAddresses is unset: NodePorts are served as kube-proxy's "
+                "iptables mode served them, on every local address and 127.0.0.1") in out
+        (change,) = [line for line in out.splitlines() if line.startswith("change: ")]
+        assert "UDP and SCTP ones are rejected" in change
+        # The one setting for nftables mode's NodePorts: no change left, a plain "ok".
+        code, out, _ = cli(capsys, "config", "check", f"--config={path}",
+                           "--nodeport-addresses=primary")
+        assert out.splitlines()[-1] == f"{path}: ok" and "change:" not in out
         assert "error:" not in out
 
     def test_every_problem_with_its_setting_and_file(
@@ -233,8 +245,10 @@ class TestView:
         view.write_text(out)
         original = apply_flags(load_config_file(str(path)), run_flags(*flags))
         again = apply_flags(load_config_file(str(view)), run_flags(*listed))
+        # The view says mode: nftables, with iptables mode's NodePort addresses spelled out.
+        assert document["nodePortAddresses"] == ["all", "127.0.0.0/8"]
         assert dataclasses.replace(again, file_notes=(), warnings=()) == \
-            dataclasses.replace(original, file_notes=(), warnings=())
+            dataclasses.replace(original, file_notes=(), warnings=(), kube_proxy_mode="nftables")
 
     @pytest.mark.parametrize("config", [
         pytest.param(ProxyConfig(), id="defaults"),

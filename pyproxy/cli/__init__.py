@@ -254,7 +254,7 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
     report = check_configuration(args)
     connection = _connection_notes(report.config) if report.config is not None else []
     for kind, lines in (("error", report.problems), ("warning", report.warnings),
-                        ("note", (*report.notes, *connection))):
+                        ("change", report.changes), ("note", (*report.notes, *connection))):
         for line in lines:
             print(f"{kind}: {line}")
     where = args.config or "the defaults and flags"
@@ -263,7 +263,13 @@ def _cmd_config_check(args: argparse.Namespace) -> int:
         print(f"{where}: {len(report.problems)} problem(s){warned}: pyproxy run would refuse to "
               "start")
         return EXIT_ERROR
-    print(f"{where}: ok" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
+    counts = [f"{len(report.warnings)} warning(s)"] if report.warnings else []
+    if report.changes:
+        mode = report.config.kube_proxy_mode if report.config else ""
+        counts.append(f"{len(report.changes)} change(s) from kube-proxy's {mode} mode: "
+                      f"read them before the switch")
+    print(f"{where}: " + (f"pyproxy run would start; {'; '.join(counts)}" if report.changes
+                          else "ok" + (f" ({counts[0]})" if counts else "")))
     return EXIT_OK
 
 

@@ -16,7 +16,14 @@ from types import MappingProxyType
 from typing import Any
 
 from pyproxy import yamlfile
-from pyproxy.config.proxyconfig import ProxyConfig, cross_problems, default_servers
+from pyproxy.config.proxyconfig import (
+    IPTABLES,
+    NFTABLES,
+    ProxyConfig,
+    cross_problems,
+    default_servers,
+    iptables_nodeport_addresses,
+)
 from pyproxy.config.settings import DEFAULT_BIND_ADDRESS, SETTINGS, setting_value
 from pyproxy.config.values import ConfigError, ValueType, describe, from_json
 
@@ -42,7 +49,6 @@ class Field:
     """Only some values change anything (the doc says which)."""
 
 
-IPTABLES, NFTABLES = "iptables", "nftables"
 MODE_FIELD, API_VERSION_FIELD, KIND_FIELD = "mode", "apiVersion", "kind"
 _IPVS_ONLY = "ipvs mode only"
 _WINDOWS_ONLY = "Windows (winkernel mode) only"
@@ -78,7 +84,10 @@ _OTHER_FIELDS: tuple[Field, ...] = (
     Field("enableProfiling", ValueType.BOOL, None, "pyproxy serves no pprof"),
     Field("showHiddenMetricsForVersion", ValueType.STRING, None, "pyproxy hides no metrics"),
     Field("iptables.localhostNodePorts", ValueType.BOOL, None,
-          "localhost NodePorts need route_localnet, which nftables mode never sets"),
+          "read when mode is iptables or empty: false keeps 127.0.0.1 out of the NodePort "
+          "addresses pyproxy gives such a configuration (as iptables mode did); pyproxy serves "
+          "localhost NodePorts through nodePortAddresses (a userspace proxy, TCP), never "
+          "with route_localnet", section=IPTABLES),
     Field("iptables.snatNodeInternalIP", ValueType.BOOL, None, "iptables mode only"),
     Field("ipvs.syncPeriod", ValueType.DURATION, None, _IPVS_ONLY),
     Field("ipvs.minSyncPeriod", ValueType.DURATION, None, _IPVS_ONLY),
@@ -104,7 +113,8 @@ FIELDS: tuple[Field, ...] = (*_OTHER_FIELDS[:1], *_SETTING_FIELDS, *_OTHER_FIELD
 _GONE_FIELDS = frozenset({"logging.sanitization", "iptables.snatNodeInternalIP",
                           "udpIdleTimeout", "resourceContainer", "windowsRunAsService"})
 # A pointer in v1alpha1: false is not "unset" (kube-proxy defaults it to true).
-_POINTER_FIELDS = frozenset({"iptables.localhostNodePorts"})
+_LOCALHOST_FIELD = "iptables.localhostNodePorts"
+_POINTER_FIELDS = frozenset({_LOCALHOST_FIELD})
 _KEPT_FIELDS: tuple[Field, ...] = tuple(
     f for f in _OTHER_FIELDS if f.path != MODE_FIELD and f.path not in _GONE_FIELDS)
 
@@ -261,6 +271,8 @@ def _build(values: Mapping[str, Any], problems: list[str]) -> ProxyConfig:
         if spec.path not in values or spec.path == MODE_FIELD:
             continue
         value = values[spec.path]
+        if spec.path == _LOCALHOST_FIELD and section == IPTABLES:
+            continue  # read below, for the NodePort addresses
         if spec.attr is None or spec.section not in ("", section):
             if not _is_zero(spec.type, value):
                 notes.append(f"{spec.path}: ignored ({_why_ignored(spec, mode)})")
@@ -272,6 +284,15 @@ def _build(values: Mapping[str, Any], problems: list[str]) -> ProxyConfig:
     healthz, metrics = default_servers(changes.get("bind_address", DEFAULT_BIND_ADDRESS))
     changes.setdefault("healthz_bind_address", healthz)
     changes.setdefault("metrics_bind_address", metrics)
+    if section == IPTABLES:
+        # kube-proxy's iptables mode served NodePorts on every local address when
+        # nodePortAddresses is unset (an empty list too), and on 127.0.0.1 with route_localnet;
+        # pyproxy keeps both (127.0.0.1: TCP through its localhost proxy). `changes` says
+        # what still differs.
+        localhost = values.get(_LOCALHOST_FIELD, True)
+        given = changes.get("nodeport_addresses") if values.get("nodePortAddresses") else ()
+        changes["nodeport_addresses"] = iptables_nodeport_addresses(given or (), localhost)
+        changes["kube_proxy_mode"] = IPTABLES
     return ProxyConfig(**changes, file_notes=tuple(notes))
 
 
@@ -295,9 +316,14 @@ def _mode_notes(mode: str, values: Mapping[str, Any]) -> Iterator[str]:
                "kube-proxy does for an empty mode, takes masqueradeBit, masqueradeAll, "
                "syncPeriod and minSyncPeriod from the iptables section")
     if not values.get("nodePortAddresses"):
-        yield ("nodePortAddresses is unset: NodePorts are served on the node's primary IPs only "
-               "(nftables mode's default; iptables mode served every local address, "
-               "nodePortAddresses: [all])")
+        localhost = values.get(_LOCALHOST_FIELD, True) is not False
+        chosen = iptables_nodeport_addresses((), localhost)
+        where = ("every local address and 127.0.0.1 (TCP, through pyproxy's localhost proxy)"
+                 if localhost else "every local address (iptables.localhostNodePorts is false)")
+        yield (f"nodePortAddresses is unset: NodePorts are served as kube-proxy's iptables mode "
+               f"served them, on {where}: nodePortAddresses: [{', '.join(chosen)}]. "
+               f"nodePortAddresses: [primary] serves the node's primary IPs only, as nftables "
+               f"mode does")
 
 
 def _why_ignored(spec: Field, mode: str) -> str:

@@ -17,8 +17,14 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from pyproxy.config.file import IPTABLES, load_config_file, mode_problems
-from pyproxy.config.proxyconfig import ProxyConfig, cross_problems, default_servers
+from pyproxy.config.file import load_config_file, mode_problems
+from pyproxy.config.proxyconfig import (
+    IPTABLES,
+    ProxyConfig,
+    cross_problems,
+    default_servers,
+    iptables_nodeport_addresses,
+)
 from pyproxy.config.settings import DEFAULT_TEXT, SETTINGS, setting_value
 from pyproxy.config.values import ConfigError, ValueType, format_duration, from_flag
 
@@ -55,8 +61,10 @@ _IPVS = "ipvs mode only; pyproxy runs nftables"
 _UNAPPLIED_FLAGS: tuple[Flag, ...] = (
     Flag("iptables-localhost-nodeports", ValueType.BOOL, None,
          "localhost NodePorts (iptables mode)",
-         not_applied="pyproxy never serves NodePorts on loopback addresses, as kube-proxy's "
-         "nftables mode", field="iptables.localhostNodePorts"),
+         not_applied="as a flag it changes nothing: pyproxy reads iptables.localhostNodePorts "
+         "from a --config file whose mode is iptables or empty, and serves localhost "
+         "NodePorts where --nodeport-addresses names loopback",
+         field="iptables.localhostNodePorts"),
     Flag("ipvs-exclude-cidrs", ValueType.STRINGS, None, "ipvs cleanup exclusions",
          not_applied=_IPVS, field="ipvs.excludeCIDRs"),
     Flag("ipvs-min-sync-period", ValueType.DURATION, None, "ipvs minSyncPeriod", not_applied=_IPVS),
@@ -198,7 +206,7 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
         if flag.name == "proxy-mode":
             problems += mode_problems(raw, name)
             if raw == IPTABLES:
-                warnings.append(f"{name}=iptables: pyproxy runs nftables, its only mode")
+                warnings.append(_iptables_flag_warning(config, args, name))
         if flag.attr is None and not flag.not_applied:
             continue
         try:
@@ -222,6 +230,18 @@ def apply_flags(config: ProxyConfig, args: argparse.Namespace) -> ProxyConfig:
     if problems:
         raise ConfigError(*problems)
     return resolved
+
+
+def _iptables_flag_warning(config: ProxyConfig, args: argparse.Namespace, name: str) -> str:
+    """--proxy-mode=iptables: the flag does not bring iptables mode's NodePort addresses (a
+    file's mode does); say which setting does, before the switch."""
+    text = f"{name}=iptables: pyproxy runs nftables, its only mode"
+    if config.kube_proxy_mode == IPTABLES or getattr(args, "nodeport_addresses", None):
+        return text
+    keep = ",".join(iptables_nodeport_addresses((), True))
+    return (f"{text}; NodePorts are served on nodePortAddresses "
+            f"({', '.join(config.nodeport_addresses)}), not where iptables mode served them "
+            f"(every local address and 127.0.0.1): --nodeport-addresses={keep} keeps that")
 
 
 def _follow_bind_family(config: ProxyConfig, changes: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import ip_address
+from ipaddress import ip_address, ip_network
 from types import MappingProxyType
 from typing import Any
 
@@ -32,6 +32,11 @@ LOCALHOST_NODEPORTS_DEFAULT = True
 # What `localhost` stands for (kube-proxy's expandNodePortAddressKeywords: both families,
 # whatever the node has).
 LOCALHOST_CIDRS = ("127.0.0.0/8", "::1/128")
+# kube-proxy's modes a configuration can name that pyproxy runs (as nftables, its only mode).
+IPTABLES, NFTABLES = "iptables", "nftables"
+# What pyproxy adds to an iptables-mode configuration's nodePortAddresses where that mode
+# served NodePorts on 127.0.0.1: its localhost proxy's (IPv4; iptables mode never served ::1).
+IPTABLES_LOCALHOST = "127.0.0.0/8"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +90,11 @@ class ProxyConfig:
     debug_socket: str | None = "/run/pyproxy/pyproxy.sock"
     snapshot: str | None = None
 
+    kube_proxy_mode: str = NFTABLES
+    """The mode kube-proxy would run this configuration in: `iptables` for a file whose mode
+    is iptables or empty (kubeadm's). pyproxy runs nftables either way; with `iptables` it
+    takes that mode's defaults where it can (the `iptables` section, NodePorts on every local
+    address and 127.0.0.1) and `changes` says what still differs."""
     file_notes: tuple[str, ...] = ()
     """What reading the file found worth saying: ignored fields, the mode's consequences."""
     warnings: tuple[str, ...] = ()
@@ -102,6 +112,13 @@ class ProxyConfig:
         """Things the operator should know at start-up: `file_notes` plus what the settings
         imply together (recomputed, so flags that change a setting change its note)."""
         return self.file_notes + tuple(_derived_notes(self))
+
+    @property
+    def changes(self) -> tuple[str, ...]:
+        """What this configuration does under pyproxy that it did not under the kube-proxy
+        mode it names (`kube_proxy_mode`), each with what keeps the old behaviour, where
+        anything does. `config check` prints them before the switch; `run` logs them."""
+        return tuple(_mode_changes(self))
 
     @property
     def unapplied(self) -> tuple[str, ...]:
@@ -209,8 +226,82 @@ def _derived_notes(config: ProxyConfig) -> Iterator[str]:
     if config.detect_local_mode is LocalMode.CLUSTER_CIDR and not config.cluster_cidrs:
         yield ("detectLocalMode is ClusterCIDR but clusterCIDR is empty: traffic from local pods "
                "is not told apart from other traffic (as kube-proxy does)")
-    if "all" in config.nodeport_addresses and len(config.nodeport_addresses) > 1:
-        yield "nodePortAddresses includes 'all': the other entries change nothing"
+    entries = config.nodeport_addresses
+    loopback = [e for e in entries if e == "localhost" or is_loopback_cidr(e)]
+    if "all" in entries and len(entries) > 1 + len(loopback):
+        # Loopback entries do change something beside `all`: they turn the localhost proxy on.
+        but = " but loopback ones (the localhost proxy's)" if loopback else ""
+        yield f"nodePortAddresses includes 'all': the other entries{but} change nothing"
+
+
+# ---------------------------------------------------------------------------------------------
+# kube-proxy's iptables mode: where it served NodePorts, and what differs under pyproxy
+
+
+def iptables_serves_localhost(entries: Sequence[str], localhost_nodeports: bool) -> bool:
+    """Whether kube-proxy's iptables mode served NodePorts on 127.0.0.0/8 with these
+    nodePortAddresses (keywords as kube-proxy expands them; none: unset): iptables.
+    localhostNodePorts on and an IPv4 CIDR holding 127.0.0.0 or a loopback one, where no IPv4
+    CIDR at all means 0.0.0.0/0 (kube-proxy v1.37, NewNodePortAddresses and the proxier)."""
+    if not localhost_nodeports:
+        return False
+    v4_seen = False
+    for entry in entries:
+        if entry == "primary":  # the node's IPv4 /32: an IPv4 CIDR, never loopback
+            v4_seen = True
+            continue
+        cidr = {"localhost": IPTABLES_LOCALHOST, "all": "0.0.0.0/0"}.get(entry, entry)
+        net = ip_network(cidr, strict=False)
+        if net.version == 4:
+            v4_seen = True
+            if net.network_address.is_loopback or _LOOPBACK_START in net:
+                return True
+    return not v4_seen
+
+
+_LOOPBACK_START = ip_address("127.0.0.0")  # kube-proxy's ipv4LoopbackStart
+
+
+def iptables_nodeport_addresses(entries: Sequence[str], localhost_nodeports: bool,
+                                ) -> tuple[str, ...]:
+    """nodePortAddresses that serve NodePorts where kube-proxy's iptables mode did, for a
+    configuration naming that mode: `entries` (`all` when unset, iptables mode's default:
+    every local address) plus 127.0.0.0/8, the localhost proxy's, where iptables mode served
+    127.0.0.1 and no IPv4 loopback CIDR is there yet."""
+    chosen = tuple(entries) or ("all",)
+    has_loopback = any(e == "localhost" or (is_loopback_cidr(e) and ":" not in e)
+                       for e in chosen)
+    if iptables_serves_localhost(chosen, localhost_nodeports) and not has_loopback:
+        return (*chosen, IPTABLES_LOCALHOST)
+    return chosen
+
+
+def _mode_changes(config: ProxyConfig) -> Iterator[str]:
+    if config.kube_proxy_mode != IPTABLES:
+        return
+    localhost = config.unapplied_fields.get("iptables.localhostNodePorts", True) is not False
+    if not iptables_serves_localhost(config.nodeport_addresses, localhost):
+        return
+    proxied = config.localhost_nodeports_gate and any(
+        e == "localhost" or (is_loopback_cidr(e) and ":" not in e)
+        for e in config.nodeport_addresses)
+    why = ("kube-proxy's iptables mode DNATed every protocol there with route_localnet=1, "
+           "which nftables never sets (CVE-2020-8558)")
+    if not proxied:
+        wanted = (*config.nodeport_addresses, IPTABLES_LOCALHOST)
+        keep = [f"nodePortAddresses: [{', '.join(wanted)}]"]
+        if not config.localhost_nodeports_gate:
+            keep.append("featureGates KubeProxyNFTablesLocalhostNodePorts: true")
+        yield (f"NodePorts on 127.0.0.1 are rejected, every protocol ({why}); TCP ones are kept "
+               f"by {' and '.join(keep)}: pyproxy's localhost proxy serves them")
+        return
+    yield (f"NodePorts on 127.0.0.0/8: TCP ones are served on 127.0.0.1 only, by pyproxy's "
+           f"localhost proxy (a connection through it ends when pyproxy stops or restarts; "
+           f"other 127.x addresses refuse), and UDP and SCTP ones are rejected and counted "
+           f"(kubeproxy_nftables_localhost_nodeport_rejected_packets_total): {why}. Nothing "
+           f"keeps those; kube-proxy's "
+           f"kubeproxy_iptables_localhost_nodeports_accepted_packets_total (where nfacct "
+           f"works) shows whether anything on the node used them")
 
 
 def default_servers(bind_address: str) -> tuple[str, str]:

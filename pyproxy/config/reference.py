@@ -9,14 +9,13 @@ from pyproxy.config.file import (
     API_VERSION,
     API_VERSION_FIELD,
     FIELDS,
-    IPTABLES,
     KIND,
     KIND_FIELD,
     MODE_FIELD,
-    NFTABLES,
     Field,
 )
 from pyproxy.config.flags import FLAGS, flag_default, flag_meaning, shown_default
+from pyproxy.config.proxyconfig import IPTABLES, NFTABLES
 from pyproxy.config.settings import NOT_APPLIED, SETTINGS, Setting
 
 
@@ -65,7 +64,13 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   `nftables` section when mode is `nftables`, and from the `iptables` section when mode is
   `iptables` or empty (kube-proxy's default mode; kubeadm v1.37 writes `mode: iptables` into
   its kube-proxy ConfigMap, tests/test_kubeadm.py). `nodePortAddresses` defaults to `[primary]`
-  either way.
+  (nftables mode's default) when mode is `nftables`, and to iptables mode's NodePort addresses
+  when mode is `iptables` or empty: `[all, 127.0.0.0/8]`, every local address and 127.0.0.1
+  (TCP, through the localhost proxy), or `[all]` with `iptables.localhostNodePorts: false`;
+  given CIDRs that iptables mode served 127.0.0.1 with (`all`, `0.0.0.0/0`) get `127.0.0.0/8`
+  added. What still differs (UDP and SCTP NodePorts on loopback) is a `change:` line of
+  `pyproxy config check` and a warning at start. The flag `--proxy-mode=iptables` changes no
+  default: it warns with the `--nodeport-addresses` that keeps iptables mode's addresses.
 - **Fields.** Every v1alpha1 field is accepted. Fields that do not apply are type checked, and
   a value that would have changed kube-proxy's behaviour is reported at start-up as a note. A
   field v1alpha1 never had (a typo, or `nftables.skipKernelVersionCheck`, which is an

@@ -13,7 +13,9 @@ cannot drift from the loader.
 
 `pyproxy config check` collects every problem of the file and the flags (each naming its
 field or flag, and the file), the warnings (unknown fields, kube-proxy flags and settings
-pyproxy accepts without applying) and the notes `pyproxy run` would log at start.
+pyproxy accepts without applying), what behaves otherwise than under the kube-proxy mode the
+configuration names (iptables: NodePorts on 127.0.0.1) and the notes `pyproxy run` would log
+at start.
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ class ConfigCheck:
     """Accepted, changes nothing: unknown fields, settings and flags not applied."""
     notes: tuple[str, ...] = ()
     """What `pyproxy run` logs at start about the settings together."""
+    changes: tuple[str, ...] = ()
+    """What behaves otherwise than under the kube-proxy mode the configuration names
+    (iptables), each with the setting that keeps the old behaviour, where one does."""
 
 
 def check_configuration(args: argparse.Namespace) -> ConfigCheck:
@@ -148,4 +153,5 @@ def check_configuration(args: argparse.Namespace) -> ConfigCheck:
     if problems:
         return ConfigCheck(config=None, problems=tuple(problems),
                            warnings=(*warnings, *config.unapplied))
-    return ConfigCheck(config=config, warnings=config.unapplied, notes=config.notes)
+    return ConfigCheck(config=config, warnings=config.unapplied, notes=config.notes,
+                       changes=config.changes)

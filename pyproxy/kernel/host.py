@@ -215,7 +215,7 @@ def init_host(config: ProxyConfig) -> int:
     """kube-proxy's --init-only: the host settings `pyproxy run` makes at start (the step
     that needs the most privilege), then exit: 1 if one of them failed."""
     setup_logging(config.logging_format, config.verbosity)
-    for warning in config.unapplied:
+    for warning in (*config.unapplied, *config.changes):
         log.warning("configuration", note=warning)
     outcomes = apply_host_settings(config)
     for outcome in outcomes:
