@@ -1,0 +1,166 @@
+"""From kube-proxy in iptables mode to pyproxy on one node namespace, with real packets, on
+both iptables backends (issue 35, point 3).
+
+The node starts with kube-proxy v1.37's iptables-mode rules and the kubelet's own chains
+(tests/data/kube-proxy-v1.37-iptables-mode.v4 and .v6, loaded with `iptables-nft-restore` or
+`iptables-legacy-restore`) and `route_localnet=1`, as kube-proxy leaves a node: its NodePorts
+answer on the node's address, on a second local address and on 127.0.0.1. pyproxy then runs
+with kubeadm's configuration (`mode: iptables`, `nodePortAddresses` unset), `pyproxy cleanup
+--kube-proxy` removes kube-proxy's chains and the jumps into them, and every one of those
+NodePorts still answers: the second address through `fib daddr type local`, 127.0.0.1 through
+the localhost proxy. The kubelet's chains (KUBE-FIREWALL with its jumps, KUBE-KUBELET-CANARY,
+KUBE-IPTABLES-HINT) are left as they were. Everything happens in the lab's namespaces, which
+go with it (iptables-legacy's tables and route_localnet are per network namespace too)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.controlplane import PYPROXY
+from testkit.fixtures import requires_netns
+from testkit.netlab import Cluster, Lab, Netns, tally
+from testkit.waits import eventually
+
+DATA = Path(__file__).parent / "data"
+RULES = {"ip": DATA / "kube-proxy-v1.37-iptables-mode.v4",
+         "ip6": DATA / "kube-proxy-v1.37-iptables-mode.v6"}
+SECOND = "192.168.60.1"  # a second local address of the node (another network, on eth0)
+NODEPORT, LOCAL_NODEPORT = 30080, 30081
+# The kubelet's chains (and their rules) per iptables table, which must survive the cleanup.
+KUBELET = {
+    "mangle": ["-N KUBE-IPTABLES-HINT", "-N KUBE-KUBELET-CANARY"],
+    "nat": ["-N KUBE-KUBELET-CANARY"],
+    "filter": ["-N KUBE-FIREWALL", "-N KUBE-KUBELET-CANARY", "-A INPUT -j KUBE-FIREWALL",
+               "-A OUTPUT -j KUBE-FIREWALL",
+               '-A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment "block '
+               'incoming localnet connections" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT '
+               "-j DROP"],
+}
+# kubeadm v1.37.2's config.conf as it matters here: mode iptables, nodePortAddresses unset.
+CONFIG = """\
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: iptables
+clusterCIDR: 10.244.0.0/16
+nodePortAddresses: null
+iptables: {localhostNodePorts: null, masqueradeBit: null, syncPeriod: 0s, minSyncPeriod: 0s}
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+oomScoreAdj: 0
+"""
+
+
+def objects(cluster: Cluster) -> list[dict[str, Any]]:
+    """The fixture's Services, as the API server would hand them to pyproxy."""
+    pod_a, pod_b = (cluster.pods[p] for p in ("pod-a", "pod-b"))
+
+    def web(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="NodePort", ports=[
+            {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
+             "nodePort": NODEPORT}])
+
+    def lb(svc: dict[str, Any]) -> None:
+        svc["spec"].update(type="LoadBalancer", externalTrafficPolicy="Local",
+                           healthCheckNodePort=30500,
+                           loadBalancerSourceRanges=["192.168.50.0/24"], ports=[
+                               {"name": "http", "port": 80, "protocol": "TCP",
+                                "targetPort": 8080, "nodePort": LOCAL_NODEPORT}])
+        svc["status"] = {"loadBalancer": {"ingress": [{"ip": "192.168.80.10"}]}}
+
+    port = [{"name": "http", "port": 8080, "protocol": "TCP"}]
+    return [
+        make_node("node-a"),
+        make_service("ns", "web", web, ip="10.96.0.10"),
+        make_slice("ns", "web", [ep(pod_a.ip4, "node-b"), ep(pod_b.ip4, "node-b")],
+                   lambda s: s.update(ports=port)),
+        make_service("ns", "lb", lb, ip="10.96.0.11"),
+        make_slice("ns", "lb", [ep(pod_a.ip4, "node-a")], lambda s: s.update(ports=port)),
+    ]
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    with Lab() as lab:
+        yield lab.standard_topology(backends=2)
+
+
+def save(node: Netns, backend: str, family: str) -> dict[str, list[str]]:
+    """`iptables -S` of every table of one backend and family: table → lines."""
+    tool = f"{'ip6' if family == 'ip6' else 'ip'}tables-{backend}"
+    return {table: node.run([tool, "-w", "-t", table, "-S"]).stdout.splitlines()
+            for table in ("mangle", "nat", "filter")}
+
+
+def kube_proxys(listing: dict[str, list[str]]) -> list[str]:
+    """The lines naming a chain of kube-proxy's (not the kubelet's)."""
+    pattern = re.compile(r"KUBE-(?!FIREWALL\b|KUBELET-CANARY\b|IPTABLES-HINT\b)[A-Z0-9-]+")
+    return [line for lines in listing.values() for line in lines if pattern.search(line)]
+
+
+def answers(cluster: Cluster, where: Netns, address: str, port: int,
+            count: int = 10) -> set[str]:
+    return set(tally(cluster.lab.connect(where, address, port, count=count)))
+
+
+@requires_netns
+@pytest.mark.netns
+@pytest.mark.parametrize("backend", ["nft", "legacy"])
+def test_from_kube_proxy_in_iptables_mode(cluster: Cluster, backend: str,
+                                          tmp_path: Path) -> None:
+    """kube-proxy's NodePorts on the node address, a second local address and 127.0.0.1
+    answer before the switch, while both run, and after the cleanup, with pyproxy alone;
+    nothing of kube-proxy's is left in that backend, and the kubelet's chains are."""
+    lab, node, client = cluster.lab, cluster.node, cluster.client
+    node.run(["ip", "address", "add", f"{SECOND}/24", "dev", "eth0"])
+    lab.add_route(client, f"{SECOND}/32", via=cluster.node_ip4)
+    node.run(["sysctl", "-qw", "net.ipv4.conf.all.route_localnet=1"])  # kube-proxy's
+    for family, path in RULES.items():
+        tool = f"{'ip6' if family == 'ip6' else 'ip'}tables-{backend}-restore"
+        node.run([tool, "-w", "10", str(path)])
+    before = {family: save(node, backend, family) for family in RULES}
+    assert kube_proxys(before["ip"]) and kube_proxys(before["ip6"])
+    pods = {"pod-a", "pod-b"}
+    wanted = [(client, cluster.node_ip4), (client, SECOND), (node, "127.0.0.1")]
+    for where, address in wanted:  # kube-proxy's rules serve them all
+        assert answers(cluster, where, address, NODEPORT) == pods, (address, "kube-proxy")
+
+    config = tmp_path / "config.conf"
+    config.write_text(CONFIG)
+    snapshot = tmp_path / "cluster.yaml"
+    snapshot.write_text(yaml.safe_dump_all(objects(cluster)))
+    daemon = lab.popen(node, [
+        PYPROXY, "run", f"--config={config}", "--hostname-override=node-a",
+        f"--snapshot={snapshot}", "--healthz-bind-address=", "--metrics-bind-address=",
+        "--debug-socket="], log_name=f"pyproxy-iptables-{backend}.log")
+    try:
+        # The localhost proxy listens once the first sync is in.
+        eventually(lambda: "127.0.0.1:30080" in node.run(["ss", "-Htln"]).stdout,
+                   what="pyproxy's listener on 127.0.0.1:30080", timeout=60)
+        for where, address in wanted:  # both proxies' rules: either serves
+            assert answers(cluster, where, address, NODEPORT) == pods, (address, "both")
+
+        done = node.run([PYPROXY, "cleanup", "--kube-proxy"])
+        assert f"iptables-{backend}" in done.stdout or backend == "nft", done.stdout
+        after = {family: save(node, backend, family) for family in RULES}
+        assert kube_proxys(after["ip"]) == [] and kube_proxys(after["ip6"]) == []
+        for table, lines in KUBELET.items():
+            assert set(lines) <= set(after["ip"][table]), (table, after["ip"][table])
+        assert "-N KUBE-IPTABLES-HINT" in after["ip6"]["mangle"]
+        assert "-N KUBE-FIREWALL" not in after["ip6"]["filter"]  # the kubelet's is IPv4 only
+
+        for where, address in wanted:  # pyproxy alone
+            assert answers(cluster, where, address, NODEPORT) == pods, (address, "pyproxy")
+        # eTP=Local: the local endpoint, from outside on the second address too.
+        assert answers(cluster, client, SECOND, LOCAL_NODEPORT) == {"pod-a"}
+        # What still differs from iptables mode: UDP on 127.0.0.1 (no UDP Service here:
+        # the rejection is shown by tests/test_localhost_nodeports.py), and the rest of
+        # 127.0.0.0/8, which the proxy does not listen on.
+        assert {r.error for r in lab.connect(node, "127.0.0.2", NODEPORT)} == {"refused"}
+    finally:
+        lab.stop_process(daemon)
