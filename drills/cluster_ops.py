@@ -38,6 +38,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ from testkit.cluster import (
     Target,
     deploy_kube_proxy,
     is_failure,
+    kube_proxy_synced,
     netexec,
     node_tables,
     running_cluster,
@@ -399,6 +401,149 @@ def migration(cluster: RealCluster) -> OpResult:
 
 
 BACK_TO_KUBE_PROXY = "### Back to kube-proxy"
+TO_PYPROXY = "### From kube-proxy to pyproxy"
+LB_IP = "172.20.0.30"  # the eTP=Local LoadBalancer's address, as a cloud controller writes it
+# kube-proxy's chains in the iptables tables (iptables mode); the kubelet's have other names.
+KUBE_PROXY_CHAIN = re.compile(
+    r"-N (KUBE-(?!FIREWALL$|KUBELET-CANARY$|IPTABLES-HINT$)\S+)$")
+KUBELET_CHAINS = ("KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT")
+
+
+def iptables_chains(node: Any) -> list[str]:
+    """`TABLE/CHAIN` of every KUBE-* chain in a node's iptables tables (iptables-nft), sorted."""
+    found = []
+    for table in ("mangle", "nat", "filter"):
+        out = node.run(["iptables", "-w", "5", "-t", table, "-S"], check=False).stdout
+        found += [f"{table}/{line.split()[1]}" for line in out.splitlines()
+                  if line.startswith("-N KUBE-")]
+    return sorted(found)
+
+
+def kube_proxys_chains(chains: Sequence[str]) -> list[str]:
+    """Those of `iptables_chains` that are kube-proxy's, not the kubelet's."""
+    return [c for c in chains if KUBE_PROXY_CHAIN.match("-N " + c.split("/", 1)[1])]
+
+
+def iptables_targets(cluster: RealCluster) -> list[Target]:
+    """The migration drill's clients plus what iptables mode served that nftables mode does
+    not: the NodePort on 127.0.0.1 from every node, and the eTP=Local LoadBalancer from
+    outside (through the first node, whose fabric route the drill adds)."""
+    return (targets(cluster)
+            + [Target(n.ns.full, "127.0.0.1", NODE_PORT, f"{n.name} -> 127.0.0.1 NodePort")
+               for n in cluster.nodes]
+            + [Target(cluster.outside.full, LB_IP, 80, "outside -> eTP=Local LB")])
+
+
+def deploy_pyproxy_kubeadm(cluster: RealCluster, image: str) -> None:
+    """docs/deploying.md, "On a kubeadm cluster": `kubectl apply -f
+    manifests/00-serviceaccount.yaml -f manifests/01-rbac.yaml -f manifests/kubeadm/`, kube-proxy's
+    own ConfigMap read as it is, with the image filled in (a kustomize overlay, as
+    RealCluster.deploy_pyproxy does for manifests/)."""
+    overlay = cluster.lab.workdir / "pyproxy-kubeadm-overlay"
+    overlay.mkdir(exist_ok=True)
+    name, _, tag = image.rpartition(":")
+
+    shutil.copytree(REPO / "manifests", overlay / "base", dirs_exist_ok=True)
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": ["base/00-serviceaccount.yaml", "base/01-rbac.yaml",
+                      "base/kubeadm/03-daemonset.yaml"],
+        "images": [{"name": "ghcr.io/pyproxy/pyproxy", "newName": name, "newTag": tag}]}))
+    cluster.kubectl("apply", "-f", "-", input=cluster.kubectl("kustomize", str(overlay)).stdout)
+    cluster.pyproxy_image = image
+
+
+def check_kubeadm_config(cluster: RealCluster) -> str:
+    """docs/deploying.md, "On a kubeadm cluster", "Check it first": the ConfigMap's
+    config.conf through `pyproxy config check` (this checkout's); its last line."""
+    pyproxy = str(Path(sys.executable).parent / "pyproxy")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_doc(cluster, "kubectl -n kube-system get cm kube-proxy -o "
+                      "jsonpath='{.data.config\\.conf}' > config.conf\n"
+                      f"{pyproxy} config check --config config.conf\n", cwd=tmp)
+    lines = out.stdout.splitlines()
+    return "; ".join([*(line for line in lines if line.startswith("change: ")), lines[-1]])
+
+
+def iptables_migration(cluster: RealCluster) -> OpResult:
+    """From kubeadm's kube-proxy DaemonSet and ConfigMap in `mode: iptables` (iptables-nft) to
+    pyproxy reading that ConfigMap as it is (manifests/kubeadm/), following docs/deploying.md
+    ("From kube-proxy to pyproxy" steps 3 to 5, step 4 and 5 as written), and back ("Back to
+    kube-proxy" steps 1 to 4 as written), with clients on the ClusterIP from every node, the
+    NodePort from outside on every node and on 127.0.0.1 from every node, and an eTP=Local
+    LoadBalancer from outside."""
+    def body(result: OpResult) -> None:
+        cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy", "--ignore-not-found")
+        wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
+        deploy_kube_proxy(cluster, mode="iptables")
+        cluster.kubectl("-n", "kube-system", "delete", "ds", "pyproxy")
+        wait_for(lambda: not pyproxy_pods(cluster), 120, "pyproxy's pods gone")
+        for node in cluster.nodes:
+            node.run(["nft", "delete", "table", "ip", "pyproxy"], check=False)
+            node.run(["nft", "delete", "table", "ip6", "pyproxy"], check=False)
+        cluster.kube.core.patch_namespaced_service_status("web-local", NS, {"status": {
+            "loadBalancer": {"ingress": [{"ip": LB_IP}]}}})
+        cluster.lab.add_route(cluster.net, f"{LB_IP}/32", via=cluster.nodes[0].spec.ip)
+        clients = iptables_targets(cluster)
+        wait_for(lambda: all(_answers(t.netns, t.ip, t.port) for t in clients), 60,
+                 "every client answered by kube-proxy in iptables mode")
+        before = {n.name: iptables_chains(n) for n in cluster.nodes}
+        result.notes.append("kube-proxy (iptables mode): " + ", ".join(
+            f"{name}: {len(kube_proxys_chains(c))} chains of kube-proxy's"
+            for name, c in before.items()))
+        result.notes.append(f"config check: {check_kubeadm_config(cluster)}")
+        steps = doc_steps(TO_PYPROXY)
+        with Prober(clients) as prober:
+            deploy_pyproxy_kubeadm(cluster, cluster.pyproxy_image)  # step 2, kubeadm's way
+            cluster.rollout("daemonset", "pyproxy")
+            wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
+            run_doc(cluster, steps[4])  # kube-proxy parked
+            wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120,
+                     "kube-proxy's pods gone")
+            run_doc(cluster, steps[5])  # pyproxy cleanup --kube-proxy in every pyproxy pod
+            prober.settle(5.0)
+            forward = dataclasses.replace(prober.report, failures=dict(prober.report.failures))
+            after = {n.name: iptables_chains(n) for n in cluster.nodes}
+            left = {name: kube_proxys_chains(c) for name, c in after.items()}
+            if any(left.values()):
+                raise RuntimeError(f"kube-proxy's chains left after the cleanup: {left}")
+            kept = {name: sorted({c.split("/", 1)[1] for c in before[name]}
+                                 & set(KUBELET_CHAINS)) for name in before}
+            gone = {name: [c for c in before[name] if c.split("/", 1)[1] in KUBELET_CHAINS
+                           and c not in after[name]] for name in before}
+            if any(gone.values()):
+                raise RuntimeError(f"the kubelet's chains removed by the cleanup: {gone}")
+            result.notes.append(f"to pyproxy: {forward.line()}; the kubelet's chains kept: "
+                                + ", ".join(f"{n}: {' '.join(k) or 'none'}"
+                                            for n, k in kept.items()))
+            back = doc_steps(BACK_TO_KUBE_PROXY)
+            run_doc(cluster, back[1])  # kube-proxy back: unpark it, rollout status, its rules
+            wait_for(lambda: all(kube_proxy_synced(n, "iptables") for n in cluster.nodes),
+                     120, "kube-proxy's rules on every node")
+            image = run_doc(cluster, back[2] + '\nprintf "%s\\n" "$image"\n'
+                            ).stdout.splitlines()[-1]
+            wait_for(lambda: not pyproxy_pods(cluster), 120, "pyproxy's pods gone")
+            for node in cluster.nodes:
+                debug_cleanup(cluster, node, back[3], image)
+            run_doc(cluster, back[4])  # kube-proxy restarted
+            cluster.rollout("daemonset", "kube-proxy")
+            prober.settle(5.0)
+        result.report = prober.report
+        result.figures["failed going to pyproxy"] = float(forward.failed)
+        result.figures["failed going back"] = float(prober.report.failed - forward.failed)
+        # Leave the cluster as the other drills expect it: pyproxy from manifests/, no
+        # kube-proxy, no LoadBalancer address.
+        cluster.deploy_pyproxy(cluster.pyproxy_image)
+        cluster.rollout("daemonset", "pyproxy")
+        wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
+        cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
+        wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
+        for pod in pyproxy_pods(cluster):
+            cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
+                            "pyproxy", "cleanup", "--kube-proxy")
+        cluster.kube.core.patch_namespaced_service_status("web-local", NS, {"status": {
+            "loadBalancer": {"ingress": None}}})
+    return timed("iptables-migration", body)
 
 
 def doc_steps(heading: str, doc: Path = DEPLOYING) -> dict[int, str]:
@@ -424,14 +569,14 @@ def doc_steps(heading: str, doc: Path = DEPLOYING) -> dict[int, str]:
     return steps
 
 
-def run_doc(cluster: RealCluster, script: str, **variables: str,
+def run_doc(cluster: RealCluster, script: str, cwd: str | None = None, **variables: str,
             ) -> subprocess.CompletedProcess[str]:
     """A shell block of the docs, as an operator runs it: bash, the cluster's kubectl first on
     PATH, its admin kubeconfig; ``variables`` set before (a value an earlier step kept)."""
     env = {**os.environ, "PATH": f"{cluster.bin}:{os.environ.get('PATH', '')}",
            "KUBECONFIG": str(cluster.admin_kubeconfig()), **variables}
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", script], input="", env=env,
-                         capture_output=True, text=True, timeout=300, check=False)
+                         capture_output=True, text=True, timeout=300, check=False, cwd=cwd)
     if out.returncode != 0:
         raise RuntimeError(f"docs/deploying.md's\n{script}failed ({out.returncode}): "
                            f"{out.stderr.strip()[-1500:]}")
@@ -601,6 +746,7 @@ OPERATIONS: list[tuple[str, Callable[[RealCluster], OpResult]]] = [
     ("apiserver-restart", apiserver_restart),
     ("node-reboot", node_reboot),
     ("migration", migration),
+    ("iptables-migration", iptables_migration),
     ("lb-drain", lb_drain),  # last: it removes a node
 ]
 

@@ -796,18 +796,46 @@ def node_tables(node: Any) -> str:
                     node.run(["nft", "list", "tables"]).stdout.splitlines() if line.strip())
 
 
-def deploy_kube_proxy(cluster: RealCluster) -> None:
+def kube_proxy_manifest(mode: str = "nftables") -> str:
+    """testkit/cluster_manifests/kube-proxy.yaml in `mode`: for iptables, the ConfigMap's
+    config.conf says `mode: iptables` and has an `iptables` section in place of the
+    `nftables` one, as kubeadm v1.37 writes it (tests/data/kubeadm-kube-proxy-configmap.yaml:
+    `localhostNodePorts: null`, kube-proxy's default true)."""
+    text = (Path(__file__).resolve().parent / "cluster_manifests" / "kube-proxy.yaml").read_text()
+    if mode == "nftables":
+        return text
+    if mode != "iptables":
+        raise ValueError(f"kube-proxy mode {mode!r}: nftables or iptables")
+    for old, new in (("    mode: nftables\n", "    mode: iptables\n"),
+                     ("    nftables:\n", "    iptables:\n      localhostNodePorts: null\n")):
+        if old not in text:
+            raise ClusterError(f"kube-proxy.yaml: no {old.strip()!r} to change")
+        text = text.replace(old, new)
+    return text
+
+
+def kube_proxy_synced(node: Any, mode: str = "nftables") -> bool:
+    """Whether kube-proxy has written its rules on a node: its table (nftables mode), or its
+    KUBE-SERVICES chain ending with the NodePorts rule (iptables mode, iptables-nft)."""
+    if mode == "nftables":
+        return "kube-proxy" in node_tables(node)
+    out = node.run(["iptables", "-w", "5", "-t", "nat", "-S", "KUBE-SERVICES"], check=False)
+    return "service nodeports" in out.stdout
+
+
+def deploy_kube_proxy(cluster: RealCluster, mode: str = "nftables") -> None:
     """kube-proxy as kubeadm deploys it (its ConfigMap with config.conf and kubeconfig.conf,
-    privileged DaemonSet), nftables mode, the image built here: the other proxy of the
-    drills and of the conformance runs."""
+    privileged DaemonSet), nftables mode (or iptables: iptables-nft, the image's Debian
+    iptables), the image built here: the other proxy of the drills and of the conformance
+    runs."""
     from testkit import images as built
 
-    text = (Path(__file__).resolve().parent / "cluster_manifests" / "kube-proxy.yaml").read_text()
+    text = kube_proxy_manifest(mode)
     cluster.kubectl("apply", "-f", "-", input=text.replace("KUBE_PROXY_IMAGE", built.KUBE_PROXY)
                     .replace("API_SERVER", f"https://{API_IP}:6443"))
     cluster.rollout("daemonset", "kube-proxy")
-    wait_for(lambda: all("kube-proxy" in node_tables(n) for n in cluster.nodes), 120,
-             "kube-proxy's table on every node")
+    wait_for(lambda: all(kube_proxy_synced(n, mode) for n in cluster.nodes), 120,
+             f"kube-proxy's rules ({mode} mode) on every node")
 
 
 @contextlib.contextmanager

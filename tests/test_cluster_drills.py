@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import yaml
 
 from drills import cluster_ops as ops
 
@@ -106,3 +107,90 @@ def test_the_figures_go_to_bench_results_named_by_commit() -> None:
     commit, _ = ops.git_commit()
     assert len(commit) >= 7 and commit != "unknown"
     assert os.path.isdir(results)
+
+
+# -- the iptables-mode migration --------------------------------------------------------------
+
+# A kubectl whose kube-proxy pods answer as kube-proxy in the mode of $FAKE_MODE would, once
+# synced ("none": nothing written yet; the image has nft and iptables either way).
+FAKE_KUBE_PROXY_KUBECTL = """#!/bin/sh
+case "$*" in
+  *"get pod -l k8s-app=kube-proxy -o name"*) echo pod/kube-proxy-a; echo pod/kube-proxy-b ;;
+  *"-- nft list table ip kube-proxy"*)
+    [ "$FAKE_MODE" = nftables ] && { echo "table ip kube-proxy {"; exit 0; }
+    echo "Error: No such file or directory" >&2; exit 1 ;;
+  *"-- iptables -t nat -S KUBE-SERVICES"*)
+    [ "$FAKE_MODE" = iptables ] || { echo "iptables: No chain/target/match by that name." >&2
+                                     exit 1; }
+    echo "-N KUBE-SERVICES"
+    echo '-A KUBE-SERVICES -m comment --comment "kubernetes service nodeports; NOTE: this' \
+         'must be the last rule in this chain" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS' ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(("mode", "unsynced"), [("nftables", False), ("iptables", False),
+                                                ("none", True)])
+def test_the_way_back_waits_for_kube_proxy_in_either_mode(
+        fake_cluster: Any, monkeypatch: pytest.MonkeyPatch, mode: str, unsynced: bool) -> None:
+    """"Back to kube-proxy", step 1 as written: its check tells a synced kube-proxy in
+    nftables mode (its table) and in iptables mode (KUBE-SERVICES ending with the NodePorts
+    rule) from one that has written nothing, under bash -euo pipefail."""
+    kubectl = fake_cluster.bin / "kubectl"
+    kubectl.write_text(FAKE_KUBE_PROXY_KUBECTL)
+    monkeypatch.setenv("FAKE_MODE", mode)
+    out = ops.run_doc(fake_cluster, ops.doc_steps(ops.BACK_TO_KUBE_PROXY)[1])
+    expected = ["pod/kube-proxy-a: not synced yet", "pod/kube-proxy-b: not synced yet"]
+    assert out.stdout.splitlines() == (expected if unsynced else [])
+
+
+def test_the_way_there_is_the_docs_numbered_steps() -> None:
+    """Steps 4 and 5 of "From kube-proxy to pyproxy", which the iptables-mode drill runs as
+    written: kube-proxy parked, then its leftovers removed from every pyproxy pod."""
+    steps = ops.doc_steps(ops.TO_PYPROXY)
+    assert "pyproxy.io/run-kube-proxy" in steps[4] and "patch ds kube-proxy" in steps[4]
+    assert "pyproxy cleanup --kube-proxy" in steps[5]
+
+
+def test_kube_proxy_in_iptables_mode_is_kubeadms_configuration() -> None:
+    """The drill's kube-proxy in iptables mode: the harness's kubeadm-shaped ConfigMap with
+    `mode: iptables` and the iptables section kubeadm writes; pyproxy reading it as it is
+    (manifests/kubeadm/) serves NodePorts where that kube-proxy does and says, before the
+    switch, what still differs."""
+    from pyproxy.config import load_config
+    from testkit.cluster import kube_proxy_manifest
+
+    def config_conf(mode: str) -> str:
+        docs = list(yaml.safe_load_all(kube_proxy_manifest(mode)))
+        (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+        text: str = configmap["data"]["config.conf"]
+        return text
+
+    iptables, nftables = config_conf("iptables"), config_conf("nftables")
+    assert yaml.safe_load(iptables)["mode"] == "iptables"
+    assert yaml.safe_load(iptables)["iptables"]["localhostNodePorts"] is None
+    assert "nftables" not in yaml.safe_load(iptables)
+    loaded = load_config(iptables)
+    assert loaded.nodeport_addresses == ("all", "127.0.0.0/8")
+    assert loaded.kube_proxy_mode == "iptables" and len(loaded.changes) == 1
+    assert load_config(nftables).nodeport_addresses == ("primary",)
+    with pytest.raises(ValueError, match="ipvs"):
+        kube_proxy_manifest("ipvs")
+
+
+def test_the_kubeadm_variant_the_drill_deploys_is_shipped() -> None:
+    for path in ("00-serviceaccount.yaml", "01-rbac.yaml", "kubeadm/03-daemonset.yaml"):
+        assert (ROOT / "manifests" / path).is_file()
+
+
+def test_only_kube_proxys_chains_count_as_left_over() -> None:
+    chains = ["filter/KUBE-FIREWALL", "filter/KUBE-FORWARD", "filter/KUBE-KUBELET-CANARY",
+              "mangle/KUBE-IPTABLES-HINT", "mangle/KUBE-PROXY-CANARY", "nat/KUBE-MARK-MASQ",
+              "nat/KUBE-SEP-DT6VVTARLVVOS44S", "nat/KUBE-FIREWALL-X"]
+    assert ops.kube_proxys_chains(chains) == [
+        "filter/KUBE-FORWARD", "mangle/KUBE-PROXY-CANARY", "nat/KUBE-MARK-MASQ",
+        "nat/KUBE-SEP-DT6VVTARLVVOS44S", "nat/KUBE-FIREWALL-X"]
+
+
+def test_the_iptables_drill_is_one_of_the_operations() -> None:
+    assert ("iptables-migration", ops.iptables_migration) in ops.OPERATIONS
