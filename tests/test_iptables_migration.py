@@ -10,10 +10,16 @@ with kubeadm's configuration (`mode: iptables`, `nodePortAddresses` unset), `pyp
 NodePorts still answers: the second address through `fib daddr type local`, 127.0.0.1 through
 the localhost proxy. The kubelet's chains (KUBE-FIREWALL with its jumps, KUBE-KUBELET-CANARY,
 KUBE-IPTABLES-HINT) are left as they were. Everything happens in the lab's namespaces, which
-go with it (iptables-legacy's tables and route_localnet are per network namespace too)."""
+go with it (iptables-legacy's tables and route_localnet are per network namespace too).
+
+The fixture is the real kube-proxy's: the last test runs kube-proxy v1.37.2 in iptables mode
+(iptables-nft) against the real control plane on the same namespace layout, checks its rules
+against the fixture, and goes to pyproxy and back with the real kube-proxy (`-m k8s`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,7 +110,7 @@ def kube_proxys(listing: dict[str, list[str]]) -> list[str]:
 
 
 def answers(cluster: Cluster, where: Netns, address: str, port: int,
-            count: int = 10) -> set[str]:
+            count: int = 20) -> set[str]:
     return set(tally(cluster.lab.connect(where, address, port, count=count)))
 
 
@@ -152,7 +158,9 @@ def test_from_kube_proxy_in_iptables_mode(cluster: Cluster, backend: str,
         for table, lines in KUBELET.items():
             assert set(lines) <= set(after["ip"][table]), (table, after["ip"][table])
         assert "-N KUBE-IPTABLES-HINT" in after["ip6"]["mangle"]
-        assert "-N KUBE-FIREWALL" not in after["ip6"]["filter"]  # the kubelet's is IPv4 only
+        # IPv6's KUBE-FIREWALL is kube-proxy's empty copy of the kubelet's jump chains: kept,
+        # as kube-proxy's own cleanup keeps it.
+        assert "-A INPUT -j KUBE-FIREWALL" in after["ip6"]["filter"]
 
         for where, address in wanted:  # pyproxy alone
             assert answers(cluster, where, address, NODEPORT) == pods, (address, "pyproxy")
@@ -164,3 +172,163 @@ def test_from_kube_proxy_in_iptables_mode(cluster: Cluster, backend: str,
         assert {r.error for r in lab.connect(node, "127.0.0.2", NODEPORT)} == {"refused"}
     finally:
         lab.stop_process(daemon)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real kube-proxy v1.37.2 in iptables mode, on the real control plane
+
+
+def kube_objects(kube: Any, cluster: Cluster) -> None:
+    """The fixture's Services and pods in the API: ns/web's two pods on node-b, ns/lb's one
+    on node-a (pod-a's address again, as a pod of this node)."""
+    kube.namespace("ns")
+    kube.node("node-a", (cluster.node_ip4,))
+    kube.node("node-b", ("192.168.50.3",))
+    http = {"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}
+    kube.core.create_namespaced_service("ns", {"metadata": {"name": "web"}, "spec": {
+        "type": "NodePort", "clusterIP": "10.96.0.10", "selector": {"app": "web"},
+        "ports": [{**http, "nodePort": NODEPORT}]}})
+    kube.core.create_namespaced_service("ns", {"metadata": {"name": "lb"}, "spec": {
+        "type": "LoadBalancer", "clusterIP": "10.96.0.11", "selector": {"app": "lb"},
+        "externalTrafficPolicy": "Local", "healthCheckNodePort": 30500,
+        "loadBalancerSourceRanges": ["192.168.50.0/24"],
+        "ports": [{**http, "nodePort": LOCAL_NODEPORT}]}})
+    kube.core.patch_namespaced_service_status("lb", "ns", {"status": {"loadBalancer": {
+        "ingress": [{"ip": "192.168.80.10", "ipMode": "VIP"}]}}})
+    for name in ("pod-a", "pod-b"):
+        kube.pod("ns", name, "node-b", (cluster.pods[name].ip4,), {"app": "web"})
+    kube.pod("ns", "local-pod-a", "node-a", (cluster.pods["pod-a"].ip4,), {"app": "lb"})
+
+
+# What the fixture leaves out of the real kube-proxy's rules: the API server's own Service
+# (default/kubernetes), and nfacct (kube-proxy's localhost NodePort counting rules and the
+# counter of its INVALID drop, where it can create nfnetlink_acct counters: restoring them
+# needs the counters made first).
+NOT_IN_FIXTURE = re.compile(r"default/kubernetes|KUBE-SVC-NPX46M4PTMTKRN6Y|"
+                            r"KUBE-SEP-XMPAT2JPN4T37LZX|localhost_nps_accepted_pkts")
+
+
+def rules(text: str) -> dict[str, list[str]]:
+    """An iptables-save listing as table → its chain and rule lines, counters and what the
+    fixture leaves out removed."""
+    out: dict[str, list[str]] = {}
+    table = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+            out[table] = []
+        elif line.startswith((":", "-A")) and not NOT_IN_FIXTURE.search(line):
+            line = re.sub(r" \[\d+:\d+\]$", "", line)
+            out[table].append(re.sub(r" -m nfacct --nfacct-name\s+\S+", "", line))
+    return out
+
+
+@pytest.mark.k8s
+@requires_netns
+@pytest.mark.netns
+def test_the_real_kube_proxy_in_iptables_mode_and_back(cluster: Cluster, control_plane: Any,
+                                                        tmp_path: Path) -> None:
+    """kube-proxy v1.37.2 in iptables mode (iptables-nft) programs the node as the fixture
+    says (the same chains and rules, nfacct matches aside); pyproxy with kubeadm's `mode:
+    iptables` configuration takes over with `pyproxy cleanup --kube-proxy`, and kube-proxy
+    takes the node back with `pyproxy cleanup`: the NodePort answers on the node address, a
+    second local address and 127.0.0.1, and the eTP=Local LoadBalancer answers, at every step."""
+    from testkit.controlplane import (
+        Kube,
+        apply_manifests,
+        kube_proxy_token,
+        service_account_token,
+    )
+
+    plane, lab, node, client = control_plane, cluster.lab, cluster.node, cluster.client
+    kube = Kube(plane.admin_client())
+    plane.attach(node)
+    apply_manifests(kube)
+    node.run(["ip", "address", "add", f"{SECOND}/24", "dev", "eth0"])
+    lab.add_route(client, f"{SECOND}/32", via=cluster.node_ip4)
+    lab.add_route(client, "192.168.80.10/32", via=cluster.node_ip4)
+    for tool in ("iptables", "ip6tables"):  # the kubelet's chains of both families
+        for table, chain in (("mangle", "KUBE-IPTABLES-HINT"), ("mangle", "KUBE-KUBELET-CANARY"),
+                             ("nat", "KUBE-KUBELET-CANARY"), ("filter", "KUBE-KUBELET-CANARY")):
+            node.run([tool, "-w", "10", "-t", table, "-N", chain])
+    kube_objects(kube, cluster)
+    config = tmp_path / "kube-proxy.conf"
+    config.write_text(yaml.safe_dump({
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
+        "mode": "iptables", "hostnameOverride": "node-a", "clusterCIDR": "10.244.0.0/16",
+        "clientConnection": {"kubeconfig": str(plane.node_kubeconfig(
+            tmp_path / "kube-proxy.kubeconfig", kube_proxy_token(kube)))},
+        "metricsBindAddress": "127.0.0.1:10249", "healthzBindAddress": "127.0.0.1:10256",
+        "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
+                      "tcpCloseWaitTimeout": "0s"},
+        "iptables": {"minSyncPeriod": "200ms", "syncPeriod": "5s"}}))
+    py_config = tmp_path / "config.conf"
+    py_config.write_text(CONFIG)
+    py_kubeconfig = plane.node_kubeconfig(tmp_path / "pyproxy.kubeconfig",
+                                          service_account_token(kube))
+    pods = {"pod-a", "pod-b"}
+    wanted = [(client, cluster.node_ip4), (client, SECOND), (node, "127.0.0.1")]
+
+    def all_answer(who: str) -> None:
+        for where, address in wanted:
+            assert answers(cluster, where, address, NODEPORT) == pods, (address, who)
+        assert answers(cluster, client, "192.168.80.10", 80, 4) == {"pod-a"}, ("LB", who)
+
+    def kube_proxy_synced() -> bool:
+        listing = node.run(["iptables", "-w", "5", "-t", "nat", "-S"], check=False).stdout
+        return "service nodeports" in listing and "10.244.2.2:8080" in listing
+
+    def start_kube_proxy(name: str) -> Any:
+        proc = lab.popen(node, [plane.bin / "kube-proxy", f"--config={config}", "-v=2"],
+                         log_name=name)
+        eventually(kube_proxy_synced, what="kube-proxy's rules", timeout=60)
+        return proc
+
+    kube_proxy = start_kube_proxy("kube-proxy-iptables-1.log")
+    daemon = None
+    try:
+        assert node.run(["sysctl", "-n", "net.ipv4.conf.all.route_localnet"]).stdout.strip() \
+            == "1"
+        eventually(lambda: answers(cluster, client, cluster.node_ip4, NODEPORT) == pods,
+                   what="kube-proxy serving")
+        all_answer("kube-proxy")
+        saved = {family: node.run([tool]).stdout for family, tool in
+                 (("ip", "iptables-nft-save"), ("ip6", "ip6tables-nft-save"))}
+        if os.environ.get("PYPROXY_SAVE_IPTABLES"):  # how the fixture was made
+            for family, text in saved.items():
+                Path(f"{os.environ['PYPROXY_SAVE_IPTABLES']}.{family}").write_text(text)
+        for family, text in saved.items():
+            real, fixture = rules(text), rules(RULES[family].read_text())
+            for table in ("mangle", "filter", "nat"):  # kube-proxy's order is a map's
+                assert sorted(real[table]) == sorted(fixture[table]), (family, table)
+
+        daemon = lab.popen(node, [
+            PYPROXY, "run", f"--config={py_config}", f"--kubeconfig={py_kubeconfig}",
+            "--hostname-override=node-a", "--healthz-bind-address=",
+            "--metrics-bind-address=", "--debug-socket="], log_name="pyproxy-real.log")
+        eventually(lambda: "127.0.0.1:30080" in node.run(["ss", "-Htln"]).stdout,
+                   what="pyproxy's listener on 127.0.0.1:30080", timeout=60)
+        all_answer("both")
+        lab.stop_process(kube_proxy)
+        all_answer("pyproxy, kube-proxy's rules left")
+        node.run([PYPROXY, "cleanup", "--kube-proxy"])
+        left = save(node, "nft", "ip")
+        assert kube_proxys(left) == []
+        assert {"-N KUBE-FIREWALL", "-A INPUT -j KUBE-FIREWALL"} <= set(left["filter"])
+        all_answer("pyproxy")
+
+        kube_proxy = start_kube_proxy("kube-proxy-iptables-2.log")  # back
+        all_answer("both, going back")
+        lab.stop_process(daemon)
+        daemon = None
+        node.run([PYPROXY, "cleanup"])
+        assert "pyproxy" not in node.run(["nft", "list", "tables"]).stdout
+        all_answer("kube-proxy again")
+    finally:
+        if daemon is not None:
+            lab.stop_process(daemon)
+        lab.stop_process(kube_proxy)
+        with contextlib.suppress(Exception):  # the API server's state goes with it anyway
+            kube.core.delete_namespace("ns")
+            for name in ("node-a", "node-b"):
+                kube.core.delete_node(name)
