@@ -108,9 +108,13 @@ def test_proxy_mode_is_checked(kube_proxy_flags: dict[str, str]) -> None:
     assert from_args(parser.parse_args(["run", "--proxy-mode=nftables"])) == ProxyConfig()
     with pytest.raises(ConfigError, match="pyproxy only implements nftables mode"):
         from_args(parser.parse_args(["run", "--proxy-mode=ipvs"]))
-    # iptables, kube-proxy's default (and what kubeadm writes), runs nftables with a warning.
+    # iptables, kube-proxy's default (and what kubeadm writes), runs nftables with a warning
+    # naming the flag that keeps iptables mode's NodePort addresses (a file's mode brings
+    # them, the flag does not).
     config = from_args(parser.parse_args(["run", "--proxy-mode=iptables"]))
-    assert config.unapplied == ("--proxy-mode=iptables: pyproxy runs nftables, its only mode",)
+    (warning,) = config.unapplied
+    assert warning.startswith("--proxy-mode=iptables: pyproxy runs nftables, its only mode; ")
+    assert warning.endswith("--nodeport-addresses=all,127.0.0.0/8 keeps that")
 
 
 @pytest.mark.parametrize(("ci", "outcome"), [("true", "1 error"), ("", "1 skipped")])
