@@ -19,6 +19,10 @@ running and their failed connections counted (the goal is 0 for each).
   docs/deploying.md step by step, and back with the commands of its "Back to kube-proxy" run
   as written (bash, the cluster's kubectl): pyproxy's tables removed by `kubectl debug
   node/NODE --profile=netadmin` with the image pyproxy's DaemonSet ran, `pyproxy cleanup`;
+- iptables-migration: the same from kubeadm's kube-proxy in `mode: iptables` (iptables-nft),
+  pyproxy reading kube-proxy's ConfigMap as it is (manifests/kubeadm/), with clients also on
+  the NodePort at 127.0.0.1 from every node and on an eTP=Local LoadBalancer; kube-proxy's
+  chains left after the cleanup, or the kubelet's gone, break it down;
 - lb-drain: a prober outside the nodes does what cloud load balancers do (health checks of
   every node's /healthz for an eTP=Cluster Service and of the health-check node port for an
   eTP=Local one, clients sent only to nodes it sees healthy) while a node is drained for
