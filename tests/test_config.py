@@ -563,7 +563,8 @@ class TestModes:
                      id="localhostNodePorts false: no 127.0.0.1"),
         pytest.param("nodePortAddresses: [0.0.0.0/0]\n", ("0.0.0.0/0", "127.0.0.0/8"),
                      id="0.0.0.0/0 served 127.0.0.1 in iptables mode"),
-        pytest.param("nodePortAddresses: [fd00::/64]\n", ("fd00::/64", "127.0.0.0/8"),
+        pytest.param("nodePortAddresses: [fd00::/64]\n",
+                     ("fd00::/64", "0.0.0.0/0", "127.0.0.0/8"),
                      id="no IPv4 CIDR: IPv4 matched all, 127.0.0.1 too"),
         pytest.param("nodePortAddresses: [primary]\n", ("primary",), id="primary: as given"),
         pytest.param("nodePortAddresses: [192.168.0.0/16]\n", ("192.168.0.0/16",),
@@ -598,13 +599,19 @@ class TestModes:
                          "featureGates: {KubeProxyNFTablesLocalhostNodePorts: false}\n").changes
         assert change.startswith("NodePorts on 127.0.0.1 are rejected, every protocol")
         assert change.endswith(
-            "TCP ones are kept by nodePortAddresses: [all, localhost, 127.0.0.0/8] and "
+            "TCP ones are kept by nodePortAddresses: [all, localhost] and "
             "featureGates KubeProxyNFTablesLocalhostNodePorts: true: pyproxy's localhost proxy "
             "serves them")
         flagged = apply_flags(load("mode: iptables\n"), parse_flags("--nodeport-addresses=all"))
         (change,) = flagged.changes
         assert change.endswith("TCP ones are kept by nodePortAddresses: [all, 127.0.0.0/8]: "
                                "pyproxy's localhost proxy serves them")
+        # The setting named keeps IPv4's every local address: not [fd00::/64, 127.0.0.0/8].
+        flagged = apply_flags(load("mode: iptables\n"),
+                              parse_flags("--nodeport-addresses=fd00::/64"))
+        assert flagged.changes[0].endswith(
+            "nodePortAddresses: [fd00::/64, 0.0.0.0/0, 127.0.0.0/8]: pyproxy's localhost "
+            "proxy serves them")
         assert load("mode: iptables\niptables: {localhostNodePorts: false}\n").changes == ()
         assert load("mode: iptables\nnodePortAddresses: [primary]\n").changes == ()
         assert load("mode: nftables\n").changes == ()

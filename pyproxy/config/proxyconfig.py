@@ -267,13 +267,16 @@ def iptables_nodeport_addresses(entries: Sequence[str], localhost_nodeports: boo
     """nodePortAddresses that serve NodePorts where kube-proxy's iptables mode did, for a
     configuration naming that mode: `entries` (`all` when unset, iptables mode's default:
     every local address) plus 127.0.0.0/8, the localhost proxy's, where iptables mode served
-    127.0.0.1 and no IPv4 loopback CIDR is there yet."""
+    127.0.0.1 and no IPv4 loopback CIDR is there yet. Entries without an IPv4 CIDR meant
+    every local IPv4 address to iptables mode: 0.0.0.0/0 keeps that beside 127.0.0.0/8 (which
+    alone would select no IPv4 address but loopback)."""
     chosen = tuple(entries) or ("all",)
     has_loopback = any(e == "localhost" or (is_loopback_cidr(e) and ":" not in e)
                        for e in chosen)
-    if iptables_serves_localhost(chosen, localhost_nodeports) and not has_loopback:
-        return (*chosen, IPTABLES_LOCALHOST)
-    return chosen
+    if not iptables_serves_localhost(chosen, localhost_nodeports) or has_loopback:
+        return chosen
+    has_ipv4 = any(":" not in e for e in chosen)  # keywords count: each has an IPv4 side
+    return (*chosen, *(() if has_ipv4 else ("0.0.0.0/0",)), IPTABLES_LOCALHOST)
 
 
 def _mode_changes(config: ProxyConfig) -> Iterator[str]:
@@ -288,7 +291,7 @@ def _mode_changes(config: ProxyConfig) -> Iterator[str]:
     why = ("kube-proxy's iptables mode DNATed every protocol there with route_localnet=1, "
            "which nftables never sets (CVE-2020-8558)")
     if not proxied:
-        wanted = (*config.nodeport_addresses, IPTABLES_LOCALHOST)
+        wanted = iptables_nodeport_addresses(config.nodeport_addresses, True)
         keep = [f"nodePortAddresses: [{', '.join(wanted)}]"]
         if not config.localhost_nodeports_gate:
             keep.append("featureGates KubeProxyNFTablesLocalhostNodePorts: true")
