@@ -67,9 +67,10 @@ of kubeadm's `kube-system/kube-proxy` ConfigMap), and kube-proxy's flag names ov
   (nftables mode's default) when mode is `nftables`, and to iptables mode's NodePort addresses
   when mode is `iptables` or empty: `[all, 127.0.0.0/8]`, every local address and 127.0.0.1
   (TCP, through the localhost proxy), or `[all]` with `iptables.localhostNodePorts: false`;
-  given CIDRs that iptables mode served 127.0.0.1 with (`all`, `0.0.0.0/0`) get `127.0.0.0/8`
-  added. What still differs (UDP and SCTP NodePorts on loopback) is a `change:` line of
-  `pyproxy config check` and a warning at start. The flag `--proxy-mode=iptables` changes no
+  given CIDRs that iptables mode served 127.0.0.1 with (`all`, `0.0.0.0/0`, none of IPv4)
+  get `127.0.0.0/8` added (and `0.0.0.0/0` where none was of IPv4). What still differs (UDP
+  and SCTP NodePorts on loopback) is a `change:` line of `pyproxy config check` and a warning
+  at start. The flag `--proxy-mode=iptables` changes no
   default: it warns with the `--nodeport-addresses` that keeps iptables mode's addresses.
 - **Fields.** Every v1alpha1 field is accepted. Fields that do not apply are type checked, and
   a value that would have changed kube-proxy's behaviour is reported at start-up as a note. A
