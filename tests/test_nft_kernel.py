@@ -362,7 +362,7 @@ def test_a_staged_sync_over_netlink_lists_as_the_text_sync(lab: Lab,
             staged.sync(state)
             assert "staged full sync" in staged.applier.last_script
             text = FamilyProxier(family, CONFIG, libnft_in(b.full, raw_elements=False))
-            text.applier.stage_chunk = 10**9
+            text.applier.stage_chunk = text.applier.stage_fresh = 10**9
             text.sync(state)
             got = listing(a, family.nft_family)["objects"]
             want = listing(b, family.nft_family)["objects"]

@@ -214,6 +214,13 @@ class Applier:
     # elements, made before break (pyproxy/render/staging.py): the memory peak of one huge
     # transaction was twice the daemon's steady size.
     stage_chunk: int = staging.DEFAULT_CHUNK
+    # A full sync into a fresh table (nothing of ours in the kernel: the daemon's first start
+    # on a node) is staged from this many slots on, below a chunk too: its elements then go
+    # over raw netlink instead of through libnftables' parser, which held the whole script's
+    # syntax tree in the daemon (1k services x 10 endpoints: a 0.7 MB script, a third of
+    # the daemon's peak) and took most of the sync's CPU. A fresh table costs staging
+    # nothing more: its hooks come last anyway (no shadow copies, unlike an existing table).
+    stage_fresh: int = staging.FRESH_TABLE_MIN
 
     def own_plan(self) -> SyncPlan:
         """The plan of a sync nobody else planned (a standalone applier, the one-shot
@@ -244,7 +251,11 @@ class Applier:
         # Another layout's table (an older or newer release's, or one made by hand) is not
         # patched: what it holds under our names may not be what the names mean to us.
         replaced = self._foreign_layout() if plan.full else None
-        cmds = self._commands(change, replace=replaced is not None)
+        # A full sync patching our table reads the kernel's names once: what to flush and
+        # delete, and whether to stage.
+        names = self.nft.list_names(self.family) \
+            if change is None and replaced is None else None
+        cmds = self._commands(change, names)
         if change is None:
             # the listing found every chain nobody wants; keep their first-seen times
             self.stale_chains = {n: self.stale_chains.get(n, t0) for n in cmds.stale_chains}
@@ -254,17 +265,17 @@ class Applier:
             for (kind, name, _), value in change.after.items():
                 if kind is Kind.CHAIN and value is not None:
                     self.stale_chains.pop(name, None)
-        names = self.nft.list_names(self.family) if plan.full and len(self.state) > \
-            self.stage_chunk and replaced is None else None
-        staged = names is not None and staging.worth_staging(self.state, names[1],
-                                                             self.stage_chunk)
+        fresh = names is not None and not (names[0] or names[1])
+        staged = names is not None and staging.worth_staging(
+            self.state, names[1],
+            min(self.stage_chunk, self.stage_fresh) if fresh else self.stage_chunk)
         script = ""
         t1 = self.clock()
         try:
             try:
                 if staged:
                     assert names is not None
-                    script = self._run_staged(cmds, table_exists=bool(names[0] or names[1]))
+                    script = self._run_staged(cmds, table_exists=not fresh)
                 elif cmds:
                     script = self.nft.apply(self.family, cmds.ops())
             except NftError as err:
@@ -340,14 +351,16 @@ class Applier:
         self.nft.renew()
         return count + 1, script
 
-    def _commands(self, change: Change | None, replace: bool = False) -> Commands:
-        """The commands that apply `change`; None: every command of a full sync (`replace`:
-        one that deletes the table and writes it anew)."""
+    def _commands(self, change: Change | None,
+                  names: tuple[list[str], list[str]] | None = ([], [])) -> Commands:
+        """The commands that apply `change`; None: every command of a full sync over the
+        kernel's `names` (chains, sets; by default none), or with None for them one that
+        deletes the table and writes it anew."""
         if change is not None:
             return incremental_commands(self.family, change)
-        if replace:
+        if names is None:
             return full_commands(self.family, self.state, replace=True)
-        chains, sets = self.nft.list_names(self.family)
+        chains, sets = names
         return full_commands(self.family, self.state, chains, sets,
                              recreate_base_chains=not self.started and bool(chains))
 

@@ -45,6 +45,9 @@ from pyproxy.render.ruleset import Commands, DesiredState
 SHADOW_SUFFIX = "-staged"
 # Elements per transaction: ~35 MiB of libnftables memory at ~1.6 KiB a parsed element.
 DEFAULT_CHUNK = 20_000
+# A full sync into a fresh table is staged from this many slots on (kernel/nft.py's
+# `Applier.stage_fresh` says why); below it, one transaction is cheaper than three.
+FRESH_TABLE_MIN = 1_000
 _REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")
 
 
@@ -90,11 +93,12 @@ def static_sets(state: DesiredState) -> dict[str, SetDecl]:
     return out
 
 
-def worth_staging(state: DesiredState, existing_sets: Iterable[str], chunk: int) -> bool:
-    """Staged when the store holds more than a chunk, and no copy is left in the kernel by
-    an interrupted staged sync: rules may still use such a copy, and only the one
-    transaction (which rewrites every chain and deletes the copies at once) is safe then."""
-    return len(state) > chunk and not any(n.endswith(SHADOW_SUFFIX) for n in existing_sets)
+def worth_staging(state: DesiredState, existing_sets: Iterable[str], above: int) -> bool:
+    """Staged when the store holds more than `above` slots (a chunk; less for a fresh
+    table), and no copy is left in the kernel by an interrupted staged sync: rules may still
+    use such a copy, and only the one transaction (which rewrites every chain and deletes
+    the copies at once) is safe then."""
+    return len(state) > above and not any(n.endswith(SHADOW_SUFFIX) for n in existing_sets)
 
 
 def transactions(family: str, state: DesiredState, cmds: Commands, table_exists: bool,
