@@ -26,7 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pyproxy"
 # reads the sync layer for health, metrics and the debug socket; the daemon, which builds all
 # of it; the commands.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("logs", "version", "memory"),  # process housekeeping: import nothing of pyproxy
+    ("logs", "version", "memory", "lazy"),  # process housekeeping: import nothing of pyproxy
     ("yamlfile",),  # documents read within limits: the configuration file, snapshots
     ("core",),
     ("config",),

@@ -32,6 +32,7 @@ import yaml
 
 from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.model import ClusterState, ServiceKey
+from pyproxy.lazy import submodule
 
 log = structlog.get_logger(__name__)
 
@@ -346,8 +347,7 @@ def client_configuration(connection: ApiConnection,
                          clock: Callable[[], float] = time.monotonic) -> Any:
     """A `kubernetes.client.Configuration` for the connection (`clock` times the token
     file's re-reads), its connections with TCP keepalive."""
-    from kubernetes import client
-
+    client = submodule("kubernetes.client")
     configuration = client.Configuration()
     configuration.socket_options = keepalive_socket_options()
     if connection.client_loader:
@@ -368,7 +368,7 @@ def client_configuration(connection: ApiConnection,
         token = FileToken(connection.token_file, clock)
         # The client asks the hook only for a key it already holds.
         configuration.api_key["BearerToken"] = token.current()
-        configuration.refresh_api_key_hook = token  # type: ignore[assignment]
+        configuration.refresh_api_key_hook = token
     elif connection.token:
         configuration.api_key["BearerToken"] = connection.token
     return configuration

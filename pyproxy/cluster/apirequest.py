@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from pyproxy.lazy import submodule
+
 # Query parameters as the list/watch calls name them (snake_case keyword → API name).
 QUERY_NAMES = {
     "watch": "watch",
@@ -55,7 +57,7 @@ def request(api_client: Any, method: str, path: str, *, query: Mapping[str, Any]
     """Send one request; returns the raw urllib3 response (not read: the caller streams or
     reads it and releases the connection). A non-2xx answer raises ApiException. `accept`:
     the media types asked for (the response's Content-Type says which came)."""
-    from kubernetes.client.exceptions import ApiException
+    api_exception = submodule("kubernetes.client.exceptions").ApiException
 
     # gzip: the API server compresses a response above 128 KiB (a list page: 500 Services
     # are ~0.75 MB of JSON, about a tenth of that gzipped) and a streamed list's events
@@ -70,7 +72,7 @@ def request(api_client: Any, method: str, path: str, *, query: Mapping[str, Any]
     response = api_client.call_api(*params, _request_timeout=timeout)
     if not 200 <= response.status <= 299:
         response.read()
-        raise ApiException.from_response(http_resp=response, body=None, data=None)
+        raise api_exception.from_response(http_resp=response, body=None, data=None)
     return response.response
 
 

@@ -16,6 +16,7 @@ from pyproxy.cluster.apiconnection import ApiConnection
 from pyproxy.cluster.ratelimit import TokenBucket, limit_requests
 from pyproxy.config import ProxyConfig
 from pyproxy.core.model import ClusterState
+from pyproxy.lazy import submodule
 
 log = structlog.get_logger(__name__)
 
@@ -25,8 +26,7 @@ def client_for(connection: ApiConnection, config: ProxyConfig,
                sleep: Callable[[float], None] = time.sleep) -> Any:
     """The API client, every request of which waits on a token bucket of
     clientConnection.qps/burst (client-go's rate limiting; the Python client has none)."""
-    from kubernetes import client
-
+    client = submodule("kubernetes.client")  # without the package's other parts (lazy.py)
     configuration = apiconnection.client_configuration(connection)
     log.info("api_server", server=connection.server, source=connection.source)
     return limit_requests(client.ApiClient(configuration),

@@ -35,6 +35,7 @@ from pyproxy.kernel.conntrack import (
     not_dnated,
     stale,
 )
+from pyproxy.lazy import submodule
 
 log = structlog.get_logger(__name__)
 
@@ -158,10 +159,15 @@ def local_addresses(netns: str | None = None) -> tuple[str, ...]:
 
 
 def _iproute(netns: str | None) -> Any:
-    from pyroute2 import IPRoute
+    # pyroute2's IPRoute without the rest of pyroute2 (lazy.py). flags=0: never create a
+    # missing namespace (pyroute2's default is O_CREAT).
+    return submodule("pyroute2.iproute.linux").IPRoute(netns=netns, flags=0)
 
-    # flags=0: never create a missing namespace (pyroute2's default is O_CREAT).
-    return IPRoute(netns=netns, flags=0)
+
+def _without_all_of_pyroute2() -> None:
+    """The from-imports of pyroute2's modules after this import those modules alone, not
+    every module of pyroute2 (its package's `__init__` deferred: lazy.py)."""
+    submodule("pyroute2.netlink")
 
 
 def _addresses(ipr: Any) -> Iterator[InterfaceAddress]:
@@ -248,7 +254,8 @@ class ConntrackCleaner:
         self.clock = clock
 
     def _socket(self, family: IPFamily) -> Any:
-        from pyroute2 import NFCTSocket
+        _without_all_of_pyroute2()
+        from pyroute2.netlink.nfnetlink.nfctsocket import NFCTSocket
 
         return NFCTSocket(nfgen_family=_AF[family], netns=self.netns, flags=0)
 
@@ -260,6 +267,7 @@ class ConntrackCleaner:
         """Every entry of the family with one of these IP protocols, one dump per protocol.
         The kernel filters on the protocol (CTA_FILTER, Linux >= 5.8); an older kernel that
         refuses the filter gets an unfiltered dump, filtered here."""
+        _without_all_of_pyroute2()
         from pyroute2.netlink.exceptions import NetlinkError
         from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
@@ -290,6 +298,7 @@ class ConntrackCleaner:
         daemon, beside its other threads on a busy machine, 2,023 entries took 0.5 s, half
         the time a SYN waits for its retransmission (the tamper drill's node). A kernel that
         refuses the filter (or ignores it) sends more, which the planner sorts out."""
+        _without_all_of_pyroute2()
         from pyroute2.netlink.exceptions import NetlinkError
 
         wanted = frozenset(protocols)
@@ -308,6 +317,7 @@ class ConntrackCleaner:
     def delete(self, entries: Iterable[ConntrackEntry]) -> DeleteResult:
         """Delete entries by their original tuple (and zone). Entries already gone count as
         `missing`; failures are counted and reported, never raised."""
+        _without_all_of_pyroute2()
         from pyroute2.netlink.exceptions import NetlinkError
         from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
 
