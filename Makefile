@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl demo clean \
 	k8s k8s-path kube-proxy-next tools \
 	images
 
@@ -155,6 +155,14 @@ bench-wire: venv k8s
 YAML_FLAGS ?=
 bench-yaml: venv
 	$(BIN)/python -m bench.bench_yaml $(YAML_FLAGS)
+
+# Quiet network programming latency, focused (issue 37): pyproxy and kube-proxy started
+# alternately on one loaded real control plane, 20 endpoint changes 2 s apart each per round;
+# the write's own time, pyproxy's split at its sync (bench/bench_npl.py; ~6 min).
+# NPL_FLAGS e.g. --size 10000x10 --rounds 5 --against REV.
+NPL_FLAGS ?=
+bench-npl: venv k8s
+	$(BIN)/python -m bench.bench_npl $(NPL_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -98,3 +98,20 @@ def test_every_turn_of_the_churn_is_a_write() -> None:
     assert len(churn.discovery.patches) == 500  # type: ignore[attr-defined]
     changed = {int(name.split("-")[1]) for _, name in churn.discovery.patches}  # type: ignore[attr-defined]
     assert not [i for i in changed if synth.shape(i).no_endpoints]
+
+
+def test_bench_npl_splits_a_change_at_the_first_sync_after_its_write() -> None:
+    """bench/bench_npl.py: the write's start → the first sync that began after it (failed
+    ones skipped), and that sync's duration; none began: no split."""
+    from bench.bench_npl import report, sync_split
+
+    history = [{"started": 9.0, "finished": 9.5},
+               {"started": 10.02, "finished": 10.03, "error": "refused"},
+               {"started": 10.03, "finished": 10.034},
+               {"started": 12.0, "finished": 12.1}]
+    split = sync_split(10.0, history)
+    assert split is not None and [round(x, 4) for x in split] == [0.03, 0.004]
+    assert sync_split(13.0, history) is None
+    rounds = [{"pyproxy": [{"npl": 0.01, "write": 0.005}],
+               "kube-proxy": [{"npl": 0.02, "write": 0.005}]}] * 3
+    assert "pyproxy / kube-proxy, per round: 0.50, 0.50, 0.50; median 0.50" in report(rounds)
