@@ -11,7 +11,7 @@ APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
 .PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl demo clean \
-	k8s k8s-path kube-proxy-next tools \
+	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
 all: test
@@ -60,7 +60,7 @@ lint: venv
 unit: venv
 	$(BIN)/pytest -q -m 'not netns'
 
-test: venv lint k8s kube-proxy-next tools images
+test: venv lint k8s kube-proxy-next test-tools images
 	$(BIN)/pytest -q
 
 # The real control plane the `k8s` tests start (testkit/controlplane.py): kube-apiserver,
@@ -81,6 +81,10 @@ k8s-path:
 TOOLS ?=
 tools:
 	@e2e/tools/build.sh $(TOOLS)
+
+# Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests).
+test-tools:
+	@e2e/tools/build.sh promtool
 
 # kube-proxy alone of the release after the pinned one (e2e/k8s-next/go.mod: v1.38.0-beta.0,
 # which needs Go 1.27: the go command fetches that toolchain from the module proxy), for the

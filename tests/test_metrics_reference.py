@@ -4,12 +4,17 @@
 "What the daemon exports" is a scrape of a real `Metrics` (the daemon's, with its scrape-time
 collectors), every labelled metric given a series, parsed back from the exposition format:
 the names and labels Prometheus would store.
+
+The alert rules are Prometheus' to check: `promtool check rules` on them, and `promtool test
+rules` with tests/monitoring/rules_test.yaml, a case per alert where it fires and one where it
+stays quiet, on series checked here to be what the daemon exports (promtool: `make tools`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,7 @@ from pyproxy.core.topology import PortSelection, select_all
 from pyproxy.serve.connections import Series
 from pyproxy.serve.metrics import RULES_FILE, SPECS, Metrics, reference_markdown
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 MONITORING = ROOT / "manifests" / "monitoring"
@@ -32,10 +38,11 @@ DOC = ROOT / "docs" / "metrics.md"
 # Prometheus Operator's target labels, and the ServiceMonitor's relabeling (node).
 TARGET_LABELS = {"job", "instance", "namespace", "service", "pod", "container", "endpoint",
                  "node"}
-GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
-SELECTOR = re.compile(r"([A-Za-z_:][\w:]*)\s*(\{[^}]*\})?\s*(\()?")
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or",
-            "unless", "bool", "offset"}
+# promtool's unit tests of every alert (`promtool test rules`), run on the PrometheusRule's
+# groups written as a rule file beside them.
+RULE_TESTS = ROOT / "tests" / "monitoring" / "rules_test.yaml"
+# A series in promtool's notation: name{label="value",...}.
+SERIES = re.compile(r'([A-Za-z_:][\w:]*)\{(.*)\}')
 
 
 def rules() -> list[dict[str, Any]]:
@@ -71,20 +78,6 @@ def scrape() -> dict[str, set[str]]:
     return samples
 
 
-def selectors(expr: str) -> list[tuple[str, dict[str, str]]]:
-    """The series selectors of a PromQL expression: metric name and label matchers. Only the
-    shapes the rules use (functions, aggregations with by, binary operators)."""
-    text = re.sub(r"\[[^\]]*\]", "", expr)  # range durations
-    text = GROUPING.sub(" ", text)
-    found = []
-    for name, matchers, call in SELECTOR.findall(text):
-        if call or name in KEYWORDS:
-            continue
-        labels = dict(re.findall(r'(\w+)\s*!?=~?\s*"([^"]*)"', matchers))
-        found.append((name, labels))
-    return found
-
-
 def test_reference_doc_matches_the_code() -> None:
     """docs/metrics.md is reference_markdown()'s output (regenerate with
     `python -m pyproxy.serve.metrics > docs/metrics.md`)."""
@@ -110,37 +103,6 @@ def test_labels_are_the_references() -> None:
         assert samples[name] == set(spec.labels), spec.name
 
 
-@pytest.mark.parametrize("rule", rules(), ids=lambda rule: rule["alert"])
-def test_alert_selects_what_the_daemon_exports(rule: dict[str, Any]) -> None:
-    """Each metric the expression selects is exported under that name, each label it matches
-    or groups by is one its series carry or the scrape adds, rate/increase only over counters
-    and histogram buckets, histogram_quantile only over buckets."""
-    expr = rule["expr"]
-    samples = scrape()
-    found = selectors(expr)
-    assert found, expr
-    for name, matchers in found:
-        assert name in samples, f"{rule['alert']}: {name} is not exported"
-        assert set(matchers) <= samples[name] | TARGET_LABELS, (name, matchers)
-        assert matchers.get("job") == "pyproxy-metrics", "scoped to pyproxy's scrape job"
-    for _, grouping in GROUPING.findall(expr):
-        labels = {label.strip() for label in grouping.split(",")}
-        assert labels <= set.union(*(samples[n] for n, _ in found)) | TARGET_LABELS, grouping
-    for function, name in re.findall(r"\b(rate|increase|irate)\(\s*([A-Za-z_:][\w:]*)", expr):
-        assert name.endswith(("_total", "_bucket", "_count", "_sum")), (function, name)
-    for name in re.findall(r"histogram_quantile\([^,]+,.*?([A-Za-z_:][\w:]*_bucket)", expr):
-        assert name in samples
-    assert rule["labels"]["severity"] in ("critical", "warning")
-    assert {"summary", "description"} <= set(rule["annotations"])
-
-
-def test_selector_parser() -> None:
-    """The checker's own parser finds selectors and skips functions, keywords and groupings."""
-    assert selectors('histogram_quantile(0.99, sum by (node, le) (rate(a_bucket{job="j"}'
-                     '[5m]))) > 3 and b_total{code="503",job="j"} - c') == [
-        ("a_bucket", {"job": "j"}), ("b_total", {"code": "503", "job": "j"}), ("c", {})]
-
-
 def test_service_monitor_reaches_the_daemonsets_pods() -> None:
     """The Service selects the DaemonSet's pods on the metrics port, and the ServiceMonitor
     selects the Service and its port by name, in the same namespace."""
@@ -164,88 +126,83 @@ def test_service_monitor_reaches_the_daemonsets_pods() -> None:
     assert service["metadata"]["name"] == "pyproxy-metrics"
 
 
-class Instant:
-    """One target's unlabelled series at one instant, for `evaluate`: a value, or None for an
-    empty result (no series, or filtered out by a comparison)."""
-
-    def __init__(self, value: float | None) -> None:
-        self.value = value
-
-    def _both(self, other: Instant | float) -> tuple[float | None, float | None]:
-        return self.value, other.value if isinstance(other, Instant) else other
-
-    def __sub__(self, other: Instant | float) -> Instant:
-        a, b = self._both(other)
-        return Instant(None if a is None or b is None else a - b)
-
-    def __rsub__(self, other: float) -> Instant:
-        return Instant(None if self.value is None else other - self.value)
-
-    def _filter(self, other: Instant | float, keep: Callable[[float, float], bool]) -> Instant:
-        a, b = self._both(other)
-        return Instant(a if a is not None and b is not None and keep(a, b) else None)
-
-    def __gt__(self, other: Instant | float) -> Instant:  # type: ignore[override]
-        return self._filter(other, lambda a, b: a > b)
-
-    def __eq__(self, other: object) -> Instant:  # type: ignore[override]
-        assert isinstance(other, (Instant, int, float))
-        return self._filter(other, lambda a, b: a == b)
-
-    def __and__(self, other: Instant) -> Instant:
-        return Instant(self.value if other.value is not None else None)
-
-    def __or__(self, other: Instant) -> Instant:
-        return self if self.value is not None else other
+def rule_tests() -> dict[str, Any]:
+    return dict(yaml.safe_load(RULE_TESTS.read_text()))
 
 
-def evaluate(expr: str, series: Mapping[str, float], now: float) -> float | None:
-    """An instant query over one target's unlabelled series (PromQL's `-`, `>`, `==`, `and`,
-    `or`, `time()`), for the rules that use only those: each selector is the series' value,
-    and `and`/`or` become Python's `&`/`|`, which bind tighter than PromQL's: the rule
-    parenthesizes each side of them (asserted)."""
-    for operator in (" and ", " or "):
-        for side in expr.split(operator)[1:]:
-            assert side.lstrip().startswith("("), f"parenthesize {side!r}"
-    text = expr.replace("time()", f"Instant({now!r})")
-    text = re.sub(r"([A-Za-z_:][\w:]*)\{[^}]*\}",
-                  lambda m: f"Instant(series.get({m.group(1)!r}))", text)
-    text = text.replace(" and ", " & ").replace(" or ", " | ")
-    result = eval(text, {"Instant": Instant, "series": series})  # the rule file, ours
-    return result.value if isinstance(result, Instant) else None
+def series_labels(series: str) -> tuple[str, dict[str, str]]:
+    match = SERIES.fullmatch(series)
+    assert match, series
+    return match.group(1), dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
 
 
-def stalled_rule() -> str:
-    return next(rule["expr"] for rule in rules() if rule["alert"] == "PyproxySyncStalled")
+@pytest.fixture(scope="module", name="promtool_dir")
+def promtool_dir_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The PrometheusRule's groups as a Prometheus rule file, beside a copy of the unit tests
+    that name it."""
+    folder = tmp_path_factory.mktemp("promtool")
+    groups = yaml.safe_load(RULES_FILE.read_text())["spec"]["groups"]
+    (folder / "pyproxy.rules.yaml").write_text(yaml.safe_dump({"groups": groups},
+                                                              sort_keys=False))
+    shutil.copy(RULE_TESTS, folder / RULE_TESTS.name)
+    return folder
 
 
-def fresh_daemon_series() -> dict[str, float]:
-    """What a daemon that has never listed exports: its Metrics as built, nothing observed."""
+def promtool(folder: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(require_tool("promtool")), *args], cwd=folder,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_promtool_checks_the_rules(promtool_dir: Path) -> None:
+    """Prometheus' own checker: each expression parses, each template renders, no duplicate
+    rule; `--lint=all` refuses what promtool's linter flags."""
+    out = promtool(promtool_dir, "check", "rules", "--lint=all", "--lint-fatal",
+                   "pyproxy.rules.yaml")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(rules())} rules found" in out.stdout, out.stdout
+
+
+def test_promtool_unit_tests_of_every_alert(promtool_dir: Path) -> None:
+    """tests/monitoring/rules_test.yaml: each alert fires on the series it is for, with its
+    labels and annotations rendered, and stays quiet when it should (incl. the sync-stalled
+    alert on a daemon that never listed, and kube-proxy's series of the same names)."""
+    out = promtool(promtool_dir, "test", "rules", RULE_TESTS.name)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout, out.stdout
+
+
+def test_every_alert_has_a_case_that_fires_and_one_that_stays_quiet() -> None:
+    firing: set[str] = set()
+    quiet: set[str] = set()
+    for case in rule_tests()["tests"]:
+        for check in case["alert_rule_test"]:
+            (firing if check["exp_alerts"] else quiet).add(check["alertname"])
+    alerts = {rule["alert"] for rule in rules()}
+    assert firing == alerts
+    assert quiet == alerts
+
+
+def test_the_unit_tests_series_are_what_the_daemon_exports() -> None:
+    """Each series the unit tests feed promtool is one the daemon exports, by the name
+    Prometheus stores, with the labels its series carry or the scrape adds: so an alert that
+    fires there selects what a real scrape has."""
+    samples = scrape()
+    for case in rule_tests()["tests"]:
+        for entry in case["input_series"]:
+            name, labels = series_labels(entry["series"])
+            assert name in samples, f"{case['name']}: {name} is not exported"
+            assert set(labels) <= samples[name] | TARGET_LABELS, (case["name"], name, labels)
+            assert {"job", "node"} <= set(labels), entry["series"]
+
+
+def test_the_never_listed_case_is_a_fresh_daemons_series() -> None:
+    """The stalled-sync case on a node that never listed feeds the values a daemon that has
+    never synced exports: both sync timestamps 0 (process_start_time_seconds is the test
+    clock's start, 0)."""
     registry = Metrics().registry
-    names = ("kubeproxy_sync_proxy_rules_last_timestamp_seconds",
-             "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds",
-             "process_start_time_seconds")
-    return {name: registry.get_sample_value(name) or 0.0 for name in names}
-
-
-def test_the_stalled_sync_alert_fires_on_a_node_that_never_listed() -> None:
-    """Both sync timestamps of a daemon that never listed are 0: their difference alone (the
-    rule before) never fired, however long the API server refused it."""
-    series = fresh_daemon_series()
-    started = series["process_start_time_seconds"]
-    assert started > 0 and series["kubeproxy_sync_proxy_rules_last_timestamp_seconds"] == 0
-    assert evaluate(stalled_rule(), series, started + 300) == pytest.approx(300)
-    assert evaluate(stalled_rule(), series, started + 30) is None  # starting: not yet
-
-
-@pytest.mark.parametrize(("last_sync", "last_queued", "fires"), [
-    pytest.param(990.0, 995.0, False, id="synced 10 s ago, a change queued since: well"),
-    pytest.param(900.0, 980.0, True, id="a change waiting 80 s past the last sync"),
-    pytest.param(100.0, 50.0, False, id="nothing queued since a sync long ago: well"),
-])
-def test_the_stalled_sync_alert_on_a_node_that_synced(last_sync: float, last_queued: float,
-                                                      fires: bool) -> None:
-    series = {"kubeproxy_sync_proxy_rules_last_timestamp_seconds": last_sync,
-              "kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds": last_queued,
-              "process_start_time_seconds": 10.0}
-    assert (evaluate(stalled_rule(), series, 1000.0) is not None) == fires
+    [case] = [case for case in rule_tests()["tests"] if "never listed" in case["name"]]
+    for entry in case["input_series"]:
+        name, _ = series_labels(entry["series"])
+        if name != "process_start_time_seconds":
+            assert registry.get_sample_value(name) == 0.0, name
+            assert entry["values"].split()[0].split("x")[0] == "0", entry

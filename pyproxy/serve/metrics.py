@@ -490,10 +490,13 @@ s …: REASON` (a 403's RBAC message, a TLS failure); the rules programmed befor
 meanwhile, so /healthz does not fail for it. The log says the same at each try
 (`api_unavailable_retrying`, its `error` the reason whole, docs/logging.md).
 
-tests/test_metrics_reference.py checks every expression: each metric it selects is one the
-daemon exports, by the name Prometheus sees (`_total`, `_bucket`), each label it matches or
-groups by is one those series carry (or the scrape adds), `rate`/`increase` only over
-counters and `histogram_quantile` only over buckets.
+Prometheus' `promtool` checks the rules (`promtool check rules`) and runs a unit test of each
+alert (`promtool test rules`): tests/monitoring/rules_test.yaml has a case where it fires, with
+its labels and annotations, and one where it stays quiet, on series that
+tests/test_metrics_reference.py checks are what the daemon exports (names as Prometheus
+stores them, labels those series carry or the scrape adds). To run them by hand, write the
+PrometheusRule's `spec` as a rule file `pyproxy.rules.yaml` beside a copy of the test file,
+then `promtool test rules rules_test.yaml` (`make tools` builds promtool).
 
 ## Every metric
 """
