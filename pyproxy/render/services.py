@@ -208,6 +208,8 @@ def _chain(name: str, rules: Sequence[str]) -> Item:
 _new_tuple: Callable[[type[Item], tuple[Kind, str, Key, ElementValue]], Item] = (
     tuple.__new__)
 _ELEMENT = Kind.ELEMENT
+# The same for a verdict: one per service port and address.
+_new_verdict: Callable[[type[Verdict], tuple[str, str, str]], Verdict] = tuple.__new__
 
 
 def _elem(container: str, key: Key, value: ElementValue = ()) -> Item:
@@ -356,15 +358,14 @@ class _ServiceRender:
         self.proto = port.protocol.lower()
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
         self._comment = element_comment(str(port.name))
-        self._drop = Verdict("drop", "", self._comment)
         self._picker: _Picker | None = None
 
     def goto(self, chain: str) -> Verdict:
         """A dispatch element's value: to `chain`, commented with the service's name."""
-        return Verdict("goto", chain, self._comment)
+        return _new_verdict(Verdict, ("goto", chain, self._comment))
 
     def drop(self) -> Verdict:
-        return self._drop
+        return _new_verdict(Verdict, ("drop", "", self._comment))
 
     def destination(self, addr: str) -> Key:
         """The key of a destination (address . protocol . port) in the service-ips,
@@ -485,7 +486,9 @@ class _ServiceRender:
         # the bulk of a full render: one element per slot
         if len(slots) >= OWN_MAP_SLOTS:
             return _big_list_elements(container, prefix, slots, offset)
-        return [_new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
+        # prefix + (i,): half the cost of (*prefix, i), once per slot
+        return [_new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+                                  (ep.ip, ep.port)))
                 for i, ep in enumerate(slots, offset)]
 
     def external(self) -> Iterator[Item]:
@@ -581,14 +584,16 @@ def _big_list_elements(container: str, prefix: Key, slots: Sequence[Endpoint],
     key = (container, prefix, offset)
     last = _BIG_LIST_ELEMENTS.get(key)
     if last is None:
-        items = tuple([_new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
+        items = tuple([_new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+                                         (ep.ip, ep.port)))
                        for i, ep in enumerate(slots, offset)])
     else:
         before, rendered = last
         size = len(before)
         items = tuple([
             rendered[i - offset] if i - offset < size and before[i - offset] is ep
-            else _new_tuple(Item, (_ELEMENT, container, (*prefix, i), (ep.ip, ep.port)))
+            else _new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+                                   (ep.ip, ep.port)))
             for i, ep in enumerate(slots, offset)])
     if len(items) <= BIG_LIST_ELEMENTS_KEPT:
         _BIG_LIST_ELEMENTS.pop(key, None)
