@@ -14,7 +14,8 @@ import pytest
 import structlog
 import yaml
 
-from pyproxy.cli import _node_config, build_parser, main
+from pyproxy.cli import build_parser, main
+from pyproxy.cli.common import node_config as _node_config
 from pyproxy.cluster.snapshot import load_snapshot
 from pyproxy.config import from_args
 from pyproxy.core.model import LocalMode

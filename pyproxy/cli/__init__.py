@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import json
 import os
 import platform
 import sys
@@ -12,33 +10,40 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pyproxy.cli.formats import (
-    api_problems,
-    format_history,
-    format_services,
-    format_status,
-    format_trace,
+from pyproxy.cli.common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    UsageError,
+    load_offline,
+    node_config,
+    node_flags,
+    print_json,
+    report_input,
+    service_key_arg,
 )
-from pyproxy.cluster.snapshot import SnapshotError, load_snapshot, nothing_usable
+from pyproxy.cli.live import (
+    live_commands,
+    socket_flag,
+)
+from pyproxy.cluster.snapshot import SnapshotError
 from pyproxy.config import (
-    NODE_SETTINGS,
     ConfigError,
     ProxyConfig,
     add_flags,
     from_args,
     run_actions,
 )
-from pyproxy.core.explain import conflict_text, explain_report, format_table
-from pyproxy.core.model import ClusterState, IPFamily, ServiceKey, override_ips
+from pyproxy.core.explain import explain_report, format_table
+from pyproxy.core.model import ClusterState, IPFamily, ServiceKey
 from pyproxy.core.nodeconfig import NodeConfig, unusable_address_warnings
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import Applier
 from pyproxy.kernel.privileges import MissingPrivilege
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
-from pyproxy.render.services import render_config
-from pyproxy.serve.debug import DEFAULT_SOCKET, DebugError, ask
-from pyproxy.serve.live import TraceRequest, service_key, trace_request
+from pyproxy.serve.debug import DebugError, ask
 from pyproxy.sync.proxier import (
     FamilyProxier,
     conflicts,
@@ -49,18 +54,6 @@ from pyproxy.sync.proxier import (
     script_of,
 )
 from pyproxy.version import commit, describe, version
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_UNREACHABLE = 3  # the live commands could not reach the daemon
-
-
-def _service_key(text: str) -> ServiceKey:
-    try:
-        return service_key(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,17 +74,17 @@ def build_parser() -> argparse.ArgumentParser:
             "prints them) for --node; without, live from the running daemon."
         ),
     )
-    explain.add_argument("service_arg", nargs="?", type=_service_key, metavar="NS/NAME",
+    explain.add_argument("service_arg", nargs="?", type=service_key_arg, metavar="NS/NAME",
                          help="only this service")
     explain.add_argument("-f", "--file", help="snapshot file (YAML or JSON): offline mode")
     explain.add_argument("--node", help="the node to explain for (offline mode)")
     explain.add_argument(
-        "--service", type=_service_key, metavar="NS/NAME", help="only this service"
+        "--service", type=service_key_arg, metavar="NS/NAME", help="only this service"
     )
     explain.add_argument(
         "-o", "--output", choices=("table", "json"), default="table", help="output format"
     )
-    _socket_flag(explain)
+    socket_flag(explain)
     explain.set_defaults(handler=_cmd_explain)
 
     for name, help_text in (
@@ -104,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="go on with a snapshot that holds nothing usable (empty, not "
                               "Kubernetes objects, all invalid): an empty ruleset, which "
                               "`apply` programs (refused without this flag)")
-        _node_flags(cmd)
+        node_flags(cmd)
         cmd.set_defaults(handler=_cmd_render if name == "render" else _cmd_apply)
 
     cleanup = commands.add_parser(
@@ -121,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "node (it is then left without any Service rules)")
     cleanup.set_defaults(handler=_cmd_cleanup)
 
-    _live_commands(commands)
+    live_commands(commands)
 
     run = commands.add_parser(
         "run", help="run the proxy: keep this node's nftables rules in step with the cluster",
@@ -181,7 +174,7 @@ class _VersionAction(argparse.Action):
 
 def _cmd_version(args: argparse.Namespace) -> int:
     if args.output == "json":
-        _print_json({"version": version(), "commit": commit(),
+        print_json({"version": version(), "commit": commit(),
                      "python": platform.python_version()})
     else:
         print(f"pyproxy {version()} (commit {commit()}, Python {platform.python_version()})")
@@ -304,116 +297,18 @@ def _cmd_config_view(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _node_flags(cmd: argparse.ArgumentParser) -> None:
-    """The node options of `render`, `apply` and offline `trace`: `run`'s, with the same
-    names and meanings (and --config), plus the node's name and addresses, which `run` learns
-    from the host and its Node object."""
-    cmd.add_argument("--node", help="the node's name (as in its Node object); the same as "
-                                    "--hostname-override, which may also come from --config")
-    cmd.add_argument("--node-ip", action="append", default=[], metavar="IP",
-                     help="this node's IP, at most one per family (repeat for "
-                          "dual-stack); NodePorts listen on it with --nodeport-addresses "
-                          "primary (the default). Default: the Node object's "
-                          "(status.addresses, InternalIP first); a given address replaces the "
-                          "Node's of its family, the other family keeps the Node's")
-    cmd.add_argument("--node-address", action="append", default=[], metavar="IP",
-                     help="another address of the node's interfaces (repeat for each): "
-                          "--nodeport-addresses CIDRs select among these and the node's IPs, "
-                          "as `run` matches them against every local address. Default: the "
-                          "node's IPs are its only addresses")
-    add_flags(cmd, settings=NODE_SETTINGS)
-
-
-def _node_ips(texts: Sequence[str]) -> tuple[str, ...]:
-    """--node-ip values: one per family, as a node has one primary IP per family."""
-    by_family: dict[int, str] = {}
-    for text in texts:
-        try:
-            ip = ipaddress.ip_address(text)
-        except ValueError:
-            raise UsageError(f"--node-ip: {text!r} is not an IP address") from None
-        if ip.version in by_family:
-            raise UsageError(f"--node-ip: two IPv{ip.version} addresses ({by_family[ip.version]}, "
-                             f"{ip}): give at most one per family")
-        by_family[ip.version] = str(ip)
-    return tuple(by_family.values())
-
-
-def _node_addresses(texts: Sequence[str]) -> tuple[str, ...]:
-    """--node-address values: addresses, each once."""
-    try:
-        return tuple(dict.fromkeys(str(ipaddress.ip_address(text)) for text in texts))
-    except ValueError as err:
-        raise UsageError(f"--node-address: {err}") from None
-
-
-def _node_config(args: argparse.Namespace, state: ClusterState) -> NodeConfig:
-    """The node options over what the snapshot's Node object says, as `run` resolves them:
-    --config, then the flags; the Node's IPs (status.addresses, as kube-proxy picks them),
-    each --node-ip replacing the one of its family; its podCIDRs (detect-local mode
-    NodeCIDR); its local addresses, which nodePortAddresses selects from: the node IPs and
-    every --node-address (without any, the node IPs stand in, as they always did)."""
-    try:
-        config = from_args(args)
-    except ConfigError as err:
-        raise UsageError(str(err)) from None
-    name = (args.node or config.hostname_override or "").strip().lower()
-    if not name:
-        raise UsageError(f"{args.command} needs --node (or --hostname-override, or "
-                         f"hostnameOverride in --config)")
-    node = state.nodes.get(name)
-    ips = override_ips(_node_ips(args.node_ip), node.host_ips if node else ())
-    addresses = _node_addresses(args.node_address)
-    node_config = config.node_config(name, ips, node.pod_cidrs if node else ())
-    if addresses:
-        local = dict.fromkeys((*node_config.node_ips, *addresses))
-        node_config = config.node_config(name, ips, node.pod_cidrs if node else (),
-                                         tuple(local))
-    for warning in unusable_address_warnings(node, node_config):
-        print(f"pyproxy: warning: {warning}", file=sys.stderr)
-    return node_config
-
-
-class UsageError(ValueError):
-    """A flag's value is unusable."""
-
-
-def _load_offline(path: str, allow_empty: bool | None) -> ClusterState:
-    """The snapshot of an offline command, refused when nothing in it is usable (most likely
-    the wrong file: `apply` would program an empty ruleset over the node's rules).
-    allow_empty: --allow-empty, None where the command has no such flag."""
-    state = load_snapshot(path)
-    why = nothing_usable(state)
-    if why is not None and not allow_empty:
-        raise SnapshotError(f"{path}: nothing usable in this snapshot ({why}); expected what "
-                            "`kubectl get nodes,services,endpointslices -A -o yaml` prints"
-                            + ("; --allow-empty goes on anyway" if allow_empty is not None
-                               else ""))
-    return state
-
-
-def _report_input(state: ClusterState, found: list[dict[str, Any]]) -> None:
-    """What an offline command dropped or had to choose, on stderr (standard output holds the
-    answer): the invalid objects and the conflicts `found`, as explain lists them."""
-    for skipped in state.skipped:
-        if skipped.invalid:
-            print(f"pyproxy: skipped {skipped.object}: {skipped.reason}", file=sys.stderr)
-    for conflict in found:
-        print(f"pyproxy: conflict: {conflict_text(conflict)}", file=sys.stderr)
-
-
 def _cmd_render(args: argparse.Namespace) -> int:
-    state = _load_offline(args.file, args.allow_empty)
-    tables = desired_states(state, _node_config(args, state))
-    _report_input(state, disputes_report(tables.items()))
+    state = load_offline(args.file, args.allow_empty)
+    tables = desired_states(state, node_config(args, state))
+    report_input(state, disputes_report(tables.items()))
     sys.stdout.write(script_of(tables))
     return EXIT_OK
 
 
 def _cmd_apply(args: argparse.Namespace) -> int:
-    state = _load_offline(args.file, args.allow_empty)
-    config = _node_config(args, state)
-    _report_input(state, conflicts(state, config))
+    state = load_offline(args.file, args.allow_empty)
+    config = node_config(args, state)
+    report_input(state, conflicts(state, config))
     for family in node_families(state, config):
         result = FamilyProxier(family, config).sync(state)  # a first, full sync
         print(f"{family.nft_family} {TABLE}: {result.commands} commands applied in "
@@ -455,7 +350,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     if args.file:
         if not args.node:
             raise UsageError("explain -f needs --node")
-        state = _load_offline(args.file, None)
+        state = load_offline(args.file, None)
         report = explain_report(state, args.node, service)
         config = _explain_config(state, args.node)
         report["conflicts"] = _explain_conflicts(state, config, service)
@@ -469,7 +364,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
         print(f"pyproxy: service {service} is not {where}", file=sys.stderr)
         return EXIT_ERROR
     if args.output == "json":
-        _print_json(report)
+        print_json(report)
     else:
         sys.stdout.write(format_table(report))
     return EXIT_OK
@@ -495,156 +390,6 @@ def _explain_conflicts(state: ClusterState, config: NodeConfig,
     """The conflicts render would report for this node."""
     return disputes_report(((family, desired_state(state, config, family))
                             for family in node_families(state, config)), service)
-
-
-# ---------------------------------------------------------------------------------------------
-# Live commands: ask the running daemon over its debug socket
-
-
-def _socket_flag(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--socket", default=DEFAULT_SOCKET,
-                     help=f"the daemon's debug socket (default {DEFAULT_SOCKET})")
-
-
-def _live_commands(commands: Any) -> None:
-    status = commands.add_parser(
-        "status", help="the running daemon: sync health, last syncs, counts, API connection",
-        description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
-                    "healthy (the rules are stale, damaged, or a watch of the API server has "
-                    "had no answer for more than 2 minutes: the output says which), 3 the "
-                    "daemon cannot be reached.")
-    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    _socket_flag(status)
-    status.set_defaults(handler=_cmd_status)
-
-    services = commands.add_parser(
-        "services", help="each service port, its addresses and the endpoints this node uses",
-        description="The service ports the daemon programs, with the endpoints in force "
-                    "and the topology mode (kubectl-style table).")
-    services.add_argument("service", nargs="?", type=_service_key, metavar="NS/NAME")
-    services.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
-    _socket_flag(services)
-    services.set_defaults(handler=_cmd_services)
-
-    trace = commands.add_parser(
-        "trace", help="where a new connection goes through this node's rules",
-        description="Follow a new connection through the rules the node programmed: the "
-                    "service matched, the chains walked, the DNAT candidates and their odds, "
-                    "masquerade or not, reject/drop. Live from the daemon's committed state, "
-                    "or offline with -f SNAPSHOT and the node flags.")
-    trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
-    trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
-                       help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
-    trace.add_argument("--sport", metavar="PORT",
-                       help="the client's source port (Maglev hashes address and port)")
-    trace.add_argument("--verify", action="store_true",
-                       help="check every element the answer relied on against the kernel "
-                            "(live mode); exit code 1 if the kernel disagrees")
-    trace.add_argument("--from-node", action="store_true",
-                       help="the connection starts on the node itself (output hook)")
-    trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    trace.add_argument("-f", "--file", help="snapshot file: trace offline")
-    _node_flags(trace)
-    _socket_flag(trace)
-    trace.set_defaults(handler=_cmd_trace)
-
-    diff = commands.add_parser(
-        "diff", help="what differs between the rules committed and what the kernel holds",
-        description="Compare the rules the daemon believes it committed with the kernel's. "
-                    "Exit code 0 identical, 1 different, 3 the daemon cannot be reached.")
-    diff.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    _socket_flag(diff)
-    diff.set_defaults(handler=_cmd_diff)
-
-    history = commands.add_parser(
-        "history", help="the last syncs: what changed, why, how long each phase took")
-    history.add_argument("-n", type=int, default=20, help="how many (default 20)")
-    history.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    _socket_flag(history)
-    history.set_defaults(handler=_cmd_history)
-
-
-def _print_json(data: Any) -> None:
-    json.dump(data, sys.stdout, indent=2)
-    sys.stdout.write("\n")
-
-
-def _cmd_status(args: argparse.Namespace) -> int:
-    status = ask(args.socket, "/status")
-    if args.output == "json":
-        _print_json(status)
-    else:
-        sys.stdout.write(format_status(status))
-    return EXIT_OK if status["healthy"] and not api_problems(status) else EXIT_ERROR
-
-
-def _cmd_services(args: argparse.Namespace) -> int:
-    # new connections per endpoint: a read of the kernel's counters, for the outputs showing them
-    counts = "1" if args.output in ("wide", "json") else None
-    entries = ask(args.socket, "/services", service=args.service, connections=counts)
-    if args.output == "json":
-        _print_json(entries)
-    else:
-        sys.stdout.write(format_services(entries, wide=args.output == "wide"))
-    return EXIT_OK
-
-
-def _cmd_trace(args: argparse.Namespace) -> int:
-    try:  # checked here too, so a live trace's mistakes name the flag as an offline one's do
-        request = trace_request(args.src, args.dst, args.sport)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    if args.file:
-        result = _offline_trace(args, request)
-    else:
-        result = ask(args.socket, "/trace", src=request.src, dst=args.dst, sport=request.sport,
-                     from_node="1" if args.from_node else None,
-                     verify="1" if args.verify else None)
-    if args.output == "json":
-        _print_json(result)
-    else:
-        sys.stdout.write(format_trace(result))
-    problems = result.get("verified")
-    if problems is not None and args.output != "json":
-        print("verified against the kernel: " + ("every element the answer used is there"
-                                                 if not problems else "; ".join(problems)))
-    return EXIT_ERROR if problems else EXIT_OK
-
-
-def _offline_trace(args: argparse.Namespace, request: TraceRequest) -> dict[str, Any]:
-    from pyproxy.core.model import ip_family
-    from pyproxy.render.trace import trace
-
-    state = _load_offline(args.file, None)
-    config = _node_config(args, state)
-    _report_input(state, conflicts(state, config))
-    family = ip_family(request.dst)
-    answer = trace(desired_state(state, config, family), render_config(config, family),
-                   request.src, request.dst, request.port, request.protocol,
-                   from_node=args.from_node, sport=request.sport)
-    return answer.as_dict()
-
-
-def _cmd_diff(args: argparse.Namespace) -> int:
-    result: dict[str, list[str]] = ask(args.socket, "/diff", timeout=600)
-    if args.output == "json":
-        _print_json(result)
-    else:
-        for family, lines in result.items():
-            print(f"table {family} {TABLE}: " + ("identical" if not lines else
-                                                  f"{len(lines)} difference(s)"))
-            for line in lines:
-                print(f"  {line}")
-    return EXIT_ERROR if any(result.values()) else EXIT_OK
-
-
-def _cmd_history(args: argparse.Namespace) -> int:
-    records = ask(args.socket, "/history", n=args.n)
-    if args.output == "json":
-        _print_json(records)
-    else:
-        sys.stdout.write(format_history(records))
-    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,176 @@
+"""The live commands: `status`, `services`, `trace`, `diff`, `history` ask the running daemon
+over its debug socket (`trace -f` works offline from a snapshot)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pyproxy.cli.common import (
+    EXIT_ERROR,
+    EXIT_OK,
+    UsageError,
+    load_offline,
+    node_config,
+    node_flags,
+    print_json,
+    report_input,
+    service_key_arg,
+)
+from pyproxy.cli.formats import (
+    api_problems,
+    format_history,
+    format_services,
+    format_status,
+    format_trace,
+)
+from pyproxy.render.objects import TABLE
+from pyproxy.render.services import render_config
+from pyproxy.serve.debug import DEFAULT_SOCKET, ask
+from pyproxy.serve.live import TraceRequest, trace_request
+from pyproxy.sync.proxier import (
+    conflicts,
+    desired_state,
+)
+
+
+def socket_flag(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--socket", default=DEFAULT_SOCKET,
+                     help=f"the daemon's debug socket (default {DEFAULT_SOCKET})")
+
+
+def live_commands(commands: Any) -> None:
+    status = commands.add_parser(
+        "status", help="the running daemon: sync health, last syncs, counts, API connection",
+        description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
+                    "healthy (the rules are stale, damaged, or a watch of the API server has "
+                    "had no answer for more than 2 minutes: the output says which), 3 the "
+                    "daemon cannot be reached.")
+    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    socket_flag(status)
+    status.set_defaults(handler=_cmd_status)
+
+    services = commands.add_parser(
+        "services", help="each service port, its addresses and the endpoints this node uses",
+        description="The service ports the daemon programs, with the endpoints in force "
+                    "and the topology mode (kubectl-style table).")
+    services.add_argument("service", nargs="?", type=service_key_arg, metavar="NS/NAME")
+    services.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
+    socket_flag(services)
+    services.set_defaults(handler=_cmd_services)
+
+    trace = commands.add_parser(
+        "trace", help="where a new connection goes through this node's rules",
+        description="Follow a new connection through the rules the node programmed: the "
+                    "service matched, the chains walked, the DNAT candidates and their odds, "
+                    "masquerade or not, reject/drop. Live from the daemon's committed state, "
+                    "or offline with -f SNAPSHOT and the node flags.")
+    trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
+    trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
+                       help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
+    trace.add_argument("--sport", metavar="PORT",
+                       help="the client's source port (Maglev hashes address and port)")
+    trace.add_argument("--verify", action="store_true",
+                       help="check every element the answer relied on against the kernel "
+                            "(live mode); exit code 1 if the kernel disagrees")
+    trace.add_argument("--from-node", action="store_true",
+                       help="the connection starts on the node itself (output hook)")
+    trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    trace.add_argument("-f", "--file", help="snapshot file: trace offline")
+    node_flags(trace)
+    socket_flag(trace)
+    trace.set_defaults(handler=_cmd_trace)
+
+    diff = commands.add_parser(
+        "diff", help="what differs between the rules committed and what the kernel holds",
+        description="Compare the rules the daemon believes it committed with the kernel's. "
+                    "Exit code 0 identical, 1 different, 3 the daemon cannot be reached.")
+    diff.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    socket_flag(diff)
+    diff.set_defaults(handler=_cmd_diff)
+
+    history = commands.add_parser(
+        "history", help="the last syncs: what changed, why, how long each phase took")
+    history.add_argument("-n", type=int, default=20, help="how many (default 20)")
+    history.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    socket_flag(history)
+    history.set_defaults(handler=_cmd_history)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    status = ask(args.socket, "/status")
+    if args.output == "json":
+        print_json(status)
+    else:
+        sys.stdout.write(format_status(status))
+    return EXIT_OK if status["healthy"] and not api_problems(status) else EXIT_ERROR
+
+
+def _cmd_services(args: argparse.Namespace) -> int:
+    # new connections per endpoint: a read of the kernel's counters, for the outputs showing them
+    counts = "1" if args.output in ("wide", "json") else None
+    entries = ask(args.socket, "/services", service=args.service, connections=counts)
+    if args.output == "json":
+        print_json(entries)
+    else:
+        sys.stdout.write(format_services(entries, wide=args.output == "wide"))
+    return EXIT_OK
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    try:  # checked here too, so a live trace's mistakes name the flag as an offline one's do
+        request = trace_request(args.src, args.dst, args.sport)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    if args.file:
+        result = _offline_trace(args, request)
+    else:
+        result = ask(args.socket, "/trace", src=request.src, dst=args.dst, sport=request.sport,
+                     from_node="1" if args.from_node else None,
+                     verify="1" if args.verify else None)
+    if args.output == "json":
+        print_json(result)
+    else:
+        sys.stdout.write(format_trace(result))
+    problems = result.get("verified")
+    if problems is not None and args.output != "json":
+        print("verified against the kernel: " + ("every element the answer used is there"
+                                                 if not problems else "; ".join(problems)))
+    return EXIT_ERROR if problems else EXIT_OK
+
+
+def _offline_trace(args: argparse.Namespace, request: TraceRequest) -> dict[str, Any]:
+    from pyproxy.core.model import ip_family
+    from pyproxy.render.trace import trace
+
+    state = load_offline(args.file, None)
+    config = node_config(args, state)
+    report_input(state, conflicts(state, config))
+    family = ip_family(request.dst)
+    answer = trace(desired_state(state, config, family), render_config(config, family),
+                   request.src, request.dst, request.port, request.protocol,
+                   from_node=args.from_node, sport=request.sport)
+    return answer.as_dict()
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    result: dict[str, list[str]] = ask(args.socket, "/diff", timeout=600)
+    if args.output == "json":
+        print_json(result)
+    else:
+        for family, lines in result.items():
+            print(f"table {family} {TABLE}: " + ("identical" if not lines else
+                                                  f"{len(lines)} difference(s)"))
+            for line in lines:
+                print(f"  {line}")
+    return EXIT_ERROR if any(result.values()) else EXIT_OK
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    records = ask(args.socket, "/history", n=args.n)
+    if args.output == "json":
+        print_json(records)
+    else:
+        sys.stdout.write(format_history(records))
+    return EXIT_OK
