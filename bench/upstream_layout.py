@@ -35,7 +35,7 @@ from pyproxy.core.model import (
     TrafficPolicy,
 )
 from pyproxy.core.topology import select_all
-from pyproxy.render.services import endpoint_base_name, service_base_name
+from pyproxy.render.skeleton import endpoint_base_name, service_base_name
 
 T = "ip kube-proxy"
 MASQ = "0x00004000"

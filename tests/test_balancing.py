@@ -20,7 +20,7 @@ from pyproxy.core.balancing import (
 from pyproxy.core.convert import convert_service
 from pyproxy.core.model import Algorithm, Endpoint, IPFamily, ServicePort, Skipped
 from pyproxy.core.nodeconfig import NodeConfig
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 from pyproxy.render.trace import trace
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns

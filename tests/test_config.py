@@ -33,7 +33,7 @@ from pyproxy.config.file import FIELDS
 from pyproxy.config.flags import FLAGS
 from pyproxy.config.settings import SETTINGS
 from pyproxy.core.model import IPFamily, LocalMode
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 
 HEADER = "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\n"
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -28,7 +28,7 @@ from pyproxy.core.topology import select_all
 from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.kernel.nlsets import rule_packets
 from pyproxy.render.objects import Kind
-from pyproxy.render.services import render_config, skeleton
+from pyproxy.render.skeleton import render_config, skeleton
 from pyproxy.render.trace import trace
 from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import RejectedPackets

@@ -20,7 +20,7 @@ from pyproxy.core.convert_endpoints import convert_node
 from pyproxy.core.model import IPFamily, LocalMode, Node, Skipped
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 from pyproxy.run import build_daemon
 from pyproxy.sync.settings import LocalAddresses, node_config_for
 from testkit.builders import make_node, make_service

@@ -21,7 +21,7 @@ from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import IPFamily, Skipped
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.render.objects import Kind, SetDecl, key_text
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 from pyproxy.render.trace import trace
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import SKELETON, desired_state, fragments

@@ -102,7 +102,7 @@ def test_one_endpoint_more_changes_one_element_of_a_big_service() -> None:
 def test_trace_follows_a_big_service_into_its_own_map(monkeypatch: pytest.MonkeyPatch) -> None:
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.render import services
-    from pyproxy.render.services import render_config
+    from pyproxy.render.skeleton import render_config
     from pyproxy.render.trace import trace
     from pyproxy.sync.proxier import desired_state
 
@@ -140,7 +140,7 @@ def _big_render(count: int) -> tuple[Any, Any, Any]:
     """A ClusterIP service with `count` endpoints (over OWN_MAP_SLOTS), selected for node-a."""
     from pyproxy.cluster.snapshot import build_state
     from pyproxy.core.topology import select_all
-    from pyproxy.render.services import render_config
+    from pyproxy.render.skeleton import render_config
 
     state = build_state([
         make_service("ns", "big", ip="10.96.0.50"),

@@ -26,7 +26,7 @@ from pyproxy.cli.formats import (
     format_trace,
 )
 from pyproxy.render.objects import TABLE
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 from pyproxy.serve.debug import DEFAULT_SOCKET, ask
 from pyproxy.serve.live import TraceRequest, trace_request
 from pyproxy.sync.proxier import (

@@ -31,157 +31,66 @@ How a new connection to a service is handled (table `ip pyproxy` / `ip6 pyproxy`
 
 from __future__ import annotations
 
-import base64
-import functools
-import hashlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from ipaddress import collapse_addresses, ip_address, ip_network
-from typing import Any
+from ipaddress import ip_address, ip_network
 
-from pyproxy.core.balancing import Balancing, balancing_of, effective_weights, slots, weighted_slots
+from pyproxy.core.balancing import balancing_of, effective_weights, slots, weighted_slots
 from pyproxy.core.model import (
     Algorithm,
     Endpoint,
     IPFamily,
-    LocalMode,
     ServicePort,
     TrafficPolicy,
-    ip_family,
 )
-from pyproxy.core.nodeconfig import LocalhostNodePorts, NodeConfig
 from pyproxy.core.topology import Selection
 from pyproxy.render.objects import (
-    CLUSTER_IPS_CHECK,
     CLUSTER_IPS_SET,
-    CONNECTION_SHARD_SIZE,
-    CONNECTION_SHARDS,
-    COUNT_CONNECTIONS_CHAIN,
     FIREWALL_ALLOW_SET,
-    FIREWALL_CHECK,
     FIREWALL_IPS_SET,
     HAIRPIN_SET,
     LOCALHOST_NODEPORT_REJECT_MAP,
-    MASQUERADING_CHAIN,
     NO_ENDPOINT_NODEPORTS_MAP,
     NO_ENDPOINT_SERVICES_MAP,
-    NODEPORT_ENDPOINTS_CHECK,
-    NODEPORT_IPS_SET,
-    PROTOCOLS,
     REJECT_CHAIN,
-    SERVICE_CIDRS_SET,
-    SERVICE_ENDPOINTS_CHECK,
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
-    SERVICES_CHAIN,
-    VERDICT,
-    ElementValue,
     Fragment,
     Item,
     Key,
-    Kind,
     SetDecl,
     Verdict,
-    connections_set,
     element_comment,
     endpoints_map,
     localhost_nodeport_reject_chain,
     nodeport_endpoints_map,
 )
+from pyproxy.render.picks import (
+    Picker,
+    build_cluster_pick_chain,
+    cluster_pick_chain,
+    external_pick_chain,
+    own_name,
+)
+from pyproxy.render.skeleton import (
+    ELEMENT,
+    RenderConfig,
+    affinity_set_name,
+    chain_item,
+    collapsed,
+    element_item,
+    endpoints_map_decl,
+    hash8,
+    masquerade,
+    new_tuple,
+    new_verdict,
+    nodeport_endpoints_map_decl,
+    service_base_name,
+    set_item,
+)
 
-
-@dataclass(frozen=True)
-class RenderConfig:
-    """Per-family settings that shape the rules."""
-
-    family: IPFamily
-    local_mode: LocalMode = LocalMode.NONE
-    # CIDR (ClusterCIDR/NodeCIDR modes) or interface name / prefix (the interface modes).
-    local_value: str = ""
-    # Node addresses that accept NodePorts; None means every local address.
-    nodeport_ips: tuple[str, ...] | None = None
-    # The addresses NodePorts are served on, as far as they are known (with nodeport_ips
-    # None, the node's known local addresses): what a trace takes for "this node".
-    nodeport_addresses: tuple[str, ...] = ()
-    # This node's addresses (for LoadBalancer source ranges that include the node).
-    node_ips: tuple[str, ...] = ()
-    masquerade_bit: int = 14
-    masquerade_all: bool = False
-    # Count new connections per endpoint in the kernel (the `new-connections-N` sets).
-    count_connections: bool = True
-    # This node's name: only its own endpoints can reach themselves through it (hairpin).
-    # None (offline tools without a node): every endpoint is treated as local there.
-    node_name: str | None = None
-    # NodePorts on loopback (KEP-6032): which protocols are rejected there, and counted.
-    localhost_nodeports: LocalhostNodePorts = LocalhostNodePorts.OFF
-
-    @property
-    def localhost_rejected(self) -> tuple[str, ...]:
-        """The protocols whose localhost NodePorts are rejected (and counted): all of them
-        with the gate on and no userspace proxy, those it cannot carry with it (TCP only,
-        KEP-6032's non-goal), none with the gate off."""
-        if self.localhost_nodeports is LocalhostNodePorts.OFF:
-            return ()
-        if self.localhost_nodeports is LocalhostNodePorts.PROXY:
-            return tuple(p for p in PROTOCOLS if p != "tcp")
-        return PROTOCOLS
-
-    @property
-    def mark(self) -> str:
-        return f"0x{1 << self.masquerade_bit:08x}"
-
-    @property
-    def ip(self) -> str:
-        return self.family.nft_family
-
-    @property
-    def addr_type(self) -> str:
-        return "ipv4_addr" if self.family is IPFamily.IPv4 else "ipv6_addr"
-
-    @property
-    def loopback(self) -> str:
-        return "127.0.0.0/8" if self.family is IPFamily.IPv4 else "::1"
-
-    def local_match(self, negate: bool = False) -> str | None:
-        """The nft match for "comes from a local pod" (or its negation), or None when no
-        detector is configured. Interface modes use iifname: `iif` resolves names at load
-        time and fails for absent interfaces and wildcards (kubernetes#134024)."""
-        op = "!= " if negate else ""
-        if self.local_mode in (LocalMode.CLUSTER_CIDR, LocalMode.NODE_CIDR) and self.local_value:
-            return f"{self.ip} saddr {op}{self.local_value}"
-        if self.local_mode is LocalMode.BRIDGE_INTERFACE and self.local_value:
-            return f'iifname {op}"{self.local_value}"'
-        if self.local_mode is LocalMode.INTERFACE_NAME_PREFIX and self.local_value:
-            return f'iifname {op}"{self.local_value}*"'
-        return None
-
-
-def render_config(node: NodeConfig, family: IPFamily) -> RenderConfig:
-    """What rendering needs of this node's configuration, for one family."""
-    return RenderConfig(
-        family=family,
-        local_mode=node.local_mode_for(family),
-        local_value=node.local_value(family),
-        nodeport_ips=node.nodeport_ips(family),
-        nodeport_addresses=node.nodeport_addresses_of(family),
-        node_ips=tuple(ip for ip in node.node_ips if ip_family(ip) is family),
-        masquerade_bit=node.masquerade_bit,
-        masquerade_all=node.masquerade_all,
-        count_connections=node.count_connections,
-        node_name=node.node_name,
-        localhost_nodeports=node.localhost_nodeports(family),
-    )
-
-
-def _endpoints_map_decl(ip: str, proto: str) -> SetDecl:
-    return SetDecl((f"{ip} daddr", f"{proto} dport", "numgen random mod 1"),
-                   (f"{ip} daddr", f"{proto} dport"), typeof=True)
-
-
-def _nodeport_endpoints_map_decl(ip: str, proto: str) -> SetDecl:
-    return SetDecl((f"{proto} dport", "numgen random mod 1"), (f"{ip} daddr", f"{proto} dport"),
-                   typeof=True)
-
+# ---------------------------------------------------------------------------------------------
+# Per service port
 
 # A service port with at least this many slots keeps them in an endpoints map of its own.
 # libnftables (1.0.6) reads every element of the map a new rule refers to before it takes
@@ -190,155 +99,6 @@ def _nodeport_endpoints_map_decl(ip: str, proto: str) -> SetDecl:
 # map), 35-40 ms with 250k elements.
 OWN_MAP_SLOTS = 1000
 
-
-# ---------------------------------------------------------------------------------------------
-# Item constructors (the types: objects.py)
-
-
-def _set(name: str, declaration: SetDecl) -> Item:
-    return Item(Kind.SET, name, "", declaration)
-
-
-def _chain(name: str, rules: Sequence[str]) -> Item:
-    return Item(Kind.CHAIN, name, "", tuple(rules))
-
-
-# Item(...) goes through the NamedTuple's Python-level __new__; building the tuple directly
-# halves the cost, which counts at a few hundred thousand elements per full render.
-_new_tuple: Callable[[type[Item], tuple[Kind, str, Key, ElementValue]], Item] = (
-    tuple.__new__)
-_ELEMENT = Kind.ELEMENT
-# The same for a verdict: one per service port and address.
-_new_verdict: Callable[[type[Verdict], tuple[str, str, str]], Verdict] = tuple.__new__
-
-
-def _elem(container: str, key: Key, value: ElementValue = ()) -> Item:
-    return _new_tuple(Item, (_ELEMENT, container, key, value))
-
-
-def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
-    """The static part: sets and maps, and the chains every ruleset has. `service_cidrs`
-    (of any family; from the ServiceCIDR objects) fill `service-cidrs`."""
-    ip, addr = cfg.ip, cfg.addr_type
-    destination = (addr, "inet_proto", "inet_service")  # the type of `destination()`
-    node_port = ("inet_proto", "inet_service")
-    items = [
-        _set(CLUSTER_IPS_SET, SetDecl((addr,), comment="Active ClusterIPs")),
-        _set(HAIRPIN_SET, SetDecl((addr, addr), comment="endpoint . itself, for hairpin")),
-        _set(SERVICE_CIDRS_SET, SetDecl((addr,), flags=("interval",), comment="ServiceCIDRs")),
-        _set(FIREWALL_IPS_SET, SetDecl(destination, comment="destinations with source ranges")),
-        _set(FIREWALL_ALLOW_SET, SetDecl((*destination, addr), flags=("interval",),
-                                         comment="allowed sources per destination")),
-        _set(SERVICE_IPS_MAP, SetDecl(destination, VERDICT, comment="ClusterIP, ExternalIP and "
-                                      "LoadBalancer IP traffic")),
-        _set(SERVICE_NODEPORTS_MAP, SetDecl(node_port, VERDICT, comment="NodePort traffic")),
-        _set(NO_ENDPOINT_SERVICES_MAP, SetDecl(destination, VERDICT, comment="services without "
-                                               "usable endpoints: reject or drop")),
-        _set(NO_ENDPOINT_NODEPORTS_MAP, SetDecl(node_port, VERDICT, comment="nodeports without "
-                                                "usable endpoints: reject or drop")),
-    ]
-    for proto in PROTOCOLS:
-        items.append(_set(endpoints_map(proto), _endpoints_map_decl(ip, proto)))
-        items.append(_set(nodeport_endpoints_map(proto), _nodeport_endpoints_map_decl(ip, proto)))
-    items.extend(_elem(SERVICE_CIDRS_SET, (cidr,))
-                 for cidr in _collapsed([c for c in service_cidrs if ip_family(c) is cfg.family]))
-    if cfg.nodeport_ips is not None:
-        items.append(_set(NODEPORT_IPS_SET, SetDecl((addr,),
-                                                    comment="IPs that accept NodePort traffic")))
-        items.extend(_elem(NODEPORT_IPS_SET, (ip_,)) for ip_ in cfg.nodeport_ips)
-        nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
-    else:
-        nodeport_match = f"fib daddr type local {ip} daddr != {cfg.loopback}"
-    items += [
-        _chain(SERVICES_CHAIN, (
-            f"{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS_MAP}",
-            f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
-        )),
-        _chain(SERVICE_ENDPOINTS_CHECK, (
-            f"{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES_MAP}",)),
-        _chain(NODEPORT_ENDPOINTS_CHECK, (
-            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",
-            *_localhost_nodeport_check(cfg))),
-        _chain(FIREWALL_CHECK, (
-            f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
-            f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
-        # Only traffic that no service DNATed gets here (forward, and output after nat).
-        _chain(CLUSTER_IPS_CHECK, (
-            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',
-            # An address of a ServiceCIDR that is no ClusterIP would otherwise be routed on
-            # (often out of the default route). Empty set (no ServiceCIDR known): no match.
-            f'{ip} daddr @{SERVICE_CIDRS_SET} drop comment "unallocated ClusterIP"',
-        )),
-        _chain(REJECT_CHAIN, ("reject",)),
-        _chain(MASQUERADING_CHAIN, (
-            # Hairpin: an endpoint reaching itself through its service must be masqueraded,
-            # or it would answer itself directly and the connection would not match.
-            f"ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN_SET} "
-            f"meta mark set meta mark | {cfg.mark}",
-            f"meta mark & {cfg.mark} == 0 return",
-            # Clear the bit so it does not leak into later processing.
-            f"meta mark set meta mark ^ {cfg.mark}",
-            "masquerade fully-random",
-        )),
-        *_connection_counting(cfg),
-        *_localhost_nodeport_rejects(cfg),
-    ]
-    return Fragment(tuple(items))
-
-
-def _localhost_nodeport_check(cfg: RenderConfig) -> tuple[str, ...]:
-    """In nodeport-endpoints-check (filter input: a connection from this node to itself
-    passes there, DNATed by nobody since loopback is never a NodePort address): a localhost
-    NodePort of a rejected protocol goes to that protocol's reject chain."""
-    if not cfg.localhost_rejected:
-        return ()
-    return (f"{cfg.ip} daddr {cfg.loopback} meta l4proto . th dport "
-            f"vmap @{LOCALHOST_NODEPORT_REJECT_MAP}",)
-
-
-def _localhost_nodeport_rejects(cfg: RenderConfig) -> tuple[Item, ...]:
-    """The map, and a chain per rejected protocol whose rule counts and rejects. kube-proxy
-    counts in named counters; an anonymous counter in the chain's rule does the same here
-    (a full sync rewrites the chain and starts it from zero: metrics.py banks it)."""
-    if not cfg.localhost_rejected:
-        return ()
-    return (
-        _set(LOCALHOST_NODEPORT_REJECT_MAP, SetDecl(("inet_proto", "inet_service"), VERDICT,
-                                                    comment="localhost NodePorts rejected by "
-                                                    "pyproxy")),
-        *(_chain(localhost_nodeport_reject_chain(proto), ("counter reject",))
-          for proto in cfg.localhost_rejected),
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _connection_counting(cfg: RenderConfig) -> tuple[Item, ...]:
-    """The counting chain and its sets (built once: every sync renders the skeleton). The
-    chain exists without the feature too (empty): the base chains jump to it whatever the
-    configuration."""
-    if not cfg.count_connections:
-        return (_chain(COUNT_CONNECTIONS_CHAIN, ()),)
-    ip, addr = cfg.ip, cfg.addr_type
-    # Element keys: service address . protocol . service port (the node port for NodePorts)
-    # . endpoint address . endpoint port. `dynamic`: filled by the packet path, never by a
-    # sync, and never flushed by a full sync (which would reset the counters).
-    declaration = SetDecl((addr, "inet_proto", "inet_service", addr, "inet_service"),
-                          flags=("dynamic",), size=CONNECTION_SHARD_SIZE,
-                          comment="new connections per service address and endpoint")
-    items = [_set(connections_set(shard), declaration) for shard in range(CONNECTION_SHARDS)]
-    mask = "0.0.0.{}" if cfg.family is IPFamily.IPv4 else "::{:x}"
-    key = (f"ct original {ip} daddr . meta l4proto . ct original proto-dst . {ip} daddr . "
-           "th dport")
-    # nft 1.0.6 types `ct original proto-dst` only when the rule names the protocol: one
-    # rule per protocol and shard.
-    rules = [f"meta l4proto {proto} {ip} daddr & {mask.format(CONNECTION_SHARDS - 1)} == "
-             f"{mask.format(shard)} update @{connections_set(shard)} {{ {key} counter }}"
-             for proto in PROTOCOLS for shard in range(CONNECTION_SHARDS)]
-    return (*items, _chain(COUNT_CONNECTIONS_CHAIN, rules))
-
-
-# ---------------------------------------------------------------------------------------------
-# Per service port
 
 
 def render_service(port: ServicePort, sel: Selection, cfg: RenderConfig) -> Fragment:
@@ -358,14 +118,14 @@ class _ServiceRender:
         self.proto = port.protocol.lower()
         # Names are validated DNS labels, so the comment cannot break out of its quotes.
         self._comment = element_comment(str(port.name))
-        self._picker: _Picker | None = None
+        self._picker: Picker | None = None
 
     def goto(self, chain: str) -> Verdict:
         """A dispatch element's value: to `chain`, commented with the service's name."""
-        return _new_verdict(Verdict, ("goto", chain, self._comment))
+        return new_verdict(Verdict, ("goto", chain, self._comment))
 
     def drop(self) -> Verdict:
-        return _new_verdict(Verdict, ("drop", "", self._comment))
+        return new_verdict(Verdict, ("drop", "", self._comment))
 
     def destination(self, addr: str) -> Key:
         """The key of a destination (address . protocol . port) in the service-ips,
@@ -384,7 +144,7 @@ class _ServiceRender:
     def items(self) -> list[Item]:
         # One list, extended: nested generators cost a resumption per item and level, and
         # this runs for every element of a full render.
-        out = [_elem(CLUSTER_IPS_SET, (self.cip,)), *self.localhost_node_port()]
+        out = [element_item(CLUSTER_IPS_SET, (self.cip,)), *self.localhost_node_port()]
         if self.port.source_ranges:
             out += self.firewall()
         if not self.sel.has_any_endpoints:
@@ -394,7 +154,7 @@ class _ServiceRender:
         # its own service through the node it runs on, never through another one. At 100
         # nodes that is 1 % of the elements the set would hold with every endpoint.
         node = self.cfg.node_name
-        out += [_new_tuple(Item, (_ELEMENT, HAIRPIN_SET, (ep.ip, ep.ip), ()))
+        out += [new_tuple(Item, (ELEMENT, HAIRPIN_SET, (ep.ip, ep.ip), ()))
                 for ep in self.sel.all_reachable if node is None or ep.node_name == node]
         if self.port.session_affinity:
             out += _AffinityRender(self).items()
@@ -410,7 +170,7 @@ class _ServiceRender:
         """A NodePort of a protocol rejected on loopback, with or without endpoints."""
         if not self.port.node_port or self.proto not in self.cfg.localhost_rejected:
             return []
-        return [_elem(LOCALHOST_NODEPORT_REJECT_MAP, self.node_port_key(),
+        return [element_item(LOCALHOST_NODEPORT_REJECT_MAP, self.node_port_key(),
                       Verdict("goto", localhost_nodeport_reject_chain(self.proto)))]
 
     def all_entries(self) -> Iterator[tuple[str, Key]]:
@@ -423,7 +183,7 @@ class _ServiceRender:
     def no_endpoints(self, verdict: Verdict, entries: Iterator[tuple[str, Key]],
                      ) -> Iterator[Item]:
         for container, key in entries:
-            yield _elem(container, key, verdict)
+            yield element_item(container, key, verdict)
 
     def internal_list(self) -> tuple[Endpoint, ...]:
         if self.port.internal_policy is TrafficPolicy.LOCAL:
@@ -433,9 +193,9 @@ class _ServiceRender:
     def external_is_local(self) -> bool:
         return self.sel.local is not None and self.port.external_policy is TrafficPolicy.LOCAL
 
-    def picker(self) -> _Picker:
+    def picker(self) -> Picker:
         if self._picker is None:
-            self._picker = _Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
+            self._picker = Picker(self.cfg, self.proto, balancing_of(self.port), self.port)
         return self._picker
 
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
@@ -451,15 +211,16 @@ class _ServiceRender:
         endpoints = self.weighted(self.internal_list())
         if not endpoints:
             # iTP=Local without a local endpoint while others exist elsewhere: drop.
-            return [_elem(NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip), self.drop())]
+            return [element_item(NO_ENDPOINT_SERVICES_MAP, self.destination(self.cip), self.drop())]
         suffix, declared = self.own_map(len(endpoints), nodeport=False)
         if suffix:
-            chain = _build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
+            chain = build_cluster_pick_chain(self.picker(), len(endpoints), suffix)
         else:
-            chain = _cluster_pick_chain(self.picker(), len(endpoints))
+            chain = cluster_pick_chain(self.picker(), len(endpoints))
         return [*declared, chain,
-                _elem(SERVICE_IPS_MAP, self.destination(self.cip), self.goto(chain.container)),
-                *self.slot_elements(_own_name(endpoints_map(self.proto), suffix),
+                element_item(SERVICE_IPS_MAP, self.destination(self.cip),
+                             self.goto(chain.container)),
+                *self.slot_elements(own_name(endpoints_map(self.proto), suffix),
                                     (self.cip, self.port.port), endpoints)]
 
     def own_map(self, slot_count: int, nodeport: bool) -> tuple[str, list[Item]]:
@@ -469,15 +230,15 @@ class _ServiceRender:
         every other one: the shared maps."""
         if slot_count < OWN_MAP_SLOTS:
             return "", []
-        suffix = _hash8(str(self.port.name))
+        suffix = hash8(str(self.port.name))
         ip, proto = self.cfg.ip, self.proto
         if nodeport:
-            name = _own_name(nodeport_endpoints_map(proto), suffix)
-            declaration = _nodeport_endpoints_map_decl(ip, proto)
+            name = own_name(nodeport_endpoints_map(proto), suffix)
+            declaration = nodeport_endpoints_map_decl(ip, proto)
         else:
-            name = _own_name(endpoints_map(proto), suffix)
-            declaration = _endpoints_map_decl(ip, proto)
-        return suffix, [_set(name, declaration)]
+            name = own_name(endpoints_map(proto), suffix)
+            declaration = endpoints_map_decl(ip, proto)
+        return suffix, [set_item(name, declaration)]
 
     def slot_elements(self, container: str, prefix: Key, slots: Sequence[Endpoint],
                       offset: int = 0) -> Sequence[Item]:
@@ -487,7 +248,7 @@ class _ServiceRender:
         if len(slots) >= OWN_MAP_SLOTS:
             return _big_list_elements(container, prefix, slots, offset)
         # prefix + (i,): half the cost of (*prefix, i), once per slot
-        return [_new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+        return [new_tuple(Item, (ELEMENT, container, prefix + (i,),  # noqa: RUF005
                                   (ep.ip, ep.port)))
                 for i, ep in enumerate(slots, offset)]
 
@@ -512,38 +273,38 @@ class _ServiceRender:
                 # Endpoints exist, but none for this node's cluster traffic (topology keys
                 # matched none while iTP=Local keeps the service alive): reject, as when a
                 # service has no endpoints.
-                yield _elem(no_endpoints, key, self.goto(REJECT_CHAIN))
+                yield element_item(no_endpoints, key, self.goto(REJECT_CHAIN))
                 return
             suffix, declared = self.own_map(len(cluster), nodeport)
             yield from declared
-            chain = _external_pick_chain(self.picker(), len(cluster), 0, False, nodeport,
+            chain = external_pick_chain(self.picker(), len(cluster), 0, False, nodeport,
                                          suffix)
             yield chain
-            yield _elem(dispatch, key, self.goto(chain.container))
-            yield from self.slot_elements(_own_name(container, suffix), prefix, cluster)
+            yield element_item(dispatch, key, self.goto(chain.container))
+            yield from self.slot_elements(own_name(container, suffix), prefix, cluster)
             return
         local = self.weighted(self.sel.local or ())
         if not cluster and not local:
-            yield _elem(no_endpoints, key, self.drop())
+            yield element_item(no_endpoints, key, self.drop())
             return
         suffix, declared = self.own_map(len(cluster) + len(local), nodeport)
         yield from declared
-        container = _own_name(container, suffix)
-        chain = _external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport,
+        container = own_name(container, suffix)
+        chain = external_pick_chain(self.picker(), len(cluster), len(local), True, nodeport,
                                      suffix)
         yield chain
-        yield _elem(dispatch, key, self.goto(chain.container))
+        yield element_item(dispatch, key, self.goto(chain.container))
         yield from self.slot_elements(container, prefix, local)
         yield from self.slot_elements(container, prefix, cluster, offset=len(local))
         if not local:
             # Traffic from outside falls through the chain un-DNATed and is dropped here;
             # pod and host traffic was short-circuited to the cluster list before.
-            yield _elem(no_endpoints, key, self.drop())
+            yield element_item(no_endpoints, key, self.drop())
 
     def firewall(self) -> Iterator[Item]:
         # Overlapping ranges would be conflicting intervals in the set: collapse them. A
         # range covering everything is no firewall at all.
-        ranges = _collapsed(self.port.source_ranges_of(self.cfg.family))
+        ranges = collapsed(self.port.source_ranges_of(self.cfg.family))
         vips = self.port.load_balancer_vips(self.cfg.family)
         if not ranges or not vips or any(r.endswith("/0") for r in ranges):
             return
@@ -555,11 +316,11 @@ class _ServiceRender:
                if ip_address(n).version == net.version):
             # collapsed again: a VIP inside a range (VIPs from the node subnet) would be
             # an overlapping interval the kernel refuses
-            allowed = list(_collapsed([*ranges, *vips]))
+            allowed = list(collapsed([*ranges, *vips]))
         for vip in vips:
-            yield _elem(FIREWALL_IPS_SET, self.destination(vip))
+            yield element_item(FIREWALL_IPS_SET, self.destination(vip))
             for source in allowed:
-                yield _elem(FIREWALL_ALLOW_SET, (*self.destination(vip), source))
+                yield element_item(FIREWALL_ALLOW_SET, (*self.destination(vip), source))
 
 
 # The slot elements last rendered for each big list (OWN_MAP_SLOTS or more), by (container,
@@ -584,7 +345,7 @@ def _big_list_elements(container: str, prefix: Key, slots: Sequence[Endpoint],
     key = (container, prefix, offset)
     last = _BIG_LIST_ELEMENTS.get(key)
     if last is None:
-        items = tuple([_new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+        items = tuple([new_tuple(Item, (ELEMENT, container, prefix + (i,),  # noqa: RUF005
                                          (ep.ip, ep.port)))
                        for i, ep in enumerate(slots, offset)])
     else:
@@ -592,7 +353,7 @@ def _big_list_elements(container: str, prefix: Key, slots: Sequence[Endpoint],
         size = len(before)
         items = tuple([
             rendered[i - offset] if i - offset < size and before[i - offset] is ep
-            else _new_tuple(Item, (_ELEMENT, container, prefix + (i,),  # noqa: RUF005
+            else new_tuple(Item, (ELEMENT, container, prefix + (i,),  # noqa: RUF005
                                    (ep.ip, ep.port)))
             for i, ep in enumerate(slots, offset)])
     if len(items) <= BIG_LIST_ELEMENTS_KEPT:
@@ -608,159 +369,8 @@ def _big_list_elements(container: str, prefix: Key, slots: Sequence[Endpoint],
     return items
 
 
-def _collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
-    """CIDRs of one family without overlaps (the interval set refuses overlapping ones)."""
-    nets: list[Any] = [ip_network(r) for r in ranges]
-    # A single address is written (and printed back by nft) without its /32 or /128.
-    return tuple(str(n.network_address) if n.prefixlen == n.max_prefixlen else str(n)
-                 for n in collapse_addresses(nets))
-
-
-def _masquerade(cfg: RenderConfig) -> str:
-    return f"meta mark set meta mark | {cfg.mark}"
-
-
-@dataclass(frozen=True)
-class _Picker:
-    """How a pick chain draws the index into the endpoints map."""
-
-    cfg: RenderConfig
-    proto: str
-    balancing: Balancing
-    # Round robin's chains are per service (named after it); the others ignore the port.
-    port: ServicePort | None
-
-    def index(self, count: int, offset: int) -> str:
-        """An index in offset..offset+count-1, per the algorithm."""
-        ip, alg, off = self.cfg.ip, self.balancing.algorithm, f" offset {offset}" if offset else ""
-        seed = f" seed 0x{self.balancing.seed:08x}"
-        if alg is Algorithm.ROUND_ROBIN:
-            return f"numgen inc mod {count}{off}"
-        if alg is Algorithm.SOURCE_HASH:
-            return f"jhash {ip} saddr mod {count}{seed}{off}"
-        if alg is Algorithm.MAGLEV:
-            return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
-        return f"numgen random mod {count}{off}"
-
-    def dnat(self, count: int, offset: int, nodeport: bool, suffix: str = "") -> str:
-        """`suffix`: that of the service's own endpoints map (OWN_MAP_SLOTS)."""
-        ip, proto = self.cfg.ip, self.proto
-        if nodeport:
-            key, container = f"{proto} dport", nodeport_endpoints_map(proto)
-        else:
-            key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
-        container = _own_name(container, suffix)
-        return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
-
-    def chain_name(self, base: str) -> str:
-        """Random keeps the plain shared name; hashing shares chains per seed; round robin's
-        `numgen inc` counter lives in its rule, so each service gets its own chain."""
-        alg = self.balancing.algorithm
-        if alg is Algorithm.ROUND_ROBIN:
-            assert self.port is not None, "a round-robin chain is named after its service"
-            return f"{base}-rr-{service_base_name(self.port)}"[:250]
-        if alg is Algorithm.SOURCE_HASH:
-            return f"{base}-sh-{self.balancing.seed:08x}"
-        if alg is Algorithm.MAGLEV:
-            return f"{base}-mh-{self.balancing.seed:08x}"
-        return base
-
-
-def _cluster_pick_chain(picker: _Picker, count: int) -> Item:
-    if picker.balancing.algorithm is Algorithm.ROUND_ROBIN:
-        return _build_cluster_pick_chain(picker, count)
-    return _shared_cluster_pick_chain(picker.cfg, picker.proto, picker.balancing, count)
-
-
-@functools.lru_cache(maxsize=1024)
-def _shared_cluster_pick_chain(cfg: RenderConfig, proto: str, balancing: Balancing,
-                               count: int) -> Item:
-    # Thousands of services share each of these chains: build it once, not per service.
-    return _build_cluster_pick_chain(_Picker(cfg, proto, balancing, None), count)
-
-
-def _build_cluster_pick_chain(picker: _Picker, count: int, suffix: str = "") -> Item:
-    """`suffix`: that of the service's own endpoints map: the chain is its own too."""
-    cfg, proto = picker.cfg, picker.proto
-    name = picker.chain_name(_own_name(f"cluster-{proto}-{count}", suffix))
-    rules = []
-    if cfg.masquerade_all:
-        rules.append(_masquerade(cfg))
-    else:
-        # Sources outside the cluster (a static route to the service CIDR, the node itself)
-        # are masqueraded so that replies come back through this node.
-        not_local = cfg.local_match(negate=True)
-        if not_local:
-            rules.append(f"{not_local} {_masquerade(cfg)}")
-    rules.append(picker.dnat(count, 0, nodeport=False, suffix=suffix))
-    return _chain(name, rules)
-
-
-def _own_name(name: str, suffix: str) -> str:
-    """A shared map's or pick chain's name, or that of a service's own (OWN_MAP_SLOTS)."""
-    return f"{name}-{suffix}" if suffix else name
-
-
-def _external_pick_chain(picker: _Picker, cluster: int, local: int, is_local: bool,
-                         nodeport: bool, suffix: str = "") -> Item:
-    """`suffix`: that of the service's own endpoints map: the chain is its own too."""
-    cfg, proto = picker.cfg, picker.proto
-    kind = "nodeport" if nodeport else "external"
-    if not is_local:
-        # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
-        return _chain(picker.chain_name(_own_name(f"{kind}-{proto}-{cluster}", suffix)),
-                      (_masquerade(cfg), picker.dnat(cluster, 0, nodeport, suffix)))
-    rules = []
-    if cluster:
-        to_cluster = picker.dnat(cluster, local, nodeport, suffix)
-        local_pods = cfg.local_match()
-        if local_pods:
-            # Pod traffic to an external address behaves as if it left and came back:
-            # short-circuit it to the cluster list, unmasqueraded.
-            rules.append(f"{local_pods} {to_cluster}")
-        # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
-        rules.append(f"fib saddr type local {_masquerade(cfg)} {to_cluster}")
-    if local:
-        rules.append(picker.dnat(local, 0, nodeport, suffix))
-    name = _own_name(f"{kind}-local-{proto}-{local}-{cluster}", suffix)
-    return _chain(picker.chain_name(name), rules)
-
-
 # ---------------------------------------------------------------------------------------------
 # Session affinity: upstream's per-service layout
-
-
-def _hash8(text: str) -> str:
-    return base64.b32encode(hashlib.sha256(text.encode()).digest()).decode()[:8]
-
-
-# nft names are at most 256 bytes; leave room for the longest prefix, as upstream does.
-_MAX_BASE_NAME = 240
-
-
-def _named(raw: str) -> str:
-    name = f"{_hash8(raw)}-{raw}"
-    return name if len(name) <= _MAX_BASE_NAME else name[: _MAX_BASE_NAME - 3] + "..."
-
-
-def service_base_name(port: ServicePort) -> str:
-    """`HASH-ns/name/proto/port` as upstream names per-service chains ('/' cannot occur in
-    Kubernetes names, so these never collide with static chains)."""
-    raw = f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
-    return _named(raw)
-
-
-def endpoint_base_name(port: ServicePort, ep: Endpoint) -> str:
-    raw = (f"{port.name.namespace}/{port.name.name}/{port.protocol.lower()}/{port.name.port}"
-           f"__{ep.ip.replace(':', '.')}/{ep.port}")
-    return _named(raw)
-
-
-def affinity_set_name(port: ServicePort, ep: Endpoint) -> str:
-    # The timeout is part of the hash: a set's timeout cannot change in place, so a new
-    # timeout makes a new set (and the old one goes with the rules that used it).
-    base = endpoint_base_name(port, ep)
-    return f"affinity-{_hash8(f'{base}/{port.affinity_timeout}')}-{base.split('-', 1)[1]}"
 
 
 @dataclass
@@ -781,33 +391,33 @@ class _AffinityRender:
             yield from self.policy_chain(self.chain("local"), svc.sel.local,
                                          internal == self.chain("local"))
         if svc.internal_list():
-            yield _elem(SERVICE_IPS_MAP, svc.destination(svc.cip), svc.goto(internal))
+            yield element_item(SERVICE_IPS_MAP, svc.destination(svc.cip), svc.goto(internal))
         else:
-            yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(svc.cip), svc.drop())
+            yield element_item(NO_ENDPOINT_SERVICES_MAP, svc.destination(svc.cip), svc.drop())
         if not svc.externals() and not svc.port.node_port:
             return
         external = self.chain("external")
-        yield _chain(external, self.external_rules())
+        yield chain_item(external, self.external_rules())
         for addr in svc.externals():
-            yield _elem(SERVICE_IPS_MAP, svc.destination(addr), svc.goto(external))
+            yield element_item(SERVICE_IPS_MAP, svc.destination(addr), svc.goto(external))
             if svc.external_is_local() and not svc.sel.local:
-                yield _elem(NO_ENDPOINT_SERVICES_MAP, svc.destination(addr), svc.drop())
+                yield element_item(NO_ENDPOINT_SERVICES_MAP, svc.destination(addr), svc.drop())
         if svc.port.node_port:
             key = svc.node_port_key()
-            yield _elem(SERVICE_NODEPORTS_MAP, key, svc.goto(external))
+            yield element_item(SERVICE_NODEPORTS_MAP, key, svc.goto(external))
             if svc.external_is_local() and not svc.sel.local:
-                yield _elem(NO_ENDPOINT_NODEPORTS_MAP, key, svc.drop())
+                yield element_item(NO_ENDPOINT_NODEPORTS_MAP, key, svc.drop())
 
     def external_rules(self) -> list[str]:
         svc, cfg = self.svc, self.svc.cfg
         to_cluster = f"goto {self.chain('service')}"
         if not svc.external_is_local():
-            return [_masquerade(cfg), to_cluster]
+            return [masquerade(cfg), to_cluster]
         rules = []
         local_pods = cfg.local_match()
         if local_pods:
             rules.append(f"{local_pods} {to_cluster}")
-        rules.append(f"fib saddr type local {_masquerade(cfg)}")
+        rules.append(f"fib saddr type local {masquerade(cfg)}")
         rules.append(f"fib saddr type local {to_cluster}")
         if svc.sel.local:
             rules.append(f"goto {self.chain('local')}")
@@ -821,14 +431,14 @@ class _AffinityRender:
         if internal:
             entry = f"{ip} daddr {svc.cip} {proto} dport {svc.port.port}"
             if cfg.masquerade_all:
-                rules.append(f"{entry} {_masquerade(cfg)}")
+                rules.append(f"{entry} {masquerade(cfg)}")
             elif cfg.local_match(negate=True):
-                rules.append(f"{entry} {cfg.local_match(negate=True)} {_masquerade(cfg)}")
+                rules.append(f"{entry} {cfg.local_match(negate=True)} {masquerade(cfg)}")
         sets: dict[str, str] = {}
         for ep in endpoints:
             aff = affinity_set_name(svc.port, ep)
             sets[ep.key] = aff
-            yield _set(aff, SetDecl((cfg.addr_type,), flags=("dynamic", "timeout"),
+            yield set_item(aff, SetDecl((cfg.addr_type,), flags=("dynamic", "timeout"),
                                     timeout=svc.port.affinity_timeout))
             # Every endpoint, drained ones too: a returning client keeps its endpoint, and
             # renews its element, so the timeout is the time it may stay away (kube-proxy's
@@ -844,7 +454,7 @@ class _AffinityRender:
             choose = f"numgen random mod {n - j} == 0 " if j < n - 1 else ""
             rules.append(f"{choose}update @{sets[ep.key]} {{ {ip} saddr }} "
                          f"{_dnat_to(cfg, proto, ep)}")
-        yield _chain(name, rules)
+        yield chain_item(name, rules)
 
 
 def _dnat_to(cfg: RenderConfig, proto: str, ep: Endpoint) -> str:

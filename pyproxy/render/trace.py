@@ -35,7 +35,7 @@ from pyproxy.render.objects import (
     value_text,
 )
 from pyproxy.render.ruleset import DesiredState
-from pyproxy.render.services import RenderConfig
+from pyproxy.render.skeleton import RenderConfig
 
 _INDEX = re.compile(
     r"dnat ip6? to .+? \. (?:numgen (?P<ng>random|inc) mod (?P<n1>\d+)"

@@ -19,7 +19,7 @@ from pyproxy.core.model import ServiceKey, ip_family
 from pyproxy.kernel.nft import inject_faults, pending_faults
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.objects import ElementValue, Key, element_text
-from pyproxy.render.services import render_config
+from pyproxy.render.skeleton import render_config
 from pyproxy.render.trace import trace
 from pyproxy.serve.connections import (
     ConnectionCounters,

@@ -24,7 +24,8 @@ from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.memory import gc_paused, trim_heap
 from pyproxy.render.objects import Fragment, key_text
 from pyproxy.render.ruleset import Change, DesiredState, full_commands
-from pyproxy.render.services import render_config, render_service, skeleton
+from pyproxy.render.services import render_service
+from pyproxy.render.skeleton import render_config, skeleton
 
 if TYPE_CHECKING:
     from pyproxy.kernel.nft import Kernel, SyncResult
