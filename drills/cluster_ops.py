@@ -331,6 +331,19 @@ def _answers(netns: str, ip: str, port: int) -> bool:
 # -- kube-proxy and the migration -------------------------------------------------------------
 
 
+def back_to_pyproxy_only(cluster: RealCluster) -> None:
+    """The cluster as the other drills expect it after a migration drill: pyproxy from
+    manifests/ synced on every node, kube-proxy's DaemonSet gone and its rules cleaned up."""
+    cluster.deploy_pyproxy(cluster.pyproxy_image)
+    cluster.rollout("daemonset", "pyproxy")
+    wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
+    cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
+    wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
+    for pod in pyproxy_pods(cluster):
+        cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
+                        "pyproxy", "cleanup", "--kube-proxy")
+
+
 def pyproxy_synced(cluster: RealCluster) -> bool:
     """docs/deploying.md step 3: ask every pyproxy pod whether it has synced."""
     for pod in pyproxy_pods(cluster):
@@ -393,14 +406,7 @@ def migration(cluster: RealCluster) -> OpResult:
         result.notes.append("back to kube-proxy: tables: "
                             + ", ".join(f"{n.name}: {node_tables(n)}" for n in cluster.nodes))
         # Leave the cluster as it was: pyproxy in, kube-proxy out.
-        cluster.deploy_pyproxy(cluster.pyproxy_image)
-        cluster.rollout("daemonset", "pyproxy")
-        wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
-        cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
-        wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
-        for pod in pyproxy_pods(cluster):
-            cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
-                            "pyproxy", "cleanup", "--kube-proxy")
+        back_to_pyproxy_only(cluster)
     return timed("migration", body)
 
 
@@ -537,14 +543,7 @@ def iptables_migration(cluster: RealCluster) -> OpResult:
         result.figures["failed going back"] = float(prober.report.failed - forward.failed)
         # Leave the cluster as the other drills expect it: pyproxy from manifests/, no
         # kube-proxy, no LoadBalancer address.
-        cluster.deploy_pyproxy(cluster.pyproxy_image)
-        cluster.rollout("daemonset", "pyproxy")
-        wait_for(lambda: pyproxy_synced(cluster), 120, "pyproxy synced on every node")
-        cluster.kubectl("-n", "kube-system", "delete", "ds", "kube-proxy")
-        wait_for(lambda: not _pods(cluster, "k8s-app=kube-proxy"), 120, "kube-proxy gone")
-        for pod in pyproxy_pods(cluster):
-            cluster.kubectl("-n", "kube-system", "exec", pod.metadata.name, "--",
-                            "pyproxy", "cleanup", "--kube-proxy")
+        back_to_pyproxy_only(cluster)
         cluster.kube.core.patch_namespaced_service_status("web-local", NS, {"status": {
             "loadBalancer": {"ingress": None}}})
     return timed("iptables-migration", body)
