@@ -162,10 +162,10 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     from pyproxy.core.model import IPFamily
     from pyproxy.core.plan import Cause, Scope, SyncPlan
     from pyproxy.kernel.libnftables import LibNftables
-    from pyproxy.kernel.nft import SyncResult
     from pyproxy.render.objects import TABLE, Kind
     from pyproxy.render.ruleset import Change as RChange
     from pyproxy.render.ruleset import DesiredState
+    from pyproxy.sync.applier import SyncResult
     from pyproxy.sync.proxier import FamilyProxier
 
     prof = Profiler(args.profile)

@@ -22,7 +22,7 @@ from drills.harness import (
 )
 from drills.tamper import TAMPERS
 from pyproxy.core.plan import Cause
-from pyproxy.kernel.nft import STALE_CHAIN_GRACE
+from pyproxy.sync.applier import STALE_CHAIN_GRACE
 from testkit.builders import make_node
 
 

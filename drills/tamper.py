@@ -25,7 +25,7 @@ from drills.harness import (
     until,
 )
 from pyproxy.core.plan import Cause
-from pyproxy.kernel.nft import STALE_CHAIN_GRACE
+from pyproxy.sync.applier import STALE_CHAIN_GRACE
 from testkit.builders import ep, make_service, make_slice
 from testkit.netlab import ConnResult
 

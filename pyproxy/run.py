@@ -1,9 +1,6 @@
-"""`pyproxy run`: the daemon built part by part, then started (the outermost shell).
-
-sources (API watches | snapshot file) → NodeProxier (cache + tracking) → runner → nftables,
-with health, metrics, conntrack cleanup and the rest observing every sync. Only wiring lives
-here, each part in its stage's package; `build_daemon` takes the kernel and the clock, so
-tests build the daemon `pyproxy run` builds."""
+"""`pyproxy run`: the daemon built part by part, then started (the outermost shell). Only wiring
+lives here, each part in its stage's package (docs/architecture.md); `build_daemon` takes the
+kernel and the clock, so tests build the daemon `pyproxy run` builds."""
 
 from __future__ import annotations
 
@@ -237,13 +234,12 @@ def run_daemon(config: ProxyConfig, stop: threading.Event | None = None,
         api_client = client_for(apiconnection.load(config), config)
     for warning in (*config.unapplied, *config.changes):
         log.warning("configuration", note=warning)
-    if node_ips is None:
-        node_ips = primary_addresses()
     for note in config.notes:
         log.info("configuration", note=note)
     # Until the Node object is known (its initial list completes before the first sync), the
     # interfaces' addresses stand in for its IPs.
-    daemon = build_daemon(config, api_client=api_client, interface_ips=tuple(node_ips),
+    ips = tuple(node_ips) if node_ips is not None else primary_addresses()
+    daemon = build_daemon(config, api_client=api_client, interface_ips=ips,
                           local_addresses=local_addresses, stop=stop)
     warn_if_kernel_below_supported(platform.release())
     daemon.start()

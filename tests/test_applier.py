@@ -13,10 +13,11 @@ from pyproxy.core.model import IPFamily
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.kernel.nft import Applier, FaultyKernel, inject_faults, pending_faults
+from pyproxy.kernel.nft import FaultyKernel
 from pyproxy.render import ops
 from pyproxy.render.objects import VERDICT, Element, SetDecl, Verdict
 from pyproxy.serve.live import trace_in
+from pyproxy.sync.applier import Applier, inject_faults, pending_faults
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice
@@ -173,7 +174,7 @@ def test_injected_faults_refuse_sync_transactions_and_then_stop() -> None:
     one = applier(proxier)
     assert pending_faults(one) == 0 and not isinstance(one.nft, FaultyKernel)
     # three: the partial sync's, then the full sync's and the table replacement it tries
-    # when the kernel refuses a full sync (kernel/nft.py)
+    # when the kernel refuses a full sync (sync/applier.py)
     inject_faults(one, 3)
     assert isinstance(one.nft, FaultyKernel) and pending_faults(one) == 3
     before = nft.list_ruleset()

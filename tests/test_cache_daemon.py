@@ -18,11 +18,11 @@ from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import Cause
 from pyproxy.core.wire import Unreadable
 from pyproxy.kernel.libnftables import NftError, structure_of
-from pyproxy.kernel.nft import Applier
 from pyproxy.render import ops
 from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
 from pyproxy.render.ruleset import Shape, Structure
 from pyproxy.run import build_daemon
+from pyproxy.sync.applier import Applier
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from testkit import protoenc

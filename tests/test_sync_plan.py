@@ -17,8 +17,8 @@ from pyproxy.core.plan import (
     plan_sync,
 )
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.kernel.nft import Applier
 from pyproxy.render.objects import Fragment, Item, Kind, SetDecl
+from pyproxy.sync.applier import Applier
 from testkit.fakes import FakeNft
 
 PERIODS = SyncPeriods(full_sync=3600.0, structure_check=30.0)

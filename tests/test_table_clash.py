@@ -4,7 +4,7 @@ of another kind, a clashing set that another chain refers to, a half-written tab
 release's whole layout — it ends with exactly the table a fresh node gets, within that one
 sync, at start and while running. In a namespace's kernel.
 
-The two ways there (pyproxy/kernel/nft.py): a table recording another layout than ours (its
+The two ways there (pyproxy/sync/applier.py): a table recording another layout than ours (its
 comment) is replaced whole without trying to patch it; a table recording ours that a full
 sync still cannot patch is replaced whole after the kernel refused the patch."""
 

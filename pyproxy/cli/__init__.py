@@ -39,11 +39,11 @@ from pyproxy.core.explain import explain_report, format_table
 from pyproxy.core.model import ClusterState, IPFamily, ServiceKey
 from pyproxy.core.nodeconfig import NodeConfig, unusable_address_warnings
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.kernel.nft import Applier
 from pyproxy.kernel.privileges import MissingPrivilege
 from pyproxy.logs import FORMATS, setup_logging
 from pyproxy.render.objects import TABLE
 from pyproxy.serve.debug import DebugError, ask
+from pyproxy.sync.applier import Applier
 from pyproxy.sync.proxier import (
     FamilyProxier,
     conflicts,

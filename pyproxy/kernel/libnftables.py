@@ -1,7 +1,7 @@
 """The libnftables shell: transactions and listings of our tables in the current network
 namespace through Debian's binding, the elements of staged syncs over raw netlink, and the
 netlink port ids that tell our own commits' change events from someone else's. What to
-commit is the applier's (kernel/nft.py)."""
+commit is the applier's (sync/applier.py)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ def new_context() -> Any:
     return ctx
 
 
-NETLINK_NETFILTER = 12
 
 
 class OwnSockets:
@@ -120,7 +119,7 @@ def netfilter_sockets() -> dict[int, int]:
         except OSError:
             continue  # closed meanwhile, or not a socket Python can wrap
         with probe:
-            if probe.family == socket.AF_NETLINK and probe.proto == NETLINK_NETFILTER:
+            if probe.family == socket.AF_NETLINK and probe.proto == nlelements.NETLINK_NETFILTER:
                 found[int(name)] = int(probe.getsockname()[0])
     return found
 

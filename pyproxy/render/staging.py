@@ -45,7 +45,7 @@ from pyproxy.render.ruleset import Commands, DesiredState
 SHADOW_SUFFIX = "-staged"
 # Elements per transaction: ~35 MiB of libnftables memory at ~1.6 KiB a parsed element.
 DEFAULT_CHUNK = 20_000
-# A full sync into a fresh table is staged from this many slots on (kernel/nft.py's
+# A full sync into a fresh table is staged from this many slots on (sync/applier.py's
 # `Applier.stage_fresh` says why); below it, one transaction is cheaper than three.
 FRESH_TABLE_MIN = 1_000
 _REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")

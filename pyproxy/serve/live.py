@@ -16,7 +16,6 @@ import structlog
 from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.model import ServiceKey, ip_family
-from pyproxy.kernel.nft import inject_faults, pending_faults
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.objects import ElementValue, Key, element_text
 from pyproxy.render.skeleton import render_config
@@ -30,6 +29,7 @@ from pyproxy.serve.connections import (
 )
 from pyproxy.serve.debug import Handler
 from pyproxy.serve.health import ProxyHealth
+from pyproxy.sync.applier import inject_faults, pending_faults
 from pyproxy.sync.proxier import FamilyProxier, disputes_report
 from pyproxy.sync.runner import BoundedFrequencyRunner
 

@@ -31,7 +31,7 @@ from pyproxy.core.plan import Cause, Scope, SyncFacts, SyncPeriods, SyncPlan, pl
 from pyproxy.core.topology import PortSelection
 from pyproxy.core.wire import SliceDoc
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.kernel.nft import SyncResult
+from pyproxy.sync.applier import SyncResult
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
 from pyproxy.sync.settings import families_of
@@ -53,7 +53,7 @@ class SyncRecord:
     kernel_seconds: float
     commands: int
     error: str | None = None
-    # (family, why) of each table this sync replaced whole (kernel/nft.py: another layout's
+    # (family, why) of each table this sync replaced whole (sync/applier.py: another layout's
     # table, or one a full sync could not patch)
     replaced: tuple[tuple[str, str], ...] = ()
     # Wall clock when the sync returned: its kernel work answered and its housekeeping done

@@ -28,7 +28,8 @@ from pyproxy.render.services import render_service
 from pyproxy.render.skeleton import render_config, skeleton
 
 if TYPE_CHECKING:
-    from pyproxy.kernel.nft import Kernel, SyncResult
+    from pyproxy.kernel.nft import Kernel
+    from pyproxy.sync.applier import SyncResult
 
 SKELETON = "skeleton"
 
@@ -185,7 +186,7 @@ class FamilyProxier:
     def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None) -> None:
         # the I/O shell and its applier, imported where used
         from pyproxy.kernel.libnftables import LibNftables
-        from pyproxy.kernel.nft import Applier
+        from pyproxy.sync.applier import Applier
 
         self.family = family
         self.config = config
