@@ -260,7 +260,7 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
     staged = re.match(r"# staged full sync: (\d+) transactions", proxier.applier.last_script)
     cold["transactions"] = int(staged[1]) if staged else 1
     cold["script_mb"] = result.script_bytes / 1e6
-    cold["slots"] = len(proxier.state)
+    cold["slots"] = len(proxier.desired)
     proxier.applier.last_script = ""  # the mirror keeps the last script; not state proper
     if args.gc_tuned:
         gc.freeze()  # everything loaded so far moves to the permanent generation
@@ -323,9 +323,9 @@ def worker_pyproxy(args: argparse.Namespace) -> dict[str, Any]:
             previous=proxier.selections):
         fresh.set(owner, fragment, RChange())
     res["check_mirror_equals_full_render"] = dict(fresh.slots()) == dict(
-        proxier.state.slots())
+        proxier.desired.slots())
     del fresh
-    want = sum(1 for (kind, container, _k), _v in proxier.state.slots()
+    want = sum(1 for (kind, container, _k), _v in proxier.desired.slots()
                if kind is Kind.ELEMENT and container == "service-ips")
     nft._nft.set_json_output(True)
     try:

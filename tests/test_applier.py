@@ -205,7 +205,7 @@ def test_an_injected_fault_is_kept_for_a_sync_not_taken_by_a_stale_chain_cleanup
 def test_the_slot_store_is_the_proxiers_and_cleanup_empties_it_in_place() -> None:
     proxier, nft = synced()
     family = proxier.proxiers[0]
-    assert family.applier.state is family.state and len(family.state) > 0
+    assert family.applier.desired is family.desired and len(family.desired) > 0
     family.applier.cleanup()
-    assert family.applier.state is family.state and len(family.state) == 0
+    assert family.applier.desired is family.desired and len(family.desired) == 0
     assert nft.list_names("ip") == ([], [])

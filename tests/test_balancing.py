@@ -187,7 +187,7 @@ def test_source_hash_is_stable_per_client_and_trace_names_it(cluster: Cluster,
     apply(cluster, proxy, PODS[:5], "source-hash")
     counts = tally(cluster.lab.connect(cluster.client, VIP, 80, count=20, parallel=5))
     assert len(counts) == 1, counts
-    state = proxy.proxiers[0].state
+    state = proxy.proxiers[0].desired
     cfg = render_config(proxy.proxiers[0].config, IPFamily.IPv4)
     answer = trace(state, cfg, cluster.client_ip4, VIP, 80, "tcp")
     (endpoint, probability), = answer.candidates
@@ -203,7 +203,7 @@ def test_maglev_moves_only_the_removed_endpoints_clients(cluster: Cluster,
     before = by_sport(cluster, 42000, 42300)
     assert "timeout" not in before.values() and len(set(before.values())) == 10
     # trace predicts each flow's endpoint from the client address and port
-    state = proxy.proxiers[0].state
+    state = proxy.proxiers[0].desired
     cfg = render_config(proxy.proxiers[0].config, IPFamily.IPv4)
     ip_of = {cluster.pods[p].ip4: p for p in PODS}
     for sport in list(before)[:20]:

@@ -316,7 +316,7 @@ def raw_elements(netns: str, family: IPFamily, name: str) -> list[bytes]:
 
 def loads_of(proxier: FamilyProxier) -> list[tuple[str, str, tuple[str, ...]]]:
     """Each static set of the proxier's store with its elements (what a staged sync loads)."""
-    chunks = [t for t in staging.transactions(proxier.family.nft_family, proxier.state,
+    chunks = [t for t in staging.transactions(proxier.family.nft_family, proxier.desired,
                                               proxier.applier._commands(None), False,
                                               chunk=10**9)
               if isinstance(t, ElementChunk)]

@@ -133,7 +133,7 @@ def test_a_fresh_table_is_staged_below_a_chunk_an_existing_one_is_not() -> None:
     assert sum(len(e or ()) for e in held(first.applier.nft)[1].values()) > 1_000
     small = FamilyProxier(IPFamily.IPv4, CONFIG, FakeNft())
     small.sync(build_state(list(Synthetic(5, 3).objects())))
-    assert len(small.applier.state) < staging.FRESH_TABLE_MIN
+    assert len(small.applier.desired) < staging.FRESH_TABLE_MIN
     assert "staged" not in small.applier.last_script
 
 

@@ -72,14 +72,14 @@ class Trace:
         }
 
 
-def trace(state: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
+def trace(desired: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
           protocol: str, from_node: bool = False, sport: int | None = None) -> Trace:
     """A new connection from `src` to `dst:port/protocol`. `from_node`: sent by a process on
     the node itself (the output hook) rather than arriving from outside or from a pod."""
     proto = protocol.lower()
     src, dst = str(ip_address(src)), str(ip_address(dst))
     out = Trace(src, dst, port, proto)
-    walker = _Walker(state, cfg, out, from_node, sport)
+    walker = _Walker(desired, cfg, out, from_node, sport)
     if walker.firewall_drops():
         return out
     verdict = walker.dispatch()
@@ -91,21 +91,21 @@ def trace(state: DesiredState, cfg: RenderConfig, src: str, dst: str, port: int,
 
 @dataclass
 class _Walker:
-    state: DesiredState
+    desired: DesiredState
     cfg: RenderConfig
     out: Trace
     from_node: bool
     sport: int | None = None
 
     def element(self, container: str, key: Key) -> ElementValue | None:
-        value = self.state.element(container, key)
+        value = self.desired.element(container, key)
         if value is not None:
             self.out.consulted.append((container, key, value))
         return value
 
     def elements(self, container: str) -> Iterator[tuple[Key, ElementValue]]:
         """Every element of `container` (for the interval sets: no exact-key lookup)."""
-        for name, entries in self.state.elements():
+        for name, entries in self.desired.elements():
             if name == container:
                 yield from entries
 
@@ -168,7 +168,7 @@ class _Walker:
 
     def follow(self, chain: str) -> bool:
         """Walk the chain a verdict goes to; True when it DNATs."""
-        rules = self.state.rules(chain)
+        rules = self.desired.rules(chain)
         if rules is None:
             self.note(f"{chain}: chain not found")
             return False
@@ -233,7 +233,7 @@ class _Walker:
         return True
 
     def hairpin(self, address: str) -> bool:
-        return self.state.element(HAIRPIN_SET, (address, address)) is not None
+        return self.desired.element(HAIRPIN_SET, (address, address)) is not None
 
     def pick(self, chain: str, rule: str) -> bool:
         match = _INDEX.search(rule)

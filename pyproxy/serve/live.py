@@ -123,7 +123,7 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
     for proxier in proxiers:
         if proxier.family is family:
             cfg = render_config(proxier.config, family)
-            result = trace(proxier.state, cfg, request.src, request.dst, request.port,
+            result = trace(proxier.desired, cfg, request.src, request.dst, request.port,
                            request.protocol, from_node=query.get("from_node") == "1",
                            sport=request.sport)
             answer = result.as_dict()
@@ -237,7 +237,7 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
     def explain(query: Mapping[str, str]) -> Any:
         wanted = service_key(query["service"]) if query.get("service") else None
         report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
-        report["conflicts"] = disputes_report(((p.family, p.state) for p in proxier.proxiers),
+        report["conflicts"] = disputes_report(((p.family, p.desired) for p in proxier.proxiers),
                                               wanted)
         return with_other_tables(report, other_tables())
 

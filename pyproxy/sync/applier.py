@@ -91,14 +91,14 @@ class SyncResult:
 @dataclass
 class Applier:
     """Owns one family's table. `sync` takes the fragments that changed since the last call,
-    puts them in the slot store `state` and commits the difference in one transaction (or
+    puts them in the slot store `desired` and commits the difference in one transaction (or
     everything, for a full sync). The store belongs to whoever renders into it and reads it
     (the FamilyProxier, for `trace` and the tests); a standalone applier has its own."""
 
     family: str
     nft: Kernel = field(default_factory=LibNftables)
     clock: Callable[[], float] = time.monotonic
-    state: DesiredState = field(default_factory=DesiredState)
+    desired: DesiredState = field(default_factory=DesiredState)
     # The kernel holds what the store says. False before the first full sync and from the
     # start of every sync until it has committed: after a failure only a full one makes them
     # agree again. The one "the next sync must be full" state: the node proxier's plans read it.
@@ -149,7 +149,7 @@ class Applier:
         change = None if plan.full else Change()
         pairs = updates.items() if isinstance(updates, Mapping) else updates
         for owner, fragment in pairs:
-            self.state.set(owner, fragment, change)
+            self.desired.set(owner, fragment, change)
         # Before the commands are made: a full sync lists the kernel's chains and flushes
         # those nobody wants, so a chain deleted after the listing failed the whole sync.
         self._delete_stale_chains(t0)
@@ -172,7 +172,7 @@ class Applier:
                     self.stale_chains.pop(name, None)
         fresh = names is not None and not (names[0] or names[1])
         staged = names is not None and staging.worth_staging(
-            self.state, names[1],
+            self.desired, names[1],
             min(self.stage_chunk, self.stage_fresh) if fresh else self.stage_chunk)
         script = ""
         t1 = self.clock()
@@ -191,7 +191,7 @@ class Applier:
                 # of another priority). Replaced whole, within this sync, so that nothing
                 # left in our table can keep a node without rules.
                 replaced = f"the kernel refused a full sync: {_refusal(str(err))}"
-                cmds = full_commands(self.family, self.state, replace=True)
+                cmds = full_commands(self.family, self.desired, replace=True)
                 self.nft.renew()  # the refused transaction may have left its cache wrong
                 script = self.nft.apply(self.family, cmds.ops())
             if replaced is not None:
@@ -214,7 +214,7 @@ class Applier:
             # only when a chain or a declaration really changed: a service moving to an
             # existing shared pick chain touches the chain's slot but not its value
             self.structure_changed = True
-        touched = len(self.state) if change is None else change.touched()
+        touched = len(self.desired) if change is None else change.touched()
         return SyncResult(plan, script.count("\n"), touched, t1 - t0, t2 - t1, len(script),
                           replaced=replaced)
 
@@ -239,7 +239,7 @@ class Applier:
         transaction's text, with a line saying how many went before it."""
         count, last = 0, ""
         with self.nft.bulk():
-            for transaction in staging.transactions(self.family, self.state, cmds,
+            for transaction in staging.transactions(self.family, self.desired, cmds,
                                                     table_exists, self.stage_chunk):
                 count, last = self._run_one(transaction, count, last)
         return f"# staged full sync: {count} transactions, the last:\n{last}"
@@ -264,9 +264,9 @@ class Applier:
         if change is not None:
             return incremental_commands(self.family, change)
         if names is None:
-            return full_commands(self.family, self.state, replace=True)
+            return full_commands(self.family, self.desired, replace=True)
         chains, sets = names
-        return full_commands(self.family, self.state, chains, sets,
+        return full_commands(self.family, self.desired, chains, sets,
                              recreate_base_chains=not self.started and bool(chains))
 
     def _delete_stale_chains(self, now: float) -> None:
@@ -292,7 +292,7 @@ class Applier:
     def expected_shape(self) -> Shape:
         """The shape the kernel's table must have: the store's chains and sets, and the
         chains flushed but not yet deleted (empty)."""
-        return table_shape(self.state, self.stale_chains)
+        return table_shape(self.desired, self.stale_chains)
 
     def structure_intact(self) -> bool:
         """Whether chains, rules and set declarations are as we left them. Reads the table's
@@ -349,17 +349,17 @@ class Applier:
 
     def _desired_elements(self) -> list[tuple[str, str, set[Element]]]:
         declared: dict[str, str] = {}
-        for (_kind, container, _key), value in self.state.slots():
+        for (_kind, container, _key), value in self.desired.slots():
             if isinstance(value, SetDecl) and not value.dynamic:
                 declared[container] = value.kind
-        elements = {container: set(entries) for container, entries in self.state.elements()}
+        elements = {container: set(entries) for container, entries in self.desired.elements()}
         return [(name, kind, elements.get(name, set())) for name, kind in sorted(declared.items())]
 
     def cleanup(self) -> None:
         """Remove the table and everything in it."""
         with contextlib.suppress(NftError):  # no table: nothing to remove
             self.nft.apply(self.family, [ops.delete(ops.Table())])
-        self.state.clear()
+        self.desired.clear()
         self.in_step = False
         self.stale_chains.clear()
         self.committed_structure, self.structure_changed = None, False

@@ -192,8 +192,8 @@ class FamilyProxier:
         self.config = config
         # The slot store: what this family's table must hold, rendered here, committed by
         # the applier, read by `trace`.
-        self.state = DesiredState()
-        self.applier = Applier(family.nft_family, nft or LibNftables(), state=self.state)
+        self.desired = DesiredState()
+        self.applier = Applier(family.nft_family, nft or LibNftables(), desired=self.desired)
         self._owners: dict[ServiceKey, set[ServicePortName]] = {}
         # The selection in force per service port (what the kernel was last asked to do).
         self.selections: dict[ServicePortName, PortSelection] = {}
