@@ -9,15 +9,16 @@ never touches its ruleset.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily
+from pyproxy.core.model import ClusterState, IPFamily
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.plan import SyncPlan
 from pyproxy.kernel.libnftables import OWN_SOCKETS, LibNftables, OwnSockets
 from pyproxy.kernel.nlelements import netlink_socket
-from pyproxy.sync.proxier import FamilyProxier
+from pyproxy.sync.proxier import FamilyProxier, desired_state, node_families, script_of
 from testkit.inproc import call_in_netns
 from testkit.netlab import Netns
 
@@ -67,3 +68,10 @@ def listing(ns: Netns, family: str = "ip") -> dict[str, Any]:
                     body["elem"] = sorted(json.dumps(e, sort_keys=True) for e in body["elem"])
                 objects.append(json.dumps({kind: body}, sort_keys=True))
     return {"objects": sorted(objects)}
+
+
+def render_script(state: ClusterState, config: NodeConfig,
+                  families: Iterable[IPFamily] | None = None) -> str:
+    """The complete nft script for the node: what `nft -f` loads into an empty namespace."""
+    return script_of({family: desired_state(state, config, family)
+                      for family in (families or node_families(state, config))})

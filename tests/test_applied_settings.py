@@ -47,9 +47,9 @@ from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync import settings
 from pyproxy.sync.node import NodeProxier
-from pyproxy.sync.proxier import render_script
 from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.nftns import render_script
 
 Configs = Callable[[Path], tuple[ProxyConfig, ProxyConfig]]
 Probe = Callable[[ProxyConfig, Path], Any]

@@ -32,12 +32,12 @@ from pyproxy.render.skeleton import render_config, skeleton
 from pyproxy.render.trace import trace
 from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import RejectedPackets
-from pyproxy.sync.proxier import FamilyProxier, desired_state, render_script
+from pyproxy.sync.proxier import FamilyProxier, desired_state
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, tally
-from testkit.nftns import libnft_in
+from testkit.nftns import libnft_in, render_script
 from testkit.waits import eventually
 
 V4, V6 = IPFamily.IPv4, IPFamily.IPv6

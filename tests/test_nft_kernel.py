@@ -28,12 +28,12 @@ from pyproxy.render import ops, staging
 from pyproxy.render.objects import TABLE, ElementValue, Key, SetDecl
 from pyproxy.render.ruleset import Structure
 from pyproxy.render.staging import ElementChunk
-from pyproxy.sync.proxier import FamilyProxier, render_script
+from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
-from testkit.nftns import libnft_in, listing
+from testkit.nftns import libnft_in, listing, render_script
 
 pytestmark = [pytest.mark.netns, requires_netns]
 

@@ -387,14 +387,6 @@ def _load_with_client(connection: ApiConnection, configuration: Any) -> None:
     configuration.host = connection.server
 
 
-def describe_host(host: str) -> str:
-    """`10.96.0.1` or `api.example (a DNS name)`, for log lines."""
-    try:
-        return str(ip_address(host))
-    except ValueError:
-        return f"{host} (a DNS name)"
-
-
 # ---------------------------------------------------------------------------------------------
 # The bootstrap trap (pure)
 

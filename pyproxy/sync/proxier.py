@@ -161,13 +161,6 @@ def disputes_report(tables: Iterable[tuple[IPFamily, DesiredState]],
             for (family, claimants, used), elements in found.items()]
 
 
-def render_script(state: ClusterState, config: NodeConfig,
-                  families: Iterable[IPFamily] | None = None) -> str:
-    """The complete nft script for the node: what `nft -f` loads into an empty namespace."""
-    return script_of({family: desired_state(state, config, family)
-                      for family in (families or node_families(state, config))})
-
-
 def desired_states(state: ClusterState, config: NodeConfig) -> dict[IPFamily, DesiredState]:
     """Every family's desired table, rendered once for both the script and its report."""
     return {family: desired_state(state, config, family)
