@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice
-from testkit.controlplane import PYPROXY
+from testkit.controlplane import PYPROXY, wait_for
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, Netns, tally
 from testkit.waits import eventually
@@ -328,7 +328,15 @@ def test_the_real_kube_proxy_in_iptables_mode_and_back(cluster: Cluster, control
         if daemon is not None:
             lab.stop_process(daemon)
         lab.stop_process(kube_proxy)
-        with contextlib.suppress(Exception):  # the API server's state goes with it anyway
+        # The control plane is the session's: the k8s tests after this one make their own
+        # ns/web with ClusterIP 10.96.0.10, refused while this one's still holds it. A
+        # namespace's Services go only when the namespace controller gets to them, so they
+        # are deleted here, and waited for, before the namespace.
+        with contextlib.suppress(Exception):
+            for name in ("web", "lb"):
+                kube.core.delete_namespaced_service(name, "ns")
+            wait_for(lambda: not kube.core.list_namespaced_service("ns").items, 30,
+                     "ns's Services gone")
             kube.core.delete_namespace("ns")
             for name in ("node-a", "node-b"):
                 kube.core.delete_node(name)
