@@ -54,7 +54,7 @@ lock: venv
 	$(BIN)/python tests/test_shipping.py --write-lock
 
 lint: venv
-	$(BIN)/ruff check setup.py pyproxy testkit tests drills demo bench
+	$(BIN)/ruff check setup.py pyproxy image testkit tests drills demo bench
 	$(BIN)/mypy
 
 unit: venv
@@ -186,7 +186,8 @@ clean:
 # checkout (~/.cache/pyproxy/images, PYPROXY_K8S_CACHE moves it), whose path it prints.
 # Beside the archive, its bill of materials: syft's SPDX JSON document (the archive's name with
 # .spdx.json for .tar; syft is built by `make tools`, once).
-# Fails (non-zero) when it cannot build. testkit/images.py does the work.
+# Fails (non-zero) when it cannot build. image/build.py does the work (the test kit's cluster
+# images take its recipe; it imports nothing of the test kit).
 # pyproject.toml's version: the package's (`pyproxy --version`), the image's tag and label.
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 IMAGE ?= localhost/pyproxy:$(VERSION)
@@ -195,7 +196,7 @@ IMAGE_APT_PACKAGES := buildah mmdebstrap
 image: deps
 	@$(call apt_need,$(IMAGE_APT_PACKAGES))
 	@e2e/tools/build.sh syft
-	@$(PYTHON) -m testkit.images --path-only --sbom --pyproxy-tag '$(IMAGE)' pyproxy
+	@$(PYTHON) -m image.build --sbom --tag '$(IMAGE)'
 
 # `make install`: the package in a virtualenv at PREFIX, the unit in UNITDIR, the example
 # configuration in SYSCONFDIR (existing files are kept). DESTDIR stages everything under

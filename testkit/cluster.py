@@ -562,12 +562,12 @@ class RealCluster:
 
     def start(self, with_pyproxy: bool = True) -> RealCluster:
         """Everything up; with pyproxy's DaemonSet Ready (else no proxy runs yet)."""
-        from testkit import images as built
+        from image.build import PYPROXY
 
         started = time.monotonic()
         self.up()
         if with_pyproxy:
-            self.deploy_pyproxy(built.PYPROXY)
+            self.deploy_pyproxy(PYPROXY)
             self.rollout("daemonset", "pyproxy")
             # CoreDNS reads the API through the `kubernetes` ClusterIP: Ready once a proxy runs.
             self.rollout("deployment", "coredns")
@@ -682,6 +682,7 @@ class RealCluster:
         tolerate every taint). Its pod CIDR is 10.244.0.0/24, routed by the fabric and every
         node as a worker's; the control plane already routes every worker's pod CIDR, so the
         traffic the proxy there DNATs to a pod reaches it."""
+        from image.build import PYPROXY
         from testkit import images as built
 
         spec = NodeSpec(CONTROL_PLANE_NODE, 0, "", address=CP_IP,
@@ -691,7 +692,7 @@ class RealCluster:
         self.lab.add_route(self.net, spec.pod_cidr, via=spec.ip)
         for worker in self.nodes:
             self.lab.add_route(worker.ns, spec.pod_cidr, via=spec.ip)
-        wanted = {built.PAUSE, built.PYPROXY, built.KUBE_PROXY}
+        wanted = {built.PAUSE, PYPROXY, built.KUBE_PROXY}
         node.start([archive.path for archive in self.images if archive.name in wanted])
         wait_for(lambda: self._node_exists(spec.name), NODE_READY_TIMEOUT,
                  f"{spec.name} registered")

@@ -25,8 +25,8 @@ How each is made, and why:
   built under the manifest's name (``E2E_SUBSTITUTES`` says which and why).
 - **kube-proxy** needs nft, iptables and conntrack: an mmdebstrap rootfs with them is the
   first layer, the binary ``make k8s`` built the second.
-- **pyproxy** is built from the Containerfile, the recipe that ships, by buildah (``make
-  image``), on a ``debian:bookworm-slim`` made here with mmdebstrap when no registry answers.
+- **pyproxy** is the product's own build (``make image``, image/build.py): the Containerfile
+  by buildah; this takes its recipe. The archives' format, cache and keys are image/oci.py's.
 
 Each archive's file name holds a hash of its inputs (sources, binaries, package versions and
 this file), so a second run finds them and does nothing; the costly intermediates (Go
@@ -40,32 +40,43 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
-import gzip
-import hashlib
 import io
 import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pyproxy import version as pyproxy_version
-from testkit.tools import tool_path
+from image.build import PYPROXY, pyproxy_recipe
+from image.oci import (
+    ImageArchive,
+    ImageBuildError,
+    Recipe,
+    cache_dir,
+    cache_lock,
+    deb_version,
+    debian_rootfs,
+    digest_of,
+    ensure_image,
+    image_config,
+    log,
+    need,
+    publish,
+    run,
+    write_archive,
+)
 
-REPO = Path(__file__).resolve().parent.parent
+HERE = Path(__file__)
+REPO = HERE.resolve().parent.parent
 K8S_MODULE_DIR = REPO / "e2e" / "k8s"
 BUILD_SCRIPT = K8S_MODULE_DIR / "build.sh"
-CONTAINERFILE = REPO / "Containerfile"
 
 # The release pinned in e2e/k8s/go.mod, and the names its manifests use: the e2e framework's
 # (test/utils/image/manifest.go), kubeadm's (cmd/kubeadm/app/constants). tests/test_images.py
@@ -126,101 +137,6 @@ E2E_SUBSTITUTES = {
 }
 
 KUBE_PROXY = f"registry.k8s.io/kube-proxy:{RELEASE}"
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-# A local name: nothing is pushed anywhere; the cluster harness puts it into the DaemonSet.
-PYPROXY = f"localhost/pyproxy:{VERSION}"
-
-DEBIAN_SUITE = "bookworm"
-DEBIAN_MIRRORS = (
-    f"deb http://deb.debian.org/debian {DEBIAN_SUITE} main",
-    f"deb http://deb.debian.org/debian {DEBIAN_SUITE}-updates main",
-    f"deb http://deb.debian.org/debian-security {DEBIAN_SUITE}-security main",
-)
-# The Containerfile's FROM, made here when no registry has it.
-DEBIAN_BASE = f"docker.io/library/debian:{DEBIAN_SUITE}-slim"
-# What bookworm-slim leaves out (debuerreotype's --slimify list, shortened): docs, man pages,
-# locales. Copyright files stay.
-SLIM_DPKG_OPTIONS = (
-    "path-exclude=/usr/share/doc/*",
-    "path-include=/usr/share/doc/*/copyright",
-    "path-exclude=/usr/share/man/*",
-    "path-exclude=/usr/share/info/*",
-    "path-exclude=/usr/share/locale/*",
-    "path-include=/usr/share/locale/locale.alias",
-)
-
-LAYER_MEDIA = "application/vnd.oci.image.layer.v1.tar+gzip"
-CONFIG_MEDIA = "application/vnd.oci.image.config.v1+json"
-MANIFEST_MEDIA = "application/vnd.oci.image.manifest.v1+json"
-INDEX_MEDIA = "application/vnd.oci.image.index.v1+json"
-NAME_ANNOTATION = "io.containerd.image.name"
-REF_ANNOTATION = "org.opencontainers.image.ref.name"
-PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class ImageBuildError(RuntimeError):
-    """An image could not be built; the message says which step and why."""
-
-
-@dataclass(frozen=True)
-class ImageArchive:
-    """An OCI archive that `ctr -n k8s.io images import PATH` imports as NAME."""
-
-    name: str
-    path: Path
-
-
-def cache_dir() -> Path:
-    """The archives' folder: beside the control plane's binaries (e2e/k8s/build.sh's cache)."""
-    base = os.environ.get("PYPROXY_K8S_CACHE") or str(
-        Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pyproxy")
-    return Path(base) / "images"
-
-
-def log(message: str) -> None:
-    print(f"images: {message}", file=sys.stderr, flush=True)
-
-
-def run(*args: str | Path, cwd: Path | None = None, env: dict[str, str] | None = None,
-        capture: bool = False) -> str:
-    """Runs a build step; its output goes to stderr (or is returned), a failure raises."""
-    argv = [str(a) for a in args]
-    result = subprocess.run(argv, cwd=cwd, env=env, check=False, text=True,
-                            stdout=subprocess.PIPE if capture else sys.stderr,
-                            stderr=subprocess.PIPE if capture else None)
-    if result.returncode != 0:
-        detail = (result.stderr or "").strip()[-2000:] if capture else ""
-        raise ImageBuildError(f"{' '.join(argv)} exited {result.returncode}"
-                              + (f": {detail}" if detail else ""))
-    return result.stdout if capture else ""
-
-
-def digest_of(*parts: str | bytes | Path) -> str:
-    """sha256 over the parts in order; a Path counts by its content."""
-    hasher = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, Path):
-            with part.open("rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    hasher.update(chunk)
-        else:
-            hasher.update(part.encode() if isinstance(part, str) else part)
-        hasher.update(b"\0")
-    return hasher.hexdigest()
-
-
-def _publish(build: Callable[[Path], None], target: Path) -> Path:
-    """Builds into target's .partial and renames it, so an interrupted build leaves nothing
-    that looks finished."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    if partial.is_dir():
-        shutil.rmtree(partial)
-    partial.unlink(missing_ok=True)
-    build(partial)
-    partial.rename(target)
-    return target
-
 
 # ---------------------------------------------------------------------------------------------
 # Layers and archives
@@ -280,138 +196,8 @@ class Tree:
                     tar.addfile(info)
 
 
-def _canonical(doc: Any) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _gzip_layer(layer: Path, blobs: Path) -> tuple[str, str, int]:
-    """(diff_id, digest, size) of a layer tar, its gzip blob written into blobs/."""
-    raw, packed = hashlib.sha256(), hashlib.sha256()
-    partial = blobs / "layer.partial"
-    # mtime 0 and no file name: the same layer gives the same blob, hence the same digest.
-    with layer.open("rb") as src, partial.open("wb") as out, gzip.GzipFile(
-            filename="", mode="wb", fileobj=out, mtime=0, compresslevel=6) as gz:
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            raw.update(chunk)
-            gz.write(chunk)
-    with partial.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            packed.update(chunk)
-    size = partial.stat().st_size
-    partial.rename(blobs / packed.hexdigest())
-    return "sha256:" + raw.hexdigest(), "sha256:" + packed.hexdigest(), size
-
-
-def image_config(entrypoint: Sequence[str] | None = None, cmd: Sequence[str] | None = None,
-                 user: str = "", env: Sequence[str] = (PATH_ENV,), ports: Sequence[str] = (),
-                 workdir: str = "/", labels: dict[str, str] | None = None) -> dict[str, Any]:
-    """The runtime part of an OCI image config (``config``), as a Dockerfile would set it."""
-    config: dict[str, Any] = {"Env": list(env), "WorkingDir": workdir}
-    if entrypoint:
-        config["Entrypoint"] = list(entrypoint)
-    if cmd:
-        config["Cmd"] = list(cmd)
-    if user:
-        config["User"] = user
-    if ports:
-        config["ExposedPorts"] = {port: {} for port in ports}
-    if labels:
-        config["Labels"] = dict(labels)
-    return config
-
-
-def _tar_layout(layout: Path, out: Path) -> None:
-    """An OCI layout folder as a tar, deterministic, files first sorted."""
-    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(layout.rglob("*")):
-            info = tar.gettarinfo(str(path), str(path.relative_to(layout)))
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
-            info.mode = 0o755 if path.is_dir() else 0o644
-            if path.is_file():
-                with path.open("rb") as f:
-                    tar.addfile(info, f)
-            else:
-                tar.addfile(info)
-
-
-def _index(name: str, manifest_digest: str, manifest_size: int) -> dict[str, Any]:
-    # containerd imports under io.containerd.image.name; the OCI ref.name is the tag alone
-    # (what `ctr images export` writes), for tools that read only that.
-    return {"schemaVersion": 2, "mediaType": INDEX_MEDIA, "manifests": [{
-        "mediaType": MANIFEST_MEDIA, "digest": manifest_digest, "size": manifest_size,
-        "platform": {"architecture": "amd64", "os": "linux"},
-        "annotations": {NAME_ANNOTATION: name, REF_ANNOTATION: name.rpartition(":")[2]}}]}
-
-
-def write_archive(out: Path, name: str, layers: Sequence[Path], config: dict[str, Any],
-                  history: str = "") -> None:
-    """An OCI archive of one linux/amd64 image: the layer tars (uncompressed, bottom first)
-    gzipped, the config with their diff IDs, a manifest, and an index naming it."""
-    with tempfile.TemporaryDirectory(dir=out.parent, prefix=".layout-") as tmp:
-        layout = Path(tmp)
-        blobs = layout / "blobs" / "sha256"
-        blobs.mkdir(parents=True)
-        diff_ids, descriptors = [], []
-        for layer in layers:
-            diff_id, digest, size = _gzip_layer(layer, blobs)
-            diff_ids.append(diff_id)
-            descriptors.append({"mediaType": LAYER_MEDIA, "digest": digest, "size": size})
-        full_config = {
-            "architecture": "amd64", "os": "linux", "created": "1970-01-01T00:00:00Z",
-            "config": config, "rootfs": {"type": "layers", "diff_ids": diff_ids},
-            "history": [{"created": "1970-01-01T00:00:00Z",
-                         "created_by": history or "testkit/images.py"} for _ in layers]}
-        config_bytes = _canonical(full_config)
-        config_digest = hashlib.sha256(config_bytes).hexdigest()
-        (blobs / config_digest).write_bytes(config_bytes)
-        manifest_bytes = _canonical({
-            "schemaVersion": 2, "mediaType": MANIFEST_MEDIA,
-            "config": {"mediaType": CONFIG_MEDIA, "digest": "sha256:" + config_digest,
-                       "size": len(config_bytes)},
-            "layers": descriptors})
-        manifest_digest = hashlib.sha256(manifest_bytes).hexdigest()
-        (blobs / manifest_digest).write_bytes(manifest_bytes)
-        (layout / "oci-layout").write_bytes(_canonical({"imageLayoutVersion": "1.0.0"}))
-        (layout / "index.json").write_bytes(_canonical(
-            _index(name, "sha256:" + manifest_digest, len(manifest_bytes))))
-        _tar_layout(layout, out)
-
-
-def name_layout(layout: Path, name: str) -> None:
-    """Names the (only) image of an OCI layout folder as `_index` does (buildah's `oci:` push
-    sets only ref.name, which containerd does not read as a full name)."""
-    index = json.loads((layout / "index.json").read_text())
-    (manifest,) = index["manifests"]
-    manifest.setdefault("annotations", {}).update(
-        {NAME_ANNOTATION: name, REF_ANNOTATION: name.rpartition(":")[2]})
-    (layout / "index.json").write_bytes(_canonical(index))
-
-
-def read_archive(path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(index, manifest, config) of an OCI archive, read without unpacking it."""
-    with tarfile.open(path) as tar:
-        def blob(digest: str) -> Any:
-            member = tar.extractfile("blobs/sha256/" + digest.removeprefix("sha256:"))
-            assert member is not None
-            return json.loads(member.read())
-
-        member = tar.extractfile("index.json")
-        assert member is not None
-        index = json.loads(member.read())
-        manifest = blob(index["manifests"][0]["digest"])
-        return index, manifest, blob(manifest["config"]["digest"])
-
-
 # ---------------------------------------------------------------------------------------------
 # Inputs: tools, the k8s.io/kubernetes module, Debian packages
-
-
-def _need(command: str, package: str) -> str:
-    found = shutil.which(command)
-    if not found:
-        raise ImageBuildError(f"{command} not found: install Debian's {package} "
-                              "(make images / make image install what they need)")
-    return found
 
 
 def go_env() -> dict[str, str]:
@@ -419,22 +205,15 @@ def go_env() -> dict[str, str]:
 
 
 def go_version() -> str:
-    return run(_need("go", "golang (>= 1.26)"), "env", "GOVERSION", capture=True).strip()
+    return run(need("go", "golang (>= 1.26)"), "env", "GOVERSION", capture=True).strip()
 
 
 def k8s_module() -> Path:
     """The k8s.io/kubernetes source of the pinned release, from Go's module cache (fetched
     through the module proxy when missing)."""
-    out = run(_need("go", "golang (>= 1.26)"), "mod", "download", "-json",
+    out = run(need("go", "golang (>= 1.26)"), "mod", "download", "-json",
               f"k8s.io/kubernetes@{RELEASE}", cwd=K8S_MODULE_DIR, capture=True)
     return Path(json.loads(out)["Dir"])
-
-
-def deb_version(package: str) -> str:
-    try:
-        return run("dpkg-query", "-W", "-f", "${Version}", package, capture=True)
-    except ImageBuildError as err:
-        raise ImageBuildError(f"Debian package {package} is not installed") from err
 
 
 def _passwd(*users: tuple[str, int, int, str, str]) -> bytes:
@@ -451,7 +230,7 @@ def busybox_tree(users: Sequence[tuple[str, int, int, str, str]] = ROOT_USERS,
                  groups: str = ROOT_GROUPS) -> Tree:
     """Debian's static busybox with a link per applet (sh, nc, wget, nslookup, ip…), the
     folders a shell expects, /etc/passwd and /etc/group."""
-    busybox = Path(_need("busybox", "busybox-static"))
+    busybox = Path(need("busybox", "busybox-static"))
     if b"GLIBC" in busybox.read_bytes()[:4096] or "statically linked" not in run(
             "file", "-L", busybox, capture=True):
         raise ImageBuildError(f"{busybox} is not static: install busybox-static")
@@ -471,60 +250,8 @@ def busybox_tree(users: Sequence[tuple[str, int, int, str, str]] = ROOT_USERS,
     return tree
 
 
-# /usr merged by mmdebstrap's hooks, as debootstrap does it: mmdebstrap's default for bookworm
-# installs the usrmerge package instead, which brings all of perl (~45 MB) into the image.
-MERGED_USR_HOOKS = "/usr/share/mmdebstrap/hooks/merged-usr"
-
-
-def rootfs_path(packages: Sequence[str] = ()) -> Path:
-    """Where `debian_rootfs(packages)` keeps its tar (the name holds its inputs' hash)."""
-    key = digest_of(DEBIAN_SUITE, *DEBIAN_MIRRORS, *SLIM_DPKG_OPTIONS, *sorted(packages),
-                    MERGED_USR_HOOKS, deb_version("mmdebstrap"))[:16]
-    return cache_dir() / "build" / f"rootfs-{DEBIAN_SUITE}-{key}.tar"
-
-
-def debian_rootfs(packages: Sequence[str] = ()) -> Path:
-    """A minbase Debian rootfs tar (slimmed as bookworm-slim is) with packages, made by
-    mmdebstrap once per package list; its .debs are kept, so the next one downloads less."""
-    target = rootfs_path(packages)
-    if target.exists():
-        return target
-    debs = cache_dir() / "build" / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-
-    def build(partial: Path) -> None:
-        log(f"mmdebstrap {DEBIAN_SUITE} minbase + {' '.join(packages) or 'nothing'}")
-        argv: list[str | Path] = [_need("mmdebstrap", "mmdebstrap"), "--variant=minbase",
-                                  "--quiet", "--format=tar", "--skip=essential/unlink",
-                                  f"--hook-dir={MERGED_USR_HOOKS}",
-                                  "--setup-hook", 'mkdir -p "$1"/var/cache/apt/archives',
-                                  "--setup-hook", f"sync-in {debs} /var/cache/apt/archives",
-                                  "--customize-hook", f"sync-out /var/cache/apt/archives {debs}"]
-        argv += [f"--dpkgopt={option}" for option in SLIM_DPKG_OPTIONS]
-        if packages:
-            argv.append("--include=" + ",".join(packages))
-        # SOURCE_DATE_EPOCH: mmdebstrap clamps timestamps to it (a reproducible tar).
-        run(*argv, DEBIAN_SUITE, partial, *DEBIAN_MIRRORS,
-            env={**os.environ, "SOURCE_DATE_EPOCH": "0"})
-
-    return _publish(build, target)
-
-
 # ---------------------------------------------------------------------------------------------
 # The images
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How one image is made: `inputs` returns what its archive's key hashes (cheap to
-    compute), `build` writes the archive."""
-
-    name: str
-    slug: str
-    inputs: Callable[[], list[str | bytes | Path]]
-    build: Callable[[Path], None]
-    # Whatever else must exist besides the archive (pyproxy's image in buildah's storage).
-    present: Callable[[], bool] = lambda: True
 
 
 def _archive(out: Path, name: str, trees: Sequence[Tree | Path], config: dict[str, Any]) -> None:
@@ -551,7 +278,7 @@ def _build_pause(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / "pause"
         # The flags of build/pause/Makefile (CFLAGS), with the version it stamps.
-        run(_need("gcc", "gcc and libc6-dev"), "-Os", "-Wall", "-Werror", "-static",
+        run(need("gcc", "gcc and libc6-dev"), "-Os", "-Wall", "-Werror", "-static",
             f"-DVERSION=v{tag}", "-o", binary, _pause_source())
         run("strip", binary)
         tree = Tree()
@@ -609,7 +336,7 @@ def module_binary(name: str, package: str, main: str = "") -> Path:
             env={**go_env(), "CGO_ENABLED": "0"})
         log(f"{name} built in {time.monotonic() - start:.0f} s")
 
-    return _publish(compile_it, target)
+    return publish(compile_it, target)
 
 
 def _agnhost_binary() -> Path:
@@ -886,7 +613,7 @@ def _coredns_binary() -> Path:
                 cwd=Path(gobin), env={**go_env(), "GOBIN": gobin, "GOWORK": "off"})
             shutil.move(Path(gobin) / "coredns", partial)
 
-    return _publish(compile_it, target)
+    return publish(compile_it, target)
 
 
 def _build_coredns(out: Path) -> None:
@@ -927,268 +654,42 @@ def _build_kube_proxy(out: Path) -> None:
              image_config(entrypoint=["/usr/local/bin/kube-proxy"]))
 
 
-# pyproxy -------------------------------------------------------------------------------------
-
-# What the Containerfile COPYs: the build context holds these and a wheelhouse, nothing else.
-CONTEXT_FILES = ("pyproject.toml", "setup.py", "README.md", "requirements.lock", "pyproxy")
-
-
-def source_commit() -> str:
-    """The commit the image is built from, "-dirty" when the checkout's tracked files differ
-    from it; "" outside a git checkout (the image then says "unknown")."""
-    return pyproxy_version.git_commit(REPO) or ""
-
-
-def _context_files() -> list[Path]:
-    files = []
-    for name in CONTEXT_FILES:
-        path = REPO / name
-        files += sorted(p for p in path.rglob("*") if p.is_file() and "__pycache__" not in p.parts
-                        and p.suffix != ".pyc") if path.is_dir() else [path]
-    return files
-
-
-def build_requires() -> list[str]:
-    requires: list[str] = tomllib.loads((REPO / "pyproject.toml").read_text())[
-        "build-system"]["requires"]
-    return requires
-
-
-def wheelhouse_path() -> Path:
-    """Where `wheelhouse` keeps the wheels of the current lock and build backend."""
-    key = digest_of(REPO / "requirements.lock", *build_requires())[:16]
-    return cache_dir() / "build" / f"wheels-{key}"
-
-
-def wheelhouse() -> Path:
-    """requirements.lock's wheels for the image's Python (Debian 12's 3.11, x86_64), and the
-    build backend's (pyproject's build-system.requires) for installing pyproxy itself, fetched
-    by the host's pip: it trusts the host's CAs (an egress proxy's included), which the image
-    does not have. Once per lock and backend."""
-    lock, backend = REPO / "requirements.lock", build_requires()
-    target = wheelhouse_path()
-    if target.exists():
-        return target
-
-    def download(partial: Path) -> None:
-        log("pip download requirements.lock (wheels for cp311 manylinux x86_64)")
-        # pip does not widen a manylinux --platform to the older ones it covers: list them.
-        platforms = [f"--platform={p}" for p in ("manylinux_2_36_x86_64", "manylinux_2_28_x86_64",
-                                                  "manylinux_2_17_x86_64", "manylinux2014_x86_64")]
-        target_python = ["--only-binary=:all:", "--implementation=cp", "--python-version=3.11",
-                         "--abi=cp311", *platforms]
-        pip: list[str | Path] = [sys.executable, "-m", "pip", "download", "--quiet",
-                                  "--dest", partial]
-        run(*pip, "--no-deps", "-r", lock, *target_python)
-        run(*pip, *backend, *target_python)
-
-    return _publish(download, target)
-
-
-def buildah_has(image: str) -> bool:
-    result = subprocess.run(["buildah", "images", "--quiet", image], capture_output=True,
-                            text=True, check=False)
-    return result.returncode == 0 and bool(result.stdout.strip())
-
-
-# On a base made here: the rootfs it was made from (whose name holds its recipe's hash).
-BASE_LABEL = "io.pyproxy.rootfs"
-
-
-def ensure_debian_base(pull_timeout: float = 30) -> str:
-    """Makes sure buildah has the Containerfile's base (DEBIAN_BASE): already there, pulled
-    if a registry answers, else made here from Debian's packages (mmdebstrap) and imported
-    under that name. Returns where it came from."""
-    _need("buildah", "buildah")
-    if buildah_has(DEBIAN_BASE):
-        made_from = run("buildah", "inspect", "--type=image", "--format",
-                        f'{{{{index .OCIv1.Config.Labels "{BASE_LABEL}"}}}}', DEBIAN_BASE,
-                        capture=True).strip()
-        # A pulled base has no such label and stays; one made here by an older recipe is
-        # made again.
-        if made_from in ("", "<no value>", rootfs_path().name):
-            return "local"
-        log(f"{DEBIAN_BASE} was made from {made_from}: making it again")
-    else:
-        try:
-            subprocess.run(["buildah", "pull", "--quiet", DEBIAN_BASE], check=True,
-                           timeout=pull_timeout, capture_output=True)
-            return "pulled"
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            log(f"no registry has {DEBIAN_BASE}: making it from Debian's packages")
-    rootfs = debian_rootfs()
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = Path(tmp) / "base.tar"
-        write_archive(archive, DEBIAN_BASE, [rootfs],
-                      image_config(cmd=["bash"], labels={BASE_LABEL: rootfs.name}),
-                      history=f"mmdebstrap --variant=minbase {DEBIAN_SUITE}")
-        # buildah names an image pulled from an archive by its ID only: tag it.
-        image_id = run("buildah", "pull", "--quiet", f"oci-archive:{archive}",
-                       capture=True).split()[-1]
-        run("buildah", "tag", image_id, DEBIAN_BASE)
-    return "mmdebstrap"
-
-
-def build_pyproxy(out: Path, tag: str = PYPROXY) -> None:
-    """`buildah bud` of the Containerfile (the shipped recipe) on a minimal context, then the
-    image as an OCI archive named tag."""
-    _need("buildah", "buildah")
-    base = ensure_debian_base()
-    log(f"base {DEBIAN_BASE}: {base}")
-    with tempfile.TemporaryDirectory(prefix="pyproxy-image-") as tmp:
-        context = Path(tmp) / "context"
-        for path in _context_files():
-            dest = context / path.relative_to(REPO)
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, dest)
-        shutil.copytree(wheelhouse(), context / "wheels")
-        start = time.monotonic()
-        # chroot isolation: no nested user namespaces or cgroups needed (and this machine's
-        # cgroups are v1); host network: apt reaches Debian's archive as the host does.
-        commit = source_commit()
-        # The Containerfile's labels cannot read pyproject.toml: the version and the commit
-        # are labelled here (OCI's annotation keys), the commit also recorded in the package.
-        labels = [f"org.opencontainers.image.version={VERSION}",
-                  *([f"org.opencontainers.image.revision={commit}"] if commit else [])]
-        run("buildah", "bud", "--isolation=chroot", "--network=host", "--pull=never", "--force-rm",
-            "--layers", "--build-arg", "WHEELS=wheels", "--build-arg", f"REVISION={commit}",
-            *(arg for label in labels for arg in ("--label", label)),
-            "-f", CONTAINERFILE, "-t", tag,
-            context)
-        log(f"buildah bud: {time.monotonic() - start:.0f} s")
-        layout = Path(tmp) / "layout"
-        run("buildah", "push", "--quiet", tag, f"oci:{layout}")
-        name_layout(layout, tag)
-        _tar_layout(layout, out)
-
-
-def _pyproxy_recipe(tag: str) -> Recipe:
-    # The commit is an input: the image records it (`pyproxy version`), so an archive built
-    # at another commit, even of the same files, is not this commit's image.
-    return Recipe(tag, "pyproxy",
-                  lambda: [tag, VERSION, source_commit(), CONTAINERFILE,
-                           REPO / "requirements.lock",
-                           *(str(p.relative_to(REPO)) for p in _context_files()),
-                           *_context_files()],
-                  lambda out: build_pyproxy(out, tag),
-                  # `make image` leaves the image in buildah's storage too, for `buildah push`.
-                  lambda: shutil.which("buildah") is None or buildah_has(tag))
-
-
 def _module_inputs() -> list[str | bytes | Path]:
     """What a program built in a copy of e2e/k8s's module depends on (module_binary)."""
     return [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version()]
 
 
 RECIPES: dict[str, Recipe] = {recipe.name: recipe for recipe in (
-    Recipe(PAUSE, "pause", lambda: [_pause_source(), "gcc " + deb_version("gcc")],
+    Recipe(PAUSE, "pause", HERE, lambda: [_pause_source(), "gcc " + deb_version("gcc")],
            _build_pause),
-    Recipe(BUSYBOX, "busybox", lambda: [deb_version("busybox-static")], _build_busybox),
-    Recipe(AGNHOST, "agnhost",
+    Recipe(BUSYBOX, "busybox", HERE, lambda: [deb_version("busybox-static")], _build_busybox),
+    Recipe(AGNHOST, "agnhost", HERE,
            lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version(),
                     *AGNHOST_PACKAGES], _build_agnhost),
-    Recipe(COREDNS, "coredns", lambda: [go_version()], _build_coredns),
-    Recipe(GLIBC_DNS_TESTING, "glibc-dns-testing",
+    Recipe(COREDNS, "coredns", HERE, lambda: [go_version()], _build_coredns),
+    Recipe(GLIBC_DNS_TESTING, "glibc-dns-testing", HERE,
            lambda: [go_version(), *GLIBC_DNS_TESTING_PACKAGES], _build_glibc_dns_testing),
-    Recipe(NGINX, "nginx", lambda: [*NGINX_PACKAGES], _build_nginx),
-    Recipe(REGRESSION_ISSUE_74839, "regression-issue-74839",
+    Recipe(NGINX, "nginx", HERE, lambda: [*NGINX_PACKAGES], _build_nginx),
+    Recipe(REGRESSION_ISSUE_74839, "regression-issue-74839", HERE,
            lambda: [K8S_MODULE_DIR / "go.mod", K8S_MODULE_DIR / "go.sum", go_version()],
            _build_regression_issue_74839),
-    Recipe(AGNHOST_PREV, "agnhost-prev", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+    Recipe(AGNHOST_PREV, "agnhost-prev", HERE, lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
            _build_agnhost_prev),
-    Recipe(NAUTILUS, "nautilus", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+    Recipe(NAUTILUS, "nautilus", HERE, lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
            lambda out: _build_update_demo(out, NAUTILUS)),
-    Recipe(KITTEN, "kitten", lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
+    Recipe(KITTEN, "kitten", HERE, lambda: [*_module_inputs(), *AGNHOST_PACKAGES],
            lambda out: _build_update_demo(out, KITTEN)),
-    Recipe(NONEWPRIVS, "nonewprivs",
+    Recipe(NONEWPRIVS, "nonewprivs", HERE,
            lambda: [*_module_inputs(), deb_version("busybox-static")], _build_nonewprivs),
-    Recipe(SAMPLE_APISERVER, "sample-apiserver",
+    Recipe(SAMPLE_APISERVER, "sample-apiserver", HERE,
            lambda: [*_module_inputs(), deb_version("busybox-static")], _build_sample_apiserver),
-    Recipe(ETCD, "etcd", lambda: [*_module_inputs(), ETCD_MAIN], _build_etcd),
-    Recipe(KUBE_PROXY, "kube-proxy",
+    Recipe(ETCD, "etcd", HERE, lambda: [*_module_inputs(), ETCD_MAIN], _build_etcd),
+    Recipe(KUBE_PROXY, "kube-proxy", HERE,
            lambda: [_kube_proxy_binary(), *KUBE_PROXY_PACKAGES], _build_kube_proxy),
-    _pyproxy_recipe(PYPROXY),
+    pyproxy_recipe(PYPROXY),
 )}
 # The short names the command line takes.
 ALIASES = {recipe.slug: name for name, recipe in RECIPES.items()}
-
-
-def archive_path(recipe: Recipe) -> Path:
-    """Where recipe's archive is for its current inputs (this file's code counts as one)."""
-    key = digest_of(Path(__file__), recipe.name, *recipe.inputs())[:16]
-    tag = recipe.name.rpartition(":")[2]
-    return cache_dir() / f"{recipe.slug}-{tag}-{key}.tar"
-
-
-def ensure_image(recipe: Recipe) -> ImageArchive:
-    """recipe's archive, built if its inputs changed; older archives of it are removed."""
-    target = archive_path(recipe)
-    if not target.exists() or not recipe.present():
-        start = time.monotonic()
-        log(f"building {recipe.name}")
-        _publish(recipe.build, target)
-        log(f"{recipe.name}: {target.stat().st_size / 2**20:.1f} MiB in "
-            f"{time.monotonic() - start:.1f} s")
-        for old in stale_archives(target, target.parent.glob(f"{recipe.slug}-*.tar"),
-                                  time.time()):
-            old.unlink(missing_ok=True)
-            sbom_path(old).unlink(missing_ok=True)
-    return ImageArchive(recipe.name, target)
-
-
-# The image's bill of materials (`make image`): syft's SPDX document (JSON) of the archive,
-# beside it. syft (`make tools`) finds Debian's packages (dpkg's status) and the virtualenv's
-# Python packages (their dist-info), with versions, licenses and purls.
-SBOM_SUFFIX = ".spdx.json"
-
-
-def sbom_path(archive: Path) -> Path:
-    return archive.with_name(archive.name.removesuffix(".tar") + SBOM_SUFFIX)
-
-
-def ensure_sbom(archive: Path) -> Path:
-    """syft's SPDX JSON document of archive, beside it; once per archive (an archive's name
-    is keyed by its inputs)."""
-    target = sbom_path(archive)
-    if not target.exists():
-        syft = tool_path("syft")
-        if not os.access(syft, os.X_OK):
-            raise ImageBuildError(f"{syft} is not built: run `make tools TOOLS=syft`")
-        start = time.monotonic()
-
-        def scan(out: Path) -> None:
-            # No network: syft does not look for its own updates.
-            env = {**os.environ, "SYFT_CHECK_FOR_APP_UPDATE": "false"}
-            run(syft, "scan", "--quiet", f"oci-archive:{archive}", "-o", f"spdx-json={out}",
-                env=env)
-
-        _publish(scan, target)
-        log(f"SBOM {target} in {time.monotonic() - start:.1f} s")
-    return target
-
-
-# Another checkout of another commit (a helper's worktree, a pinned bench or drill run) may
-# be importing its own archive of the same image right now: removing every other archive of
-# it made a cluster drill fail with "no such file" when a second checkout built its own.
-STALE_ARCHIVE_AGE = 24 * 3600.0
-
-
-def stale_archives(target: Path, candidates: Iterable[Path], now: float) -> list[Path]:
-    """The same image's other archives (same name and tag, another inputs key; another tag,
-    e.g. `make image IMAGE=...`, stays) untouched for STALE_ARCHIVE_AGE: old enough that no
-    running checkout still needs them."""
-    mine = re.compile(re.escape(target.name[:-len("0123456789abcdef.tar")])
-                      + r"[0-9a-f]{16}\.tar")
-    stale = []
-    for path in candidates:
-        if path == target or not mine.fullmatch(path.name):
-            continue
-        try:
-            if now - path.stat().st_mtime > STALE_ARCHIVE_AGE:
-                stale.append(path)
-        except FileNotFoundError:  # another checkout removed it meanwhile
-            continue
-    return stale
 
 
 def ensure_images(names: Iterable[str] | None = None, pyproxy_tag: str = PYPROXY,
@@ -1198,18 +699,14 @@ def ensure_images(names: Iterable[str] | None = None, pyproxy_tag: str = PYPROXY
     recipes = dict(RECIPES)
     if pyproxy_tag != PYPROXY:
         del recipes[PYPROXY]
-        recipes[pyproxy_tag] = _pyproxy_recipe(pyproxy_tag)
+        recipes[pyproxy_tag] = pyproxy_recipe(pyproxy_tag)
     aliases = {recipe.slug: name for name, recipe in recipes.items()}
     chosen = list(recipes) if names is None else [aliases.get(n, n) for n in names]
     unknown = [name for name in chosen if name not in recipes]
     if unknown:
         raise ImageBuildError(f"unknown image {', '.join(unknown)}; known: "
                               + ", ".join(sorted(aliases)))
-    # One builder at a time per cache: two (the cluster harness and `make images`, say) would
-    # otherwise build into the same .partial files.
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with (cache_dir() / ".lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cache_lock():
         return [ensure_image(recipes[name]) for name in chosen]
 
 
@@ -1223,15 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"the name of pyproxy's image (default {PYPROXY})")
     parser.add_argument("--path-only", action="store_true",
                         help="print only the archives' paths")
-    parser.add_argument("--sbom", action="store_true",
-                        help="write syft's SPDX JSON document beside each archive "
-                        f"(ARCHIVE without .tar + {SBOM_SUFFIX}; `make tools` builds syft)")
     args = parser.parse_args(argv)
     try:
         archives = ensure_images(args.names or None, pyproxy_tag=args.pyproxy_tag)
-        if args.sbom:
-            for archive in archives:
-                ensure_sbom(archive.path)
     except ImageBuildError as err:
         print(f"images: {err}", file=sys.stderr)
         return 1

@@ -1,11 +1,11 @@
 """The Containerfile built the way an operator builds it (issue 35, point 5): `buildah bud` of
 a clean copy of the checkout (what `git ls-files` lists: no virtualenv, no caches, no .git),
-no build argument, then `pyproxy version` in the image. `make image` (testkit/images.py) is
+no build argument, then `pyproxy version` in the image. `make image` (image/build.py) is
 the other route, offline, tested with a fake buildah in test_shipping.py.
 
 What the test prepares, none of it a build argument:
 - the base, `debian:bookworm-slim`: this machine reaches no container registry, so it is made
-  from Debian's packages into buildah's storage if missing (images.ensure_debian_base, as
+  from Debian's packages into buildah's storage if missing (build.ensure_debian_base, as
   `make image` does); the build itself pulls nothing;
 - pip's trust: the build's RUN steps reach Debian's archive (plain HTTP) and PyPI (HTTPS)
   through buildah's default isolated network, but this machine's egress proxy re-signs TLS
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from testkit import images
+from image import build
 
 ROOT = Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -73,7 +73,7 @@ def context_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if source.is_file():  # tracked but deleted in the work tree: not there
             (context / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, context / name, follow_symlinks=False)
-    images.ensure_debian_base()
+    build.ensure_debian_base()
     return context
 
 

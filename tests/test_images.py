@@ -1,5 +1,6 @@
-"""The cluster's images (testkit/images.py): archive layout, the names Kubernetes expects, the
-cache, and pyproxy's build steps with a fake buildah. Building the Go images (agnhost,
+"""The cluster's images (testkit/images.py, written as image/oci.py's archives): archive
+layout, the names Kubernetes expects, the cache (pyproxy's own build steps, with a fake
+buildah, are test_shipping.py's). Building the Go images (agnhost,
 CoreDNS) and the Debian-based ones belongs to `make images`, not to the suite: these tests
 build only pause and busybox (under a second), into a temporary cache."""
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from image import oci
 from testkit import images
 from testkit.fixtures import requires_netns
 from testkit.waits import until
@@ -63,20 +65,20 @@ class TestArchive:
         tree.symlink("/bin/alias", "/bin/tool")
         tree.dir("/tmp", 0o1777)
         out = tmp_path / "a.tar"
-        config = images.image_config(entrypoint=["/bin/tool"], cmd=["run"], user="65535:65535",
+        config = oci.image_config(entrypoint=["/bin/tool"], cmd=["run"], user="65535:65535",
                                      ports=["53/udp"])
         with_layer = tmp_path / "layer.tar"
         tree.write(with_layer)
-        images.write_archive(out, "registry.example/x/tool:1.2-3", [with_layer], config)
+        oci.write_archive(out, "registry.example/x/tool:1.2-3", [with_layer], config)
 
         assert {"oci-layout", "index.json"} <= set(members(out))
-        index, manifest, image = images.read_archive(out)
+        index, manifest, image = oci.read_archive(out)
         (entry,) = index["manifests"]
         assert entry["annotations"] == {"io.containerd.image.name": "registry.example/x/tool:1.2-3",
                                         "org.opencontainers.image.ref.name": "1.2-3"}
-        assert entry["mediaType"] == images.MANIFEST_MEDIA
+        assert entry["mediaType"] == oci.MANIFEST_MEDIA
         assert image["config"] == {"Entrypoint": ["/bin/tool"], "Cmd": ["run"],
-                                   "User": "65535:65535", "Env": [images.PATH_ENV],
+                                   "User": "65535:65535", "Env": [oci.PATH_ENV],
                                    "WorkingDir": "/", "ExposedPorts": {"53/udp": {}}}
         assert (image["os"], image["architecture"]) == ("linux", "amd64")
         with tarfile.open(out) as tar:
@@ -108,7 +110,7 @@ class TestArchive:
             layer = tmp_path / f"{i}.layer"
             tree.write(layer)
             outs.append(tmp_path / f"{i}.tar")
-            images.write_archive(outs[-1], "x:1", [layer], images.image_config())
+            oci.write_archive(outs[-1], "x:1", [layer], oci.image_config())
         assert outs[0].read_bytes() == outs[1].read_bytes()
         with tarfile.open(tmp_path / "0.layer") as tar:
             # containerd applies SCHILY.xattr records: the file capability survives import.
@@ -214,9 +216,9 @@ def test_a_version_or_base_other_than_expected_is_refused(tmp_path: Path) -> Non
                                       "linux/arm64=REGISTRY/agnhost:2.66.1-linux-arm64\n")
     images._check_version(source, images.NAUTILUS, built="1.9.0")
     images._check_base(source, images.AGNHOST)
-    with pytest.raises(images.ImageBuildError, match=re.escape("expected 1.8 ")):
+    with pytest.raises(oci.ImageBuildError, match=re.escape("expected 1.8 ")):
         images._check_version(source, images.NAUTILUS)
-    with pytest.raises(images.ImageBuildError, match=re.escape("not agnhost:2.55")):
+    with pytest.raises(oci.ImageBuildError, match=re.escape("not agnhost:2.55")):
         images._check_base(source, images.AGNHOST_PREV)
 
 
@@ -228,12 +230,12 @@ def test_pause_and_busybox_are_built_once(cache: Path) -> None:
     pause, busybox = images.ensure_images([images.PAUSE, "busybox"])
     assert (pause.name, busybox.name) == (images.PAUSE, images.BUSYBOX)
     assert pause.path.parent == busybox.path.parent == cache
-    index, manifest, config = images.read_archive(pause.path)
+    index, manifest, config = oci.read_archive(pause.path)
     assert index["manifests"][0]["annotations"]["io.containerd.image.name"] == images.PAUSE
     assert config["config"]["Entrypoint"] == ["/pause"]
     assert config["config"]["User"] == "65535:65535"
     assert set(layer_members(pause.path, manifest)) == {"pause"}
-    _, manifest, config = images.read_archive(busybox.path)
+    _, manifest, config = oci.read_archive(busybox.path)
     assert config["config"]["Cmd"] == ["sh"]
     files = layer_members(busybox.path, manifest)
     for applet in ("bin/sh", "usr/bin/nc", "usr/bin/wget", "usr/bin/nslookup"):
@@ -245,7 +247,7 @@ def test_pause_and_busybox_are_built_once(cache: Path) -> None:
 
 
 def test_unknown_names_are_refused(cache: Path) -> None:
-    with pytest.raises(images.ImageBuildError, match="unknown image no-such-image"):
+    with pytest.raises(oci.ImageBuildError, match="unknown image no-such-image"):
         images.ensure_images(["no-such-image"])
     assert images.main(["no-such-image"]) == 1
 
@@ -382,8 +384,8 @@ def test_another_checkouts_recent_archive_is_kept(tmp_path: Path) -> None:
 
     archive(target.name, 0)
     recent = archive("pyproxy-0.1.0-bbbbbbbbbbbbbbbb.tar", 600)
-    old = archive("pyproxy-0.1.0-cccccccccccccccc.tar", images.STALE_ARCHIVE_AGE + 1)
-    other_tag = archive("pyproxy-dev-dddddddddddddddd.tar", images.STALE_ARCHIVE_AGE + 1)
+    old = archive("pyproxy-0.1.0-cccccccccccccccc.tar", oci.STALE_ARCHIVE_AGE + 1)
+    other_tag = archive("pyproxy-dev-dddddddddddddddd.tar", oci.STALE_ARCHIVE_AGE + 1)
     gone = tmp_path / "pyproxy-0.1.0-eeeeeeeeeeeeeeee.tar"  # removed by another checkout
     candidates = [target, recent, old, other_tag, gone]
-    assert images.stale_archives(target, candidates, now) == [old]
+    assert oci.stale_archives(target, candidates, now) == [old]

@@ -194,11 +194,13 @@ def test_the_store_and_the_applier_take_the_vocabulary_not_the_renderer() -> Non
         assert "pyproxy.render.objects" in imported, module
 
 
-def test_the_package_does_not_import_the_test_kit() -> None:
+@pytest.mark.parametrize("folder", [PACKAGE, PACKAGE.parent / "image"], ids=["pyproxy", "image"])
+def test_the_product_does_not_import_the_test_kit(folder: Path) -> None:
     """The test kit (testkit/), the drills, the benchmarks and the demo sit beside the
-    package and import it; no pyproxy module imports them back."""
+    package and import it; no pyproxy module imports them back, nor does `make image`'s
+    builder (image/), which ships the product (the test kit's cluster images import it)."""
     outside = {"testkit", "tests", "drills", "bench", "demo"}
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found = {m.split(".")[0] for m in _imports(tree)}
         assert not found & outside, f"{path} imports {sorted(found & outside)}"

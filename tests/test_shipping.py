@@ -783,7 +783,7 @@ def test_containerfile() -> None:
 def test_one_version_everywhere() -> None:
     """pyproject's version is the package's (`pyproxy --version`, `pyproxy version`), the
     image's tag and, through the builder's --label, its label."""
-    from testkit import images
+    from image import build
 
     for argv in (["--version"], ["version"]):
         out = subprocess.run([PYPROXY, *argv], capture_output=True, text=True, check=True)
@@ -792,9 +792,9 @@ def test_one_version_everywhere() -> None:
                          check=True)
     assert json.loads(out.stdout)["version"] == VERSION
     made = _make("-n", "image")
-    assert f"--pyproxy-tag 'localhost/pyproxy:{VERSION}'" in made.stdout
-    assert images.VERSION == VERSION
-    assert images.PYPROXY.endswith(f"/pyproxy:{VERSION}")
+    assert f"--tag 'localhost/pyproxy:{VERSION}'" in made.stdout
+    assert build.VERSION == VERSION
+    assert build.PYPROXY.endswith(f"/pyproxy:{VERSION}")
 
 
 def _fake_buildah(bin_dir: Path, log: Path) -> None:
@@ -831,30 +831,30 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="no make")
 @needs_make
 def test_make_image_builds_pyproxy_with_buildah() -> None:
     """`make image` installs buildah and mmdebstrap when missing and hands IMAGE to the
-    builder (testkit/images.py), whose failure is make's."""
+    builder (image/build.py, the product's side: not the test kit), whose failure is make's."""
     dry = _make("-n", "image", "IMAGE=registry.example/pyproxy:9")
     assert dry.returncode == 0, dry.stderr
     assert "buildah mmdebstrap" in dry.stdout
-    assert ("-m testkit.images --path-only --sbom --pyproxy-tag 'registry.example/pyproxy:9' "
-            "pyproxy" in dry.stdout)
+    assert "-m image.build --sbom --tag 'registry.example/pyproxy:9'" in dry.stdout
+    assert "testkit" not in dry.stdout
     assert "e2e/tools/build.sh syft" in dry.stdout  # the SBOM's tool, built once
     assert "localhost/pyproxy:" + VERSION in _make("-n", "image").stdout
 
 
 def _build_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *flags: str,
                  **extra: str) -> tuple[subprocess.CompletedProcess[str], Path]:
-    from testkit import images
+    from image import build
 
     log = tmp_path / "log"
     _fake_buildah(tmp_path / "bin", log)
     monkeypatch.setenv("PYPROXY_K8S_CACHE", str(tmp_path / "cache"))
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", **extra}
     # The wheelhouse as the host's pip would leave it (the test downloads nothing).
-    wheels = images.wheelhouse_path()
+    wheels = build.wheelhouse_path()
     wheels.mkdir(parents=True)
     (wheels / "x-1-py3-none-any.whl").write_bytes(b"")
-    result = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only", *flags,
-                             "--pyproxy-tag", "registry.example/pyproxy:9", "pyproxy"],
+    result = subprocess.run([sys.executable, "-m", "image.build", *flags,
+                             "--tag", "registry.example/pyproxy:9"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                             check=False)
     return result, log
@@ -864,7 +864,7 @@ def test_make_image_writes_syfts_sbom_beside_the_archive(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--sbom (`make image`): syft's SPDX JSON document of the archive, beside it, once per
     archive; the archive's path alone is printed."""
-    from testkit import images
+    from image import oci
     from testkit.tools import tool_path
 
     monkeypatch.setenv("PYPROXY_K8S_CACHE", str(tmp_path / "cache"))
@@ -882,15 +882,15 @@ done
     result, _ = _build_image(tmp_path, monkeypatch, "--sbom")
     assert result.returncode == 0, result.stdout + result.stderr
     [archive] = [Path(line) for line in result.stdout.splitlines()]
-    sbom = images.sbom_path(archive)
+    sbom = oci.sbom_path(archive)
     assert sbom.parent == archive.parent
     assert sbom.name == archive.name.removesuffix(".tar") + ".spdx.json"
     assert json.loads(sbom.read_text()) == {"spdxVersion": "SPDX-2.3"}
     [call] = calls.read_text().splitlines()
     assert call.split() == ["false", "scan", "--quiet", f"oci-archive:{archive}", "-o",
                             f"spdx-json={sbom}.partial"]
-    again = subprocess.run([sys.executable, "-m", "testkit.images", "--path-only", "--sbom",
-                            "--pyproxy-tag", "registry.example/pyproxy:9", "pyproxy"],
+    again = subprocess.run([sys.executable, "-m", "image.build", "--sbom",
+                            "--tag", "registry.example/pyproxy:9"],
                            cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
                            env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
     assert again.returncode == 0, again.stderr
@@ -903,7 +903,7 @@ def test_image_is_built_from_a_minimal_context(tmp_path: Path,
     the base buildah has, from a context holding only what the image needs and the wheels,
     given the checkout's commit to record and to label with beside pyproject's version; the
     image comes out as an OCI archive named for containerd, and its path is printed."""
-    from testkit import images
+    from image import build
 
     result, log = _build_image(tmp_path, monkeypatch)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -912,7 +912,7 @@ def test_image_is_built_from_a_minimal_context(tmp_path: Path,
     assert bud[bud.index("-f") + 1] == str(ROOT / "Containerfile")
     assert bud[bud.index("-t") + 1] == "registry.example/pyproxy:9"
     build_args = [bud[i + 1] for i, arg in enumerate(bud) if arg == "--build-arg"]
-    commit = images.source_commit()
+    commit = build.source_commit()
     assert commit  # the suite runs from a checkout
     assert build_args == ["WHEELS=wheels", f"REVISION={commit}"]
     labels = [bud[i + 1] for i, arg in enumerate(bud) if arg == "--label"]
