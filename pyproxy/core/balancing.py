@@ -18,6 +18,7 @@ from math import gcd
 from operator import is_
 
 from pyproxy.core.model import DEFAULT_HASH_SEED, Algorithm, Endpoint, ServicePort
+from pyproxy.core.outliers import PortOutliers
 
 # Slots for weighted random / round robin / source hash: enough for weight ratios up to
 # this many, few enough that a change touches a small number of elements.
@@ -38,14 +39,17 @@ def balancing_of(port: ServicePort) -> Balancing:
     return Balancing(port.balancing, port.hash_seed)
 
 
-def effective_weights(port: ServicePort,
-                      endpoints: Sequence[Endpoint]) -> tuple[list[int], str | None]:
+def effective_weights(port: ServicePort, endpoints: Sequence[Endpoint],
+                      outliers: PortOutliers | None = None) -> tuple[list[int], str | None]:
     """Weights per endpoint: the service's `endpoint-weights` map by IP, else the slice's
-    weight annotation, else 1; and a note when they had to be ignored."""
+    weight annotation, else 1, then outlier ejection's (`outliers`: the ejected at 0); and a
+    note when they had to be ignored."""
     by_ip = dict(port.endpoint_weights)
     weights = [by_ip.get(ep.ip, 1 if ep.weight is None else ep.weight) for ep in endpoints]
     if endpoints and not any(weights):
         return [1] * len(endpoints), "every endpoint has weight 0: weights ignored"
+    if outliers:
+        weights = outliers.adjust([ep.key for ep in endpoints], weights)
     return weights, None
 
 

@@ -47,6 +47,7 @@ from pyproxy.core.model import (
     ANNOTATION_BALANCING,
     ANNOTATION_ENDPOINT_WEIGHTS,
     ANNOTATION_HASH_SEED,
+    ANNOTATION_OUTLIER_EJECTION,
     ANNOTATION_TOPOLOGY_AWARE_HINTS,
     ANNOTATION_TOPOLOGY_KEYS,
     ANNOTATION_TOPOLOGY_MIN_ENDPOINTS,
@@ -130,6 +131,8 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
     min_endpoints, topology_note = parse_min_endpoints(
         annotations.get(ANNOTATION_TOPOLOGY_MIN_ENDPOINTS))
     balancing, seed, weights, balancing_note = _balancing(annotations)
+    outlier_ejection, outlier_note = _outlier_ejection(annotations)
+    balancing_note = "; ".join(n for n in (balancing_note, outlier_note) if n) or None
 
     raw_ports = read_list(spec.get("ports"), "spec.ports", MAX_SERVICE_PORTS)
     if not raw_ports:
@@ -170,6 +173,7 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
                 hash_seed=seed,
                 endpoint_weights=weights,
                 balancing_note=balancing_note,
+                outlier_ejection=outlier_ejection,
             )
         )
     return tuple(ports)
@@ -232,6 +236,18 @@ def _balancing(
             break
         weights.append((ip, weight))
     return algorithm, seed, tuple(weights), "; ".join(notes) or None
+
+
+def _outlier_ejection(annotations: Mapping[str, str]) -> tuple[bool | None, str | None]:
+    """service.pyproxy.io/outlier-ejection: on or off for this Service whatever the node's
+    setting says; anything but true/false is ignored (the setting decides) with a note."""
+    if ANNOTATION_OUTLIER_EJECTION not in annotations:
+        return None, None
+    text = annotations[ANNOTATION_OUTLIER_EJECTION].strip().lower()
+    if text in ("true", "false"):
+        return text == "true", None
+    return None, (f"{ANNOTATION_OUTLIER_EJECTION}={text[:40]!r} is not true or false: "
+                  "the node's setting outlierEjection decides")
 
 
 def _cluster_ips(spec: Mapping[str, Any]) -> tuple[str, ...]:

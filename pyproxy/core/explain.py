@@ -5,13 +5,15 @@ The JSON form is a contract that later tools build on:
    "services": [{"service", "port", "protocol", "ipFamily", "clusterIPs", "internalTrafficPolicy",
                  "externalTrafficPolicy", "topology", "topologyLevels",
                  "topologyMinEndpoints", "clusterEndpoints", "localEndpoints",
-                 "hasEndpoints", "reasons"}],
+                 "hasEndpoints", "reasons", "outliers"?}],
    "skipped": [{"object", "reason", "invalid"}],
    "serviceCIDRs": ["10.96.0.0/16", ...]}
 A null endpoint list means the service does not use that list; [] means used and empty.
 `topologyLevels` lists the topology levels the cluster list draws on, preferred first (more
 than one when it spilled over: ["zone", "region", "all"]); [] without a topology preference.
 `topologyMinEndpoints` is the service's valid topology-min-endpoints, or null.
+`outliers` (only where outlier ejection is on): {"ejected": [{"endpoint", "reason", "until",
+"ejection"}], "probation": [...], "note"}, `until` in UTC.
 A dual-stack service port has one entry per family. `serviceCIDRs`: the ServiceCIDR objects'
 ranges; traffic to an address in them that is no ClusterIP is dropped ([]: none known).
 """
@@ -19,6 +21,7 @@ ranges; traffic to an address in them that is no ClusterIP is dropped ([]: none 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 from pyproxy.core.balancing import MAGLEV_TABLE_SIZE, effective_weights
@@ -30,6 +33,7 @@ from pyproxy.core.model import (
     ServicePort,
     ip_family,
 )
+from pyproxy.core.outliers import PROBATION_SHARE, PortOutliers
 from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection, Selection, select_all
 
 
@@ -88,14 +92,44 @@ def port_entry(ps: PortSelection) -> dict[str, Any]:
         "hasEndpoints": sel.has_any_endpoints,
         "balancing": port.balancing.value,
         "weights": _weights(port, sel),
-        "reasons": list(sel.reasons) + _balancing_reasons(port, sel),
+        "reasons": list(sel.reasons) + _balancing_reasons(port, sel) + _outlier_reasons(sel),
+        **({"outliers": _outliers(sel.outliers)} if sel.outliers is not None else {}),
     }
+
+
+def _outliers(out: PortOutliers) -> dict[str, Any]:
+    """Outlier ejection's verdict: the ejected endpoints with why and until when (UTC)."""
+    return {
+        "ejected": [{"endpoint": key, "reason": ej.reason, "until": _utc(ej.until),
+                     "ejection": ej.streak} for key, ej in sorted(out.ejected.items())],
+        "probation": sorted(out.probation),
+        "note": out.note,
+    }
+
+
+def _outlier_reasons(sel: Selection) -> list[str]:
+    out = sel.outliers
+    if out is None:
+        return []
+    lines = [f"outlier ejection: {key} ejected until {_utc(ej.until)} ({ej.reason}; "
+             f"ejection {ej.streak} in a row), no new connections"
+             for key, ej in sorted(out.ejected.items())]
+    lines += [f"outlier ejection: {key} back from an ejection, on probation (1/"
+              f"{PROBATION_SHARE} of a share of new connections; one failure ejects it again)"
+              for key in sorted(out.probation)]
+    if out.note:
+        lines.append(f"outlier ejection: {out.note}")
+    return lines or ["outlier ejection: on, no endpoint ejected"]
+
+
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _weights(port: ServicePort, sel: Selection) -> dict[str, int]:
     """Endpoint weights that differ from 1 (both lists)."""
     endpoints = {ep.key: ep for ep in (*(sel.cluster or ()), *(sel.local or ()))}
-    weights, _ = effective_weights(port, list(endpoints.values()))
+    weights, _ = effective_weights(port, list(endpoints.values()), sel.outliers)
     return {key: w for key, w in zip(endpoints, weights, strict=True) if w != 1}
 
 
@@ -117,7 +151,7 @@ def _balancing_reasons(port: ServicePort, sel: Selection) -> list[str]:
     elif algorithm is Algorithm.ROUND_ROBIN:
         out.append("balancing: round robin (per node)")
     endpoints = [*(sel.cluster or ()), *(sel.local or ())]
-    _, weight_note = effective_weights(port, endpoints)
+    _, weight_note = effective_weights(port, endpoints)  # the weights' own, not ejections
     if weight_note:
         out.append(f"balancing: {weight_note}")
     drained = sorted({ep.key for ep, w in zip(endpoints, effective_weights(

@@ -59,6 +59,7 @@ ANNOTATION_BALANCING = "service.pyproxy.io/balancing"
 ANNOTATION_HASH_SEED = "service.pyproxy.io/hash-seed"
 ANNOTATION_ENDPOINT_WEIGHTS = "service.pyproxy.io/endpoint-weights"
 ANNOTATION_WEIGHT = "service.pyproxy.io/weight"
+ANNOTATION_OUTLIER_EJECTION = "service.pyproxy.io/outlier-ejection"
 TAINT_TO_BE_DELETED = "ToBeDeletedByClusterAutoscaler"
 
 TOPOLOGY_KEY_ANY = "*"
@@ -157,6 +158,9 @@ class ServicePort:
     hash_seed: int = DEFAULT_HASH_SEED
     endpoint_weights: tuple[tuple[str, int], ...] = ()
     balancing_note: str | None = None
+    # service.pyproxy.io/outlier-ejection ("true"/"false"; core/outliers.py): None when not
+    # given, the node's setting outlierEjection decides. TCP ports only.
+    outlier_ejection: bool | None = None
 
     @property
     def protocol(self) -> Protocol:

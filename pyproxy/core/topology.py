@@ -35,6 +35,7 @@ from pyproxy.core.model import (
     ServicePort,
     TrafficPolicy,
 )
+from pyproxy.core.outliers import PortOutliers
 
 TOPOLOGY_NONE = "None"
 PREFER_SAME_NODE = "PreferSameNode"
@@ -66,6 +67,9 @@ class Selection:
     # "zone", "region", "all", or topology keys); more than one when it spilled over. Empty
     # without a topology preference.
     levels: tuple[str, ...] = ()
+    # Outlier ejection's verdict on these endpoints (core/outliers.py), set by the daemon
+    # after selection: the ejected get no slot for new connections. None: not used.
+    outliers: PortOutliers | None = None
 
 
 def select_endpoints(

@@ -202,9 +202,9 @@ class _ServiceRender:
         """The endpoints map's slots for a list: weights and the algorithm decide how often
         each endpoint appears (Maglev: its consistent-hashing table)."""
         if (self.port.balancing is not Algorithm.MAGLEV and not self.port.endpoint_weights
-                and all(ep.weight is None for ep in endpoints)):
+                and not self.sel.outliers and all(ep.weight is None for ep in endpoints)):
             return tuple(endpoints)  # the common case: one slot per endpoint
-        weights, _ = effective_weights(self.port, endpoints)
+        weights, _ = effective_weights(self.port, endpoints, self.sel.outliers)
         return slots(endpoints, weights, self.port.balancing)
 
     def cluster_ip(self) -> list[Item]:
@@ -447,7 +447,7 @@ class _AffinityRender:
                          f"{_dnat_to(cfg, proto, ep)}")
         # New clients: a cascade over the weighted slots (hashing algorithms would fight the
         # affinity sets, so with affinity only the weights apply).
-        weights, _ = effective_weights(svc.port, endpoints)
+        weights, _ = effective_weights(svc.port, endpoints, svc.sel.outliers)
         choices = weighted_slots(endpoints, weights)
         n = len(choices)
         for j, ep in enumerate(choices):
