@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl soak demo clean \
 	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
@@ -167,6 +167,17 @@ bench-yaml: venv
 NPL_FLAGS ?=
 bench-npl: venv k8s
 	$(BIN)/python -m bench.bench_npl $(NPL_FLAGS)
+
+# The soak (issue 37): the real daemon on the real control plane for DURATION (default 1 h:
+# 3600, 90s, 30m, 1h) under 100 endpoint changes/s with Service adds and deletes among them,
+# kube-apiserver restarted every 10 min; every minute RSS, CPU, descriptors, threads, the
+# table's elements against the expected count, NPL p50/p99 (bench/bench_soak.py). Writes
+# bench/results/soak-COMMIT.json and .svg; exits 1 when a target is missed.
+# SOAK_FLAGS e.g. --rate 50 --restart-every 5m --logs DIR.
+DURATION ?= 3600
+SOAK_FLAGS ?=
+soak: venv k8s
+	$(BIN)/python -m bench.bench_soak --duration $(DURATION) $(SOAK_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
