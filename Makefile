@@ -75,16 +75,17 @@ k8s-path:
 
 # The operators' tools the tests run, built as the control plane is (from upstream's Go modules
 # with the machine's Go, e2e/tools/build.sh): promtool (the alert rules' checks and unit
-# tests), helm and syft (the image's bill of materials, `make image`). Each into
-# ~/.cache/pyproxy/tools-NAME-VERSION/bin (PYPROXY_K8S_CACHE moves it); a no-op when it
-# exists. TOOLS= picks some, e.g. TOOLS=promtool.
+# tests), helm (the chart's tests) and syft (the image's bill of materials, `make image`).
+# Each into ~/.cache/pyproxy/tools-NAME-VERSION/bin (PYPROXY_K8S_CACHE moves it); a no-op
+# when it exists. TOOLS= picks some, e.g. TOOLS=promtool.
 TOOLS ?=
 tools:
 	@e2e/tools/build.sh $(TOOLS)
 
-# Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests).
+# Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests) and
+# helm (tests/test_helm.py: the chart).
 test-tools:
-	@e2e/tools/build.sh promtool
+	@e2e/tools/build.sh promtool helm
 
 # kube-proxy alone of the release after the pinned one (e2e/k8s-next/go.mod: v1.38.0-beta.0,
 # which needs Go 1.27: the go command fetches that toolchain from the module proxy), for the

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the operators' tools the tests run, from upstream's Go modules with the machine's Go,
 # once per version, into a cache outside the checkout (as e2e/k8s/build.sh builds the control
-# plane): promtool (Prometheus' rule checker and unit tester: tests/test_monitoring_rules.py),
-# helm and syft (the image's bill of materials: `make image`). Each module is built by its own
+# plane): promtool (Prometheus' rule checker and unit tester: tests/test_metrics_reference.py),
+# helm (the chart, charts/pyproxy: tests/test_helm.py) and syft (the image's bill of materials:
+# `make image`). Each module is built by its own
 # go.mod (`go install MODULE/cmd/NAME@VERSION`: none of the three has a replace directive).
 # A tool's folder is ~/.cache/pyproxy/tools-NAME-VERSION/bin (PYPROXY_K8S_CACHE moves the
 # cache); a no-op for those that exist.
