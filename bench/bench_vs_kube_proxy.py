@@ -45,7 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from bench import against as against_build
+from bench import vs_sizes
 from bench.bytecode import compile_pyproxy
+from bench.kernel_floor import kernel_floor
 from bench.synth import Cluster as Synth
 from bench.synth import ip4
 from testkit.controlplane import (
@@ -101,6 +103,9 @@ def slice_body(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
+    """Creates the synthetic cluster through the API, `workers` requests at a time; the
+    answers are read, not decoded (at 44k Services decoding them was most of the client's
+    CPU)."""
     from kubernetes import client
 
     started = time.monotonic()
@@ -114,14 +119,17 @@ def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
     def one(i: int) -> None:
         svc = synth.service(i)
         ns = svc["metadata"]["namespace"]
-        kube.core.create_namespaced_service(ns, service_body(svc))
+        kube.core.create_namespaced_service(ns, service_body(svc),
+                                            _preload_content=False).read()
         ingress = svc["status"]["loadBalancer"].get("ingress")
         if ingress:
             kube.core.patch_namespaced_service_status(
-                svc["metadata"]["name"], ns, {"status": {"loadBalancer": {"ingress": ingress}}})
+                svc["metadata"]["name"], ns, {"status": {"loadBalancer": {"ingress": ingress}}},
+                _preload_content=False).read()
         if not synth.shape(i).no_endpoints:
             discovery.create_namespaced_endpoint_slice(
-                ns, slice_body(synth.endpoint_slice(i, synth.initial_endpoints(i))))
+                ns, slice_body(synth.endpoint_slice(i, synth.initial_endpoints(i))),
+                _preload_content=False).read()
 
     with ThreadPoolExecutor(workers) as pool:
         for _ in pool.map(one, range(synth.services)):
@@ -329,9 +337,10 @@ class Churn:
 
 
 def cold_start(name: str, start: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
-               cluster: Cluster) -> tuple[Any, float]:
+               cluster: Cluster, timeout: float = 600) -> tuple[Any, float]:
     """Starts a proxy; returns its handle and the seconds from its start until a connection
-    through the probe Service (created after every synthetic one) lands on pod-a."""
+    through the probe Service (created after every synthetic one) lands on pod-a. Raises
+    Capped (the proxy left running) when none did within `timeout`."""
     # The probe Service points at pod-a again before each proxy starts.
     kube.discovery.patch_namespaced_endpoint_slice(
         f"{PROBE_NAME}-1", PROBE_NS,
@@ -339,52 +348,108 @@ def cold_start(name: str, start: Callable[[], Any], stop: Callable[[Any], None],
     started = time.monotonic()
     handle = start()
     first = Prober(cluster.client.full).first_landing(
-        "pod-a", timeout=600, alive=lambda: handle.poll() is None)
+        "pod-a", timeout=timeout, alive=lambda: handle.poll() is None)
     if first is None:
+        if handle.poll() is None:
+            raise Capped(handle, time.monotonic() - started)
         stop(handle)
-        raise RuntimeError(f"{name}: the probe Service never answered")
+        raise RuntimeError(f"{name}: exited ({handle.returncode}) before its first sync")
     return handle, time.monotonic() - started
 
 
-def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
-            stop: Callable[[Any], None], kube: Kube, synth: Synth, cluster: Cluster,
-            flips: int, churn_flips: int, memory_changes: int,
-            log: Path | None = None) -> Run:
-    run = Run(name)
-    wall_started = time.time()
+class Capped(Exception):
+    """A proxy still running with no complete ruleset when its cap hit."""
+
+    def __init__(self, handle: Any, seconds: float) -> None:
+        super().__init__(f"no complete ruleset within {seconds:.0f} s")
+        self.handle, self.seconds = handle, seconds
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one proxy is measured: the flips, the churn, its cap."""
+
+    flips: int
+    churn_flips: int
+    memory_changes: int
+    cap_s: float  # the most its start may take to a complete ruleset
+    flip_timeout_s: float = 120.0
+
+
+def flip_series(name: str, kube: Kube, cluster: Cluster, count: int, spacing: float,
+                timeout: float) -> dict[str, Any]:
+    """The last Service's one endpoint moved between pod-a and pod-b `count` times: API
+    write → the first connection landing on the new backend. A change that has not landed
+    within `timeout` ends the series (the proxy is not keeping up: the rest would wait on it)."""
     prober = Prober(cluster.client.full)
     pods = [cluster.pods["pod-a"].ip4, cluster.pods["pod-b"].ip4]
     names = ["pod-a", "pod-b"]
-    discovery_patch = kube.discovery.patch_namespaced_endpoint_slice
-    handle, run.figures["first_ruleset_s"] = cold_start(name, start, stop, kube, cluster)
-    pid = pid_of(handle)
+    samples: list[float] = []
+    since = time.time()
+    for n in range(count):
+        target = (n + 1) % 2
+        written = time.monotonic()
+        body = probe_slice(pods[target])
+        kube.discovery.patch_namespaced_endpoint_slice(f"{PROBE_NAME}-1", PROBE_NS, {
+            "endpoints": body["endpoints"],
+            "metadata": {"annotations": body["metadata"]["annotations"]}})
+        if prober.first_landing(names[target], timeout=timeout) is None:
+            print(f"  {name}: change {n} not in {timeout:.0f} s: series ended", flush=True)
+            return {**percentiles(samples), "lost_after_s": timeout, "since": since,
+                    "until": time.time()} if samples else {"n": 0, "lost_after_s": timeout}
+        samples.append(time.monotonic() - written)
+        time.sleep(max(0.0, spacing - (time.monotonic() - written)))
+    return {**percentiles(samples), "since": since, "until": time.time()}
+
+
+def measure(name: str, start: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
+            synth: Synth, cluster: Cluster, plan: Plan, plane: ControlPlane,
+            log: Path | None = None) -> Run:
+    run = Run(name)
+    wall_started = time.time()
+    link = vs_sizes.node_link(plane, cluster.node)
+    api_before = vs_sizes.api_sample(plane, link)
+    run.figures["load"] = {"start": vs_sizes.load_average()}
+    try:
+        handle, run.figures["first_ruleset_s"] = cold_start(name, start, stop, kube, cluster,
+                                                            timeout=plan.cap_s)
+    except Capped as capped:
+        # How far it got: its table's chains, its sync metrics, its last log lines.
+        run.figures.update(capped_at_s=round(capped.seconds), first_ruleset_s=None,
+                           at_cap=proc_figures(int(capped.handle.pid)),
+                           api_start=vs_sizes.api_delta(api_before,
+                                                        vs_sizes.api_sample(plane, link)),
+                           progress=vs_sizes.table_progress(
+                               cluster.node, PROXY_TABLES[name], service_ports(synth)),
+                           metrics=vs_sizes.metrics(cluster.node.full, "kubeproxy_sync"))
+        run.figures["load"]["cap"] = vs_sizes.load_average()
+        stop(capped.handle)
+        return run
+    run.figures["api_start"] = vs_sizes.api_delta(api_before, vs_sizes.api_sample(plane, link))
+    run.figures["load"]["first_sync"] = vs_sizes.load_average()
+    pid = int(handle.pid)
     time.sleep(2.0)  # let the first sync's allocations settle
     run.figures["after_first_sync"] = proc_figures(pid)
     if log is not None:
         run.figures["start_timeline"] = start_timeline(log, wall_started)
-
-    def flip_series(count: int, spacing: float) -> list[float]:
-        samples = []
-        for n in range(count):
-            target = (n + 1) % 2
-            written = time.monotonic()
-            body = probe_slice(pods[target])
-            discovery_patch(f"{PROBE_NAME}-1", PROBE_NS, {
-                "endpoints": body["endpoints"],
-                "metadata": {"annotations": body["metadata"]["annotations"]}})
-            landed = prober.first_landing(names[target], timeout=120)
-            if landed is None:
-                raise RuntimeError(f"{name}: change {n} never arrived")
-            samples.append(time.monotonic() - written)
-            time.sleep(max(0.0, spacing - (time.monotonic() - written)))
-        return samples
-
-    run.figures["npl_quiet"] = percentiles(flip_series(flips, 2.0))
-    with Churn(kube, synth, 20.0, generation=1):
-        run.figures["npl_churn_20"] = percentiles(flip_series(churn_flips, 2.0))
+    before = vs_sizes.metrics(cluster.node.full, "kubeproxy_sync")
+    quiet = flip_series(name, kube, cluster, plan.flips, 2.0, plan.flip_timeout_s)
+    run.figures["npl_quiet"] = quiet
+    run.figures["sync_metrics_quiet"] = vs_sizes.histogram_means(
+        before, vs_sizes.metrics(cluster.node.full, "kubeproxy_sync"))
+    run.figures["partial_sync_ms"] = vs_sizes.partial_sync_ms(run.figures["sync_metrics_quiet"])
+    if log is not None and "since" in quiet:
+        run.figures["one_service_change"] = vs_sizes.pyproxy_changes(
+            log, quiet["since"], quiet["until"])
+    run.figures["load"]["quiet"] = vs_sizes.load_average()
+    with Churn(kube, synth, 20.0, generation=1) as churn:
+        run.figures["npl_churn_20"] = flip_series(name, kube, cluster, plan.churn_flips, 2.0,
+                                                  plan.flip_timeout_s)
+        run.figures["churn_20_written"] = churn.done
+    run.figures["load"]["churn"] = vs_sizes.load_average()
     run.figures["after_changes"] = proc_figures(pid)
     with Churn(kube, synth, 50.0, generation=2) as churn:
-        while churn.done < memory_changes:
+        while churn.done < plan.memory_changes:
             time.sleep(0.5)
     time.sleep(3.0)
     run.figures["after_1000_more"] = proc_figures(pid)
@@ -392,16 +457,31 @@ def measure(name: str, start: Callable[[], Any], pid_of: Callable[[Any], int],
     return run
 
 
+PROXY_TABLES = {"kube-proxy": "kube-proxy", "pyproxy": "pyproxy"}
+
+
+def service_ports(synth: Synth) -> int:
+    return sum(len(synth.shape(i).ports) for i in range(synth.services))
+
+
 @contextmanager
-def loaded_cluster(plane: ControlPlane, services: int, endpoints: int) -> Iterator[
+def loaded_cluster(plane: ControlPlane, services: int, endpoints: int,
+                   cost: dict[str, Any] | None = None, workers: int = 8) -> Iterator[
         tuple[Kube, Synth, Cluster, Lab, float]]:
+    """`cost`, when given, receives what loading the objects cost the control plane."""
     kube = Kube(plane.admin_client())
     apply_manifests(kube)
     synth = Synth(services, endpoints)
     with Lab() as lab:
         cluster = lab.standard_topology(backends=2)
         plane.attach(cluster.node)
-        load_s = load(kube, synth, cluster.node_ip4)
+        before = vs_sizes.control_plane(plane)
+        load_s = load(kube, synth, cluster.node_ip4, workers)
+        if cost is not None:
+            objects = synth.services + sum(1 for i in range(synth.services)
+                                           if not synth.shape(i).no_endpoints)
+            cost.update(vs_sizes.loading_cost(before, vs_sizes.control_plane(plane), load_s,
+                                              objects), before=before)
         kube.namespace(PROBE_NS)
         service, piece = probe_objects(cluster.pods["pod-a"].ip4)
         kube.core.create_namespaced_service(PROBE_NS, service)
@@ -443,9 +523,15 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
              theirs: str | None = None) -> dict[str, Any]:
     """One loaded cluster: `theirs` (--against's pyproxy) and this checkout's started
     alternately first when given, then each proxy of --order measured."""
-    with loaded_cluster(plane, services, endpoints) as (kube, synth, cluster, lab, load_s):
+    cost: dict[str, Any] = {}
+    with loaded_cluster(plane, services, endpoints, cost, args.workers) as (
+            kube, synth, cluster, lab, load_s):
         print(f"\n{services} services × {endpoints} endpoints: loaded through the API in "
-              f"{load_s:.0f} s", flush=True)
+              f"{load_s:.0f} s ({cost['objects_per_s']} objects/s; kube-apiserver "
+              f"{cost['apiserver_cpu_s']} CPU s, now {cost['after']['apiserver']['rss_mib']} "
+              f"MiB; etcd {cost['etcd_cpu_s']} CPU s, {cost['after']['etcd']['rss_mib']} "
+              f"MiB, db {cost['after']['etcd_db_mib']} MiB; load {cost['after']['load']})",
+              flush=True)
         runs = {}
         kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
                                            service_account_token(kube))
@@ -472,13 +558,24 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
                                  (services, endpoints), against)
         for name in args.order:
             stop = stopper(name)
-            print(f"  {name}…", flush=True)
-            runs[name] = measure(name, starters[name], lambda p: int(p.pid), stop, kube,
-                                 synth, cluster, args.flips, args.churn_flips,
-                                 args.memory_changes,
-                                 lab.workdir / "pyproxy.log" if name == "pyproxy"
+            print(f"  {name}… (load {vs_sizes.load_average()})", flush=True)
+            plan = Plan(args.flips, args.churn_flips, args.memory_changes,
+                        args.cap if name == "kube-proxy" else 600, args.flip_timeout)
+            runs[name] = measure(name, starters[name], stop, kube, synth, cluster, plan,
+                                 plane, lab.workdir / "pyproxy.log" if name == "pyproxy"
                                  else None).figures
             print(f"  {name}: {json.dumps(runs[name])}", flush=True)
+        floor = None
+        if not args.no_floor:
+            print(f"  the kernel floor… (load {vs_sizes.load_average()})", flush=True)
+            service, piece = probe_objects(cluster.pods["pod-a"].ip4)
+            probe = [{"apiVersion": "v1", "kind": "Service", **service,
+                      "metadata": {**service["metadata"], "namespace": PROBE_NS}},
+                     {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", **piece,
+                      "metadata": {**piece["metadata"], "namespace": PROBE_NS}}]
+            floor = kernel_floor(synth, NODE, cluster.node_ip4, CLUSTER_CIDRS, probe)
+            floor["load"] = vs_sizes.load_average()
+            print(f"  the kernel floor: {json.dumps(floor)}", flush=True)
         if args.logs:  # each proxy's own log, for where its time went
             Path(args.logs).mkdir(parents=True, exist_ok=True)
             for log in lab.workdir.glob("*.log"):
@@ -486,7 +583,10 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
                     log.read_bytes())
         kube.core.delete_node("node-a")
         result = {"services": services, "endpoints": endpoints, "load_s": load_s,
-                  "runs": runs}
+                  "control_plane_load": cost, "kube_proxy_cap_s": args.cap,
+                  "control_plane_end": vs_sizes.control_plane(plane), "runs": runs}
+        if floor is not None:
+            result["kernel_floor"] = floor
         if against is not None:
             result["against"] = against
         return result
@@ -508,38 +608,77 @@ def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], stop: Callable
     return against_build.figures(args.against, ours_s, theirs_s)
 
 
+def _get(run: dict[str, Any], *path: str, scale: float = 1.0) -> float | None:
+    value: Any = run
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value) * scale
+
+
+TABLE_ROWS: tuple[tuple[str, tuple[str, ...], float], ...] = (
+    ("start → first complete ruleset (s)", ("first_ruleset_s",), 1),
+    ("RSS after the first sync (MiB)", ("after_first_sync", "rss_mib"), 1),
+    ("peak RSS, VmHWM, after the first sync (MiB)", ("after_first_sync", "hwm_mib"), 1),
+    ("CPU seconds to the first sync", ("after_first_sync", "cpu_s"), 1),
+    ("the same with its children's (kube-proxy's nft)", ("after_first_sync", "total_cpu_s"), 1),
+    ("one-Service change: its sync, mean (ms, its partial sync histogram)",
+     ("partial_sync_ms",), 1),
+    ("API server CPU s for the start", ("api_start", "apiserver_cpu_s"), 1),
+    ("MiB the API server sent for the start", ("api_start", "mib_sent"), 1),
+    ("NPL p50 (ms), quiet", ("npl_quiet", "p50"), 1000),
+    ("NPL p90 (ms), quiet", ("npl_quiet", "p90"), 1000),
+    ("NPL p99 (ms), quiet", ("npl_quiet", "p99"), 1000),
+    ("NPL p50 (ms), 20 changes/s", ("npl_churn_20", "p50"), 1000),
+    ("NPL p99 (ms), 20 changes/s", ("npl_churn_20", "p99"), 1000),
+    ("RSS after the changes (MiB)", ("after_changes", "rss_mib"), 1),
+    ("RSS after 1,000 more changes (MiB)", ("after_1000_more", "rss_mib"), 1),
+    ("peak RSS at the end (MiB)", ("after_1000_more", "hwm_mib"), 1),
+)
+
+
 def table(result: dict[str, Any]) -> str:
+    """Both proxies side by side; a kube-proxy stopped at its cap shows "> cap"."""
     kp, py = result["runs"]["kube-proxy"], result["runs"]["pyproxy"]
-    rows = [
-        ("start → first complete ruleset (s)", lambda r: r["first_ruleset_s"]),
-        ("RSS after the first sync (MiB)", lambda r: r["after_first_sync"]["rss_mib"]),
-        ("peak RSS, VmHWM, after the first sync (MiB)",
-         lambda r: r["after_first_sync"]["hwm_mib"]),
-        ("CPU seconds to the first sync", lambda r: r["after_first_sync"]["cpu_s"]),
-        ("the same with its children's (kube-proxy's nft)",
-         lambda r: r["after_first_sync"].get("total_cpu_s", float("nan"))),
-        ("NPL p50 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p50"]),
-        ("NPL p90 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p90"]),
-        ("NPL p99 (ms), quiet", lambda r: 1000 * r["npl_quiet"]["p99"]),
-        ("NPL p50 (ms), 20 changes/s", lambda r: 1000 * r["npl_churn_20"]["p50"]),
-        ("NPL p99 (ms), 20 changes/s", lambda r: 1000 * r["npl_churn_20"]["p99"]),
-        ("RSS after the changes (MiB)", lambda r: r["after_changes"]["rss_mib"]),
-        ("RSS after 1,000 more changes (MiB)", lambda r: r["after_1000_more"]["rss_mib"]),
-        ("peak RSS at the end (MiB)", lambda r: r["after_1000_more"]["hwm_mib"]),
-    ]
     lines = [f"| {result['services']} × {result['endpoints']} | pyproxy | kube-proxy | "
              "pyproxy / kube-proxy |", "|---|---:|---:|---:|"]
-    for label, get in rows:
-        ours, theirs = get(py), get(kp)
-        ratio = ours / theirs if theirs else float("nan")
-        lines.append(f"| {label} | {ours:.1f} | {theirs:.1f} | {ratio:.3f} |")
+    for label, path, scale in TABLE_ROWS:
+        ours, theirs = _get(py, *path, scale=scale), _get(kp, *path, scale=scale)
+        if path == ("first_ruleset_s",) and theirs is None and kp.get("capped_at_s"):
+            cap = float(kp["capped_at_s"])
+            ratio = f"< {ours / cap:.3f}" if ours is not None else "—"
+            lines.append(f"| {label} | {_cell(ours)} | > {cap:.0f} (its cap) | {ratio} |")
+            continue
+        ratio = f"{ours / theirs:.3f}" if ours is not None and theirs else "—"
+        lines.append(f"| {label} | {_cell(ours)} | {_cell(theirs)} | {ratio} |")
+    floor = result.get("kernel_floor")
+    if floor:
+        ours, wall = _get(py, "first_ruleset_s"), float(floor["wall_s"])
+        ratio = "—" if ours is None else f"start / floor: {ours / wall:.1f}"
+        lines.append(f"| the kernel floor: one nft -f of the whole ruleset (s) | "
+                     f"{wall:.2f} | | {ratio} |")
     return "\n".join(lines)
+
+
+def _cell(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="1000x10,10000x10",
+    parser.add_argument("--sizes", default="44000x1,5000x50,10000x10",
                         help="comma-separated SERVICESxENDPOINTS (default %(default)s)")
+    parser.add_argument("--cap", type=float, default=1200,
+                        help="seconds a kube-proxy start may take to its first complete "
+                             "ruleset; past it, how far it got is recorded and it is "
+                             "stopped (default %(default)s)")
+    parser.add_argument("--flip-timeout", type=float, default=120,
+                        help="seconds one NPL change may take; past it the series ends")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="concurrent requests creating the objects")
+    parser.add_argument("--no-floor", action="store_true",
+                        help="skip the kernel floor (one nft -f of the whole ruleset)")
     parser.add_argument("--flips", type=int, default=30, help="quiet NPL samples (≥ 30)")
     parser.add_argument("--churn-flips", type=int, default=15,
                         help="NPL samples under 20 changes/s")
@@ -574,12 +713,13 @@ def main() -> int:
                 results.append(run_size(plane, services, endpoints, args, theirs))
             if set(results[-1]["runs"]) == set(PROXIES):
                 print("\n" + table(results[-1]), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+            if args.json:  # after each size: a long run's first sizes are kept
+                Path(args.json).write_text(json.dumps(results, indent=1))
     print()
     for result in results:
         if set(result["runs"]) == set(PROXIES):
             print(table(result) + "\n")
+            print(vs_sizes.targets_text(result) + "\n")
         timeline = result["runs"].get("pyproxy", {}).get("start_timeline")
         if timeline:
             print(f"pyproxy's start at {result['services']} × {result['endpoints']}, seconds "
