@@ -115,3 +115,54 @@ def test_bench_npl_splits_a_change_at_the_first_sync_after_its_write() -> None:
     rounds = [{"pyproxy": [{"npl": 0.01, "write": 0.005}],
                "kube-proxy": [{"npl": 0.02, "write": 0.005}]}] * 3
     assert "pyproxy / kube-proxy, per round: 0.50, 0.50, 0.50; median 0.50" in report(rounds)
+
+
+def test_the_one_service_changes_are_the_incremental_syncs_of_the_window(tmp_path: Path) -> None:
+    """bench/vs_sizes.py: pyproxy's text log's `synced` lines inside the quiet flips'
+    window, full syncs (the periodic resync) left out."""
+    from bench.vs_sizes import pyproxy_changes
+
+    def line(at: float, full: str, duration: float, kernel: float) -> str:
+        stamp = datetime.fromtimestamp(at, UTC).isoformat().replace("+00:00", "Z")
+        return (f"timestamp={stamp} level=info event=synced full={full} reason=changes "
+                f"duration_ms={duration} render_ms=0.5 kernel_ms={kernel}")
+
+    log = tmp_path / "pyproxy.log"
+    log.write_text("\n".join([line(99.0, "false", 50.0, 40.0), line(101.0, "false", 2.0, 1.0),
+                              line(102.0, "true", 900.0, 800.0), line(103.0, "false", 4.0, 3.0),
+                              line(111.0, "false", 70.0, 60.0)]))
+    figures = pyproxy_changes(log, 100.0, 110.0)
+    assert figures["duration_ms"] == {"n": 2, "p50": 3.0, "p99": 4.0, "max": 4.0}
+    assert figures["kernel_ms"]["max"] == 3.0
+
+
+def test_targets_hold_a_capped_kube_proxy_as_a_bound() -> None:
+    """A kube-proxy stopped at its cap: the first-ruleset target is met only when pyproxy's
+    start is within 1/20 of the cap (a bound), never from a figure kube-proxy never gave;
+    the floor and the NPL targets are the ratios of the run."""
+    from bench.vs_sizes import histogram_means, targets
+
+    py = {"first_ruleset_s": 90.0, "npl_churn_20": {"p99": 0.3},
+          "after_first_sync": {"rss_mib": 300.0}, "after_1000_more": {"hwm_mib": 400.0},
+          "one_service_change": {"duration_ms": {"n": 3, "p50": 4.0, "p99": 9.0},
+                                 "kernel_ms": {"p50": 2.0}}}
+    result = {"services": 44000, "endpoints": 1, "kernel_floor": {"wall_s": 1.5},
+              "runs": {"pyproxy": py, "kube-proxy": {"capped_at_s": 1200, "first_ruleset_s": None}}}
+    met = {name: ok for name, ok, _ in targets(result)}
+    assert met == {"first complete ruleset ≤ 1/20 of kube-proxy's": None,
+                   "first complete ruleset ≤ 3 × the kernel floor": False,
+                   "one-Service change ≤ 10 ms (the sync, p50)": True}
+    py["first_ruleset_s"] = 4.0
+    assert dict((n, ok) for n, ok, _ in targets(result))[
+        "first complete ruleset ≤ 1/20 of kube-proxy's"] is True
+    result["runs"]["kube-proxy"] = {"first_ruleset_s": 100.0, "npl_churn_20": {"p99": 1.2},
+                                    "after_first_sync": {"rss_mib": 250.0},
+                                    "after_1000_more": {"hwm_mib": 500.0}}
+    met = {name: ok for name, ok, _ in targets(result)}
+    assert met["first complete ruleset ≤ 1/20 of kube-proxy's"] is True
+    assert met["RSS after the first sync ≤ kube-proxy's"] is False
+    assert met["peak RSS at the end ≤ kube-proxy's"] is True
+    assert met["NPL p99 at 20 changes/s ≤ 1/3 of kube-proxy's"] is True
+    means = histogram_means({"x_count": 2.0, "x_sum": 1.0},
+                            {"x_count": 6.0, "x_sum": 1.2, "y_count": 0.0})
+    assert means == {"x": {"count": 4, "mean_s": 0.05}}
