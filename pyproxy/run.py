@@ -183,7 +183,8 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
         content_type=config.content_type)
     if api_source is not None:
         metrics.watch_api(api_source.status)
-    observers: list[SyncObserver] = [reporting, hcnp, ConntrackCleanup(conntrack),
+    observers: list[SyncObserver] = [reporting, hcnp,
+                                     ConntrackCleanup(conntrack, config.fast_failure),
                                      FirstSync(lambda: serving.sd_notify("READY=1"))]
     if config.localhost_nodeports_gate:
         observers.append(localhost)

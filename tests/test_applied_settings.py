@@ -333,6 +333,8 @@ APPLIED: dict[str, tuple[Configs, Probe]] = {
 # Applied settings whose effect only a running daemon shows: the test that shows it.
 SHOWN_END_TO_END = {
     "snapshot": "tests/test_daemon_e2e.py::test_snapshot_mode_follows_the_file",
+    "fast_failure": "tests/test_fast_failure_netns.py::"
+                    "test_a_removed_endpoints_connection_fails_at_once_not_after_tcp_gives_up",
 }
 
 

@@ -74,6 +74,7 @@ class ProxyConfig:
     conntrack_tcp_be_liberal: bool = False
     conntrack_udp_timeout: float = 0.0
     conntrack_udp_stream_timeout: float = 0.0
+    fast_failure: bool = True
 
     kubeconfig: str | None = None
     master: str | None = None

@@ -371,6 +371,16 @@ SETTINGS: tuple[Setting, ...] = (
             applied_by="host.py, at start",
             paths=("conntrack.udpStreamTimeout",),
             flag="conntrack-udp-timeout-stream", flag_help="0 leaves the sysctl alone"),
+    Setting("fast_failure", ValueType.BOOL, _identity,
+            applied_by="run.py: the conntrack cleanup after syncs (sync/conntrack.py, "
+            "kernel/departed.py)",
+            flag="fast-failure",
+            flag_help="when an endpoint leaves a Service, delete the TCP conntrack entries "
+            "of its connections through the Service (not of a terminating endpoint's, nor "
+            "of one still listed in any condition), so that a client's next packet is "
+            "answered with a reset at once instead of going to the gone address until TCP "
+            "gives up; false: kube-proxy's behaviour (UDP only)",
+            own=True, default_text="true"),
     Setting("kubeconfig", ValueType.STRING, _text_or_none,
             "kubeconfig file (a token, a `tokenFile` re-read every minute as client-go does, "
             "or a client certificate); empty: the pod's service account, with the server "

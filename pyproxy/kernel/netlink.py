@@ -21,13 +21,14 @@ import ipaddress
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
 from pyproxy.core.model import IPFamily, ip_family
 from pyproxy.kernel.conntrack import (
+    IPPROTO_TCP,
     IPPROTO_UDP,
     Allowed,
     ConntrackEntry,
@@ -35,6 +36,7 @@ from pyproxy.kernel.conntrack import (
     not_dnated,
     stale,
 )
+from pyproxy.kernel.departed import Departures, to_departed
 from pyproxy.lazy import submodule
 
 log = structlog.get_logger(__name__)
@@ -235,6 +237,7 @@ class CleanupResult:
     failed: int = 0
     errors: tuple[str, ...] = ()
     duration: float = 0.0
+    departed: bool = False  # fast failure's TCP entries (kernel/departed.py), not UDP's
 
     @property
     def ok(self) -> bool:
@@ -382,6 +385,45 @@ class ConntrackCleaner:
         if out.stale:
             log.info("not_dnated_conntrack_deleted", **_figures(out))
         return out
+
+    def dump_tcp_to(self, family: IPFamily,
+                    frontends: Iterable[tuple[str | None, int]]) -> list[ConntrackEntry]:
+        """The family's TCP entries addressed to these frontends ((IP, port); IP None: the
+        port on any address), one dump each, filtered by the kernel on the original tuple
+        (CTA_FILTER, Linux >= 5.8): a busy node's other connections are never decoded. An
+        older kernel that refuses the filter gets one dump of every TCP entry."""
+        _without_all_of_pyroute2()
+        from pyroute2.netlink.exceptions import NetlinkError
+        from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+        af, wanted = _AF[family], frozenset((IPPROTO_TCP,))
+        out: list[ConntrackEntry] = []
+        try:
+            with self._socket(family) as sock:
+                for ip, port in frontends:
+                    flt = NFCTAttrTuple(family=af, proto=IPPROTO_TCP, dport=port,
+                                        **({"daddr": ip} if ip else {}))
+                    out += _convert(sock.dump(tuple_orig=flt), family, wanted)
+            return out
+        except NetlinkError as err:
+            if err.code not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise ConntrackError(
+                    f"conntrack dump ({family}) failed: {_describe(err)}") from err
+            return self.dump(family, wanted)
+        except Exception as err:
+            raise ConntrackError(f"conntrack dump ({family}) failed: {_describe(err)}") from err
+
+    def clear_departed(self, family: IPFamily, departures: Departures) -> CleanupResult:
+        """Fast failure: dump the TCP entries of the frontends endpoints left, delete those
+        answered by a departed endpoint (kernel/departed.py). Never raises: errors are
+        logged and returned."""
+        if not departures:
+            return CleanupResult(family, departed=True)
+        out = self._clean(family, lambda: self.dump_tcp_to(family, departures.filters),
+                          lambda entries: to_departed(entries, departures))
+        if out.stale:
+            log.info("departed_tcp_conntrack_deleted", **_figures(out))
+        return replace(out, departed=True)
 
     def _clean(self, family: IPFamily, dump: Callable[[], list[ConntrackEntry]],
                plan: Callable[[list[ConntrackEntry]], list[ConntrackEntry]]) -> CleanupResult:

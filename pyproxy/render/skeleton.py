@@ -231,7 +231,11 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
             # (often out of the default route). Empty set (no ServiceCIDR known): no match.
             f'{ip} daddr @{SERVICE_CIDRS_SET} drop comment "unallocated ClusterIP"',
         )),
-        chain_item(REJECT_CHAIN, ("reject",)),
+        # Only a connection's first packet gets here (`ct state new`). A TCP one without SYN
+        # is a connection conntrack lost, its endpoint gone (fast failure deleted the
+        # entry, kernel/departed.py) and none left: an ICMP error would be a soft error to
+        # an established socket, which retransmits until TCP gives up; a reset ends it.
+        chain_item(REJECT_CHAIN, ("tcp flags & syn == 0 reject with tcp reset", "reject")),
         chain_item(MASQUERADING_CHAIN, (
             # Hairpin: an endpoint reaching itself through its service must be masqueraded,
             # or it would answer itself directly and the connection would not match.

@@ -131,6 +131,12 @@ SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("pyproxy_invalid_objects_total", "counter", "API objects skipped as invalid",
                "API objects skipped as invalid (the log and `pyproxy explain` say why)",
                labels=("kind",)),
+    MetricSpec("pyproxy_departed_conntrack_entries_deleted_total", "counter",
+               "TCP conntrack entries of endpoints that left their Service, deleted",
+               "fast failure (--fast-failure): TCP conntrack entries through a Service to an "
+               "endpoint that left it, deleted so that the client's next packet is answered "
+               "with a reset at once instead of going to the gone address until TCP gives up",
+               labels=("ip_family",)),
     MetricSpec("pyproxy_sync_phase_duration_seconds", "histogram", "Time per sync phase",
                "time per sync phase: render, diff, kernel", labels=("phase",)),
     MetricSpec("pyproxy_table_repairs_total", "counter",
@@ -262,6 +268,7 @@ class Metrics:
         self.conntrack_duration = _histogram(
             r, "kubeproxy_conntrack_reconciler_sync_duration_seconds")
         # pyproxy's own
+        self.departed_deleted = _counter(r, "pyproxy_departed_conntrack_entries_deleted_total")
         self.invalid_objects = _counter(r, "pyproxy_invalid_objects_total")
         self.sync_phase = _histogram(r, "pyproxy_sync_phase_duration_seconds")
         self.table_repairs = _counter(r, "pyproxy_table_repairs_total")

@@ -75,7 +75,9 @@ class SyncReporting:
         """One conntrack cleanup done (the worker's report)."""
         family = str(result.family)
         self.metrics.conntrack_duration.labels(ip_family=family).observe(result.duration)
-        if result.deleted:
+        if result.deleted and result.departed:
+            self.metrics.departed_deleted.labels(ip_family=family).inc(result.deleted)
+        elif result.deleted:
             self.metrics.conntrack_deleted.labels(ip_family=family).inc(result.deleted)
 
 

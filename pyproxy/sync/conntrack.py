@@ -1,20 +1,23 @@
-"""Conntrack cleanup after syncs (what to delete is `kernel/conntrack.py`'s; this decides when).
+"""Conntrack cleanup after syncs (what to delete is `kernel/conntrack.py`'s and
+`kernel/departed.py`'s; this decides when).
 
-Two kinds of work, in order: the stale UDP flows of the services a sync changed (`Allowed`:
-the diff of UDP targets between syncs), and after a repair the entries made while our rules
-were missing (`ServiceFrontends`). The work is handed to a worker thread: dumping and deleting
-entries can take seconds with many flows, and must not hold up the next sync."""
+Three kinds of work, in order: the stale UDP flows of the services a sync changed (`Allowed`:
+the diff of UDP targets between syncs), the TCP connections to endpoints that left a Service
+(`Departures`, fast failure; off with --fast-failure=false), and after a repair the entries
+made while our rules were missing (`ServiceFrontends`). The work is handed to a worker
+thread: dumping and deleting entries can take seconds with many flows, and must not hold up
+the next sync."""
 
 from __future__ import annotations
 
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pyproxy.cluster.cache import Checkout
-from pyproxy.core.model import ClusterState, IPFamily, ServiceKey
+from pyproxy.core.model import ClusterState, IPFamily, ServiceKey, ServicePort
 from pyproxy.core.plan import Cause
 from pyproxy.kernel.conntrack import (
     Allowed,
@@ -27,16 +30,28 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
+from pyproxy.kernel.departed import (
+    Departed,
+    Departures,
+    Listing,
+    departed,
+    departures_map,
+    shared_frontends,
+    still_listed,
+)
 from pyproxy.sync.node import NodeProxier, SyncedOnly, SyncRecord
 
 if TYPE_CHECKING:
     from pyproxy.kernel.netlink import CleanupResult
 
 
+Work = Allowed | ServiceFrontends | Departures
+
+
 class ConntrackSink(Protocol):
     """Where the cleanup hands conntrack work (ConntrackWorker; a recording fake in tests)."""
 
-    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None: ...
+    def submit(self, family: IPFamily, work: Work) -> None: ...
 
 
 class ConntrackWorker:
@@ -45,13 +60,13 @@ class ConntrackWorker:
 
     def __init__(self, on_result: Callable[[CleanupResult], None]) -> None:
         self.on_result = on_result
-        self.pending: queue.Queue[tuple[IPFamily, Allowed | ServiceFrontends]] = queue.Queue()
+        self.pending: queue.Queue[tuple[IPFamily, Work]] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="conntrack", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, family: IPFamily, work: Allowed | ServiceFrontends) -> None:
+    def submit(self, family: IPFamily, work: Work) -> None:
         self.pending.put((family, work))
 
     def _run(self) -> None:
@@ -62,6 +77,8 @@ class ConntrackWorker:
             family, work = self.pending.get()
             if isinstance(work, ServiceFrontends):
                 self.on_result(cleaner.clear_not_dnated(family, work))
+            elif isinstance(work, Departures):
+                self.on_result(cleaner.clear_departed(family, work))
             else:
                 self.on_result(cleaner.cleanup(family, work))
 
@@ -70,17 +87,23 @@ class ConntrackWorker:
 class ConntrackCleanup(SyncedOnly):
     """The sync observer that decides the cleanup: after each sync, the UDP targets of the
     services it changed against those of the last (every service after a full sync or a
-    topology change); after a repair, the frontends of every service."""
+    topology change); then, with `fast_failure`, the TCP endpoints that left the services it
+    changed; after a repair, the frontends of every service."""
 
     sink: ConntrackSink
+    fast_failure: bool = True
     _udp_targets: dict[Any, UdpTarget] | None = None
+    # Each Service as the last sync saw it (the cache's tuples, by reference).
+    _listings: dict[ServiceKey, Listing] = field(default_factory=dict)
 
     def synced(self, proxier: NodeProxier, record: SyncRecord, checkout: Checkout) -> None:
         state = proxier.cache.state()
         if record.cause is Cause.REPAIR:
             self._after_repair(proxier, state)
-        self._udp(proxier, state, None if record.full or checkout.topology_changed
-                  else checkout.services)
+        changed = None if record.full or checkout.topology_changed else checkout.services
+        self._udp(proxier, state, changed)
+        if self.fast_failure:
+            self._departed(proxier, state, changed)
 
     def _after_repair(self, proxier: NodeProxier, state: ClusterState) -> None:
         """Connections started while our rules were missing keep conntrack entries without
@@ -111,3 +134,35 @@ class ConntrackCleanup(SyncedOnly):
             targets = [t for (_name, fam), t in (*work.items(), *gone.items()) if fam is family]
             if targets:
                 self.sink.submit(family, allowed_map(targets, proxier.node_addresses))
+
+    def _departed(self, proxier: NodeProxier, state: ClusterState,
+                  services: frozenset[ServiceKey] | None) -> None:
+        """Fast failure: the TCP endpoints that left the services this sync changed (every
+        service after a full sync) since the last, their connections' entries deleted. The
+        first sync knows no previous listing: nothing has left yet."""
+        keys = state.ports_by_service.keys() | self._listings.keys() if services is None \
+            else services
+        gone: list[Departed] = []
+        for key in keys:
+            before = self._listings.get(key)
+            after = Listing(state.ports_of(key), state.slices.get(key, ()))
+            if after.ports:
+                self._listings[key] = after
+            else:
+                self._listings.pop(key, None)
+            if before is not None:
+                gone += departed(before, after)
+        for family in proxier.families:
+            mine = [d for d in gone if d.family is family]
+            if not mine:
+                continue
+            shared = shared_frontends(mine)
+            claims = still_listed(_other_ports(state, mine), family, state.slices,
+                                  shared) if shared else {}
+            self.sink.submit(family, departures_map(mine, claims, proxier.node_addresses))
+
+
+def _other_ports(state: ClusterState, departures: list[Departed]) -> list[ServicePort]:
+    """Every port of the Services no departure is from: those that may share a frontend."""
+    mine = {gone.port.name.service for gone in departures}
+    return [port for port in state.ports if port.name.service not in mine]
