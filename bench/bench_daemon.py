@@ -47,6 +47,7 @@ from bench.bytecode import compile_pyproxy
 from bench.synth import NODE_IP, Cluster
 from pyproxy.serve import debug
 from testkit.apiemu import ApiEmulator
+from testkit.daemonargs import DaemonArgs
 from testkit.inproc import call_in_netns
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,11 +173,10 @@ def run_size(services: int, endpoints: int, rates: list[float],
         log = open(os.path.join(tmp, "daemon.log"), "w")  # noqa: SIM115
         started = time.time()
         daemon = subprocess.Popen(
-            ["ip", "netns", "exec", ns, pyproxy, "run", "--kubeconfig", kubeconfig,
-             "--hostname-override", "node-a", "--bind-address", NODE_IP,
-             "--cluster-cidr", "10.128.0.0/9", "--min-sync-period", args.min_sync_period,
-             "--debug-socket", sock, "--healthz-bind-address", "127.0.0.1:10256",
-             "--metrics-bind-address", "127.0.0.1:10249"],
+            ["ip", "netns", "exec", ns, *DaemonArgs(
+                kubeconfig=kubeconfig, bind_address=NODE_IP, cluster_cidr="10.128.0.0/9",
+                min_sync_period=args.min_sync_period, sync_period=None, debug_socket=sock,
+                binary=pyproxy).argv()],
             stdout=log, stderr=subprocess.STDOUT, text=True)
         figures: dict[str, Any] = {"services": services, "endpoints": endpoints}
         figures.update(cold_start(daemon, sock, started))

@@ -113,7 +113,7 @@ def main() -> int:
         sock = lab.workdir / "pyproxy.sock"
 
         def pyproxy(binary: str, log: str) -> Callable[[], Any]:
-            argv = [*vs.pyproxy_argv(kubeconfig, vs.NODE, binary)[:-1], str(sock)]
+            argv = vs.pyproxy_argv(kubeconfig, vs.NODE, binary, debug_socket=str(sock))
             return lambda: lab.popen(cluster.node, argv, log_name=log)
 
         proxies: dict[str, tuple[Callable[[], Any], str, bool]] = {

@@ -61,10 +61,10 @@ from testkit.controlplane import (
     running_control_plane,
     service_account_token,
 )
+from testkit.daemonargs import PYPROXY, DaemonArgs
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab
 
-PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 NODE = "node-a"
 PROBE_NS, PROBE_NAME, PROBE_VIP = "bench-probe", "probe", "10.96.250.1"
 MIN_SYNC = "1s"
@@ -502,13 +502,14 @@ def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
     return start
 
 
-def pyproxy_argv(kubeconfig: Path, node: str = NODE, binary: str = PYPROXY) -> list[str]:
+def pyproxy_argv(kubeconfig: Path, node: str = NODE, binary: str = PYPROXY,
+                 debug_socket: str = "") -> list[str]:
     """pyproxy as these benchmarks run it: kube-proxy's settings (minSyncPeriod 1 s,
-    syncPeriod 30 s, the cluster CIDRs, health and metrics on their ports), no debug socket."""
-    return [binary, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", node,
-            "--cluster-cidr", CLUSTER_CIDRS, "--min-sync-period", MIN_SYNC,
-            "--sync-period", "30s", "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""]
+    syncPeriod 30 s, the cluster CIDRs, health and metrics on their ports), no debug socket
+    unless one is given."""
+    return DaemonArgs(kubeconfig=kubeconfig, node=node, cluster_cidr=CLUSTER_CIDRS,
+                      min_sync_period=MIN_SYNC, sync_period="30s", debug_socket=debug_socket,
+                      binary=binary).argv()
 
 
 def pyproxy_starter(lab: Lab, cluster: Cluster, kubeconfig: Path, binary: str = PYPROXY,

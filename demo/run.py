@@ -52,6 +52,7 @@ from demo.cluster import (
 )
 from pyproxy.core.explain import topology_text
 from pyproxy.serve.debug import DebugError, ask
+from testkit.daemonargs import DaemonArgs
 from testkit.interrupts import (
     SIGPIPE_CODE,
     OutputClosed,
@@ -162,11 +163,9 @@ def socket_path(workdir: Path, node: NodeSpec) -> str:
 
 
 def daemon_argv(node: NodeSpec, snapshot: Path, workdir: Path) -> list[str]:
-    return [str(PYPROXY), "run", "--snapshot", str(snapshot),
-            "--hostname-override", node.name, "--bind-address", node.ip,
-            "--cluster-cidr", CLUSTER_CIDR, "--debug-socket", socket_path(workdir, node),
-            "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249"]
+    return DaemonArgs(snapshot=snapshot, node=node.name, bind_address=node.ip,
+                      cluster_cidr=CLUSTER_CIDR, min_sync_period=None, sync_period=None,
+                      debug_socket=socket_path(workdir, node), binary=str(PYPROXY)).argv()
 
 
 # --------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from pyproxy.serve.debug import DebugError, ask
 from testkit import waits
 from testkit.apiemu import ApiEmulator
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, ConnResult, NetlabError, tally
 
@@ -175,14 +176,13 @@ class Daemon:
         self.min_sync_period = min_sync_period
         self.sock = socket_path or str(env.workdir / f"{name}-run" / "pyproxy.sock")
         cluster = env.cluster
-        self.argv = [PYPROXY, "run", "--hostname-override", NODE,
-                     "--bind-address", cluster.node_ip4,
-                     "--cluster-cidr", f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
-                     "--min-sync-period", _duration(min_sync_period),
-                     "--sync-period", _duration(sync_period),
-                     "--debug-socket", self.sock, *source, *extra]
-        if servers:
-            self.argv += ["--healthz-bind-address", HEALTHZ, "--metrics-bind-address", METRICS]
+        # servers=False: the health and metrics servers where the daemon's defaults put them.
+        self.argv = DaemonArgs(
+            node=NODE, bind_address=cluster.node_ip4,
+            cluster_cidr=f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
+            min_sync_period=_duration(min_sync_period), sync_period=_duration(sync_period),
+            debug_socket=self.sock, healthz=HEALTHZ if servers else None,
+            metrics=METRICS if servers else None, extra=(*source, *extra)).argv()
         self.starts = 0
         self.proc: subprocess.Popen[str] = self._spawn()
 

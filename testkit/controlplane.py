@@ -32,7 +32,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -42,12 +41,12 @@ from typing import Any
 
 import yaml
 
+from testkit.daemonargs import PYPROXY, DaemonArgs
 from testkit.inproc import call_in_netns
 from testkit.netlab import Lab, Netns
 from testkit.waits import until
 
 REPO = Path(__file__).resolve().parent.parent
-PYPROXY = str(Path(sys.executable).parent / "pyproxy")
 BUILD_SCRIPT = REPO / "e2e" / "k8s" / "build.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-proxy")
 # kube-proxy alone of the next release (`make kube-proxy-next`): see next_kube_proxy.
@@ -667,13 +666,10 @@ class Daemon:
 def start_pyproxy(lab: Lab, ns: Netns, kubeconfig: Path, node: str, *extra: str,
                   name: str = "pyproxy") -> Daemon:
     sock = str(lab.workdir / f"{name}.sock")
-    proc = lab.popen(ns, [
-        PYPROXY, "run", "--kubeconfig", str(kubeconfig), "--hostname-override", node,
-        "--cluster-cidr", "10.244.0.0/16,fd00:244::/48",
-        "--min-sync-period", "200ms", "--sync-period", "5s",
-        "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address",
-        "127.0.0.1:10249", "--debug-socket", sock, *extra,
-    ], log_name=f"{name}.log")
+    argv = DaemonArgs(kubeconfig=kubeconfig, node=node,
+                      cluster_cidr="10.244.0.0/16,fd00:244::/48", debug_socket=sock,
+                      extra=extra).argv()
+    proc = lab.popen(ns, argv, log_name=f"{name}.log")
     return Daemon(proc, ns, sock, lab.workdir / f"{name}.log")
 
 

@@ -35,6 +35,7 @@ from pyproxy.kernel.nftevents import (
 )
 from pyproxy.serve.live import with_other_tables
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, tally
@@ -273,13 +274,9 @@ def daemon(tmp_path: Path) -> Iterator[tuple[Cluster, str]]:
     with Lab() as lab:
         c = lab.standard_topology(backends=1)
         snapshot.write_text(yaml.safe_dump_all(nodeport_objects(c)))
-        proc = lab.popen(c.node, [
-            PYPROXY, "run", "--snapshot", str(snapshot), "--hostname-override", "node-a",
-            "--bind-address", c.node_ip4, "--cluster-cidr", c.cluster_cidr4,
-            "--min-sync-period", "100ms", "--sync-period", "5s",
-            "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", sock],
-            log_name="pyproxy-coexist.log")
+        proc = lab.popen(c.node, DaemonArgs(
+            snapshot=snapshot, bind_address=c.node_ip4, cluster_cidr=c.cluster_cidr4,
+            min_sync_period="100ms", debug_socket=sock).argv(), log_name="pyproxy-coexist.log")
         until(lambda: status(sock).get("lastFullSync") is not None, 20, "the first sync",
               interval=0.2)
         yield c, sock

@@ -20,6 +20,7 @@ import yaml
 
 from testkit.apiemu import ApiEmulator
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, ConnResult, Lab, tally
@@ -46,11 +47,9 @@ def objects(cluster: Cluster, pods: list[str], with_service: bool = True) -> lis
 
 
 def start_daemon(cluster: Cluster, *extra: str, name: str = "pyproxy") -> subprocess.Popen[str]:
-    argv = [PYPROXY, "run", "--hostname-override", "node-a", "--bind-address", cluster.node_ip4,
-            "--cluster-cidr", f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
-            "--min-sync-period", "200ms", "--sync-period", "5s",
-            "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", "", *extra]
+    argv = DaemonArgs(bind_address=cluster.node_ip4,
+                      cluster_cidr=f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
+                      extra=extra).argv()
     return cluster.lab.popen(cluster.node, argv, log_name=f"{name}.log")
 
 

@@ -30,6 +30,7 @@ import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.controlplane import PYPROXY, wait_for
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, Netns, tally
 from testkit.waits import eventually
@@ -60,6 +61,12 @@ iptables: {localhostNodePorts: null, masqueradeBit: null, syncPeriod: 0s, minSyn
 conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
 oomScoreAdj: 0
 """
+
+
+def _argv(**source: Path) -> list[str]:
+    """pyproxy on the configuration as it is (no periods of the lab's), servers off."""
+    return DaemonArgs(**source, min_sync_period=None, sync_period=None, healthz="",
+                      metrics="").argv()
 
 
 def objects(cluster: Cluster) -> list[dict[str, Any]]:
@@ -140,10 +147,8 @@ def test_from_kube_proxy_in_iptables_mode(cluster: Cluster, backend: str,
     config.write_text(CONFIG)
     snapshot = tmp_path / "cluster.yaml"
     snapshot.write_text(yaml.safe_dump_all(objects(cluster)))
-    daemon = lab.popen(node, [
-        PYPROXY, "run", f"--config={config}", "--hostname-override=node-a",
-        f"--snapshot={snapshot}", "--healthz-bind-address=", "--metrics-bind-address=",
-        "--debug-socket="], log_name=f"pyproxy-iptables-{backend}.log")
+    daemon = lab.popen(node, _argv(config=config, snapshot=snapshot),
+                       log_name=f"pyproxy-iptables-{backend}.log")
     try:
         # The localhost proxy listens once the first sync is in.
         eventually(lambda: "127.0.0.1:30080" in node.run(["ss", "-Htln"]).stdout,
@@ -302,10 +307,8 @@ def test_the_real_kube_proxy_in_iptables_mode_and_back(cluster: Cluster, control
             for table in ("mangle", "filter", "nat"):  # kube-proxy's order is a map's
                 assert sorted(real[table]) == sorted(fixture[table]), (family, table)
 
-        daemon = lab.popen(node, [
-            PYPROXY, "run", f"--config={py_config}", f"--kubeconfig={py_kubeconfig}",
-            "--hostname-override=node-a", "--healthz-bind-address=",
-            "--metrics-bind-address=", "--debug-socket="], log_name="pyproxy-real.log")
+        daemon = lab.popen(node, _argv(config=py_config, kubeconfig=py_kubeconfig),
+                           log_name="pyproxy-real.log")
         eventually(lambda: "127.0.0.1:30080" in node.run(["ss", "-Htln"]).stdout,
                    what="pyproxy's listener on 127.0.0.1:30080", timeout=60)
         all_answer("both")

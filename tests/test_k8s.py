@@ -28,6 +28,7 @@ from testkit.controlplane import (
     start_pyproxy,
     wait_for,
 )
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, ConnResult, Lab, tally
 
@@ -303,7 +304,7 @@ def test_kubeadm_kube_proxy_configmap_as_is(control_plane: ControlPlane, tmp_pat
     kubeconfig.conf, whose user is a token file. Only the paths a pod has (the server, the
     service account's CA and token) are moved to this test's; nothing else is edited. pyproxy
     lists, programs the node, and knows the API server's address is a real one."""
-    from testkit.controlplane import API_IP, API_PORT, PYPROXY
+    from testkit.controlplane import API_IP, API_PORT
 
     kube = Kube(control_plane.admin_client())
     apply_manifests(kube)
@@ -326,9 +327,11 @@ def test_kubeadm_kube_proxy_configmap_as_is(control_plane: ControlPlane, tmp_pat
         kube.node("node-k", ("192.168.201.2",))
         sock = str(lab.workdir / "kubeadm.sock")
         try:
-            proc = lab.popen(ns, [PYPROXY, "run", f"--config={config}",
-                                  "--hostname-override=node-k", "--debug-socket", sock],
-                             log_name="kubeadm.log")
+            # kubeadm's configuration as it is: only the node and the socket besides it.
+            argv = DaemonArgs(config=config, node="node-k", min_sync_period=None,
+                              sync_period=None, healthz=None, metrics=None,
+                              debug_socket=sock).argv()
+            proc = lab.popen(ns, argv, log_name="kubeadm.log")
             daemon = Daemon(proc, ns, sock, lab.workdir / "kubeadm.log")
             wait_for(lambda: bool(daemon.status().get("lastFullSync")), 30,
                      f"a first sync from kubeadm's configuration: {daemon.log.read_text()[-2000:]}")

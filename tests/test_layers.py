@@ -248,3 +248,29 @@ def test_no_module_is_a_drawer() -> None:
              for p in root.rglob("*.py")}
     assert not {name: n for name, n in sizes.items() if n > 600}
     assert sizes["run.py"] <= 250
+
+
+# `pyproxy run` that only acts and exits: no daemon to spell a command line for.
+ONE_SHOT = {"--cleanup", "--init-only", "--version"}
+
+
+def test_one_place_spells_the_daemons_command_line() -> None:
+    """Every test, drill, benchmark and the demo that starts `pyproxy run` as a process of its
+    own gets its command line from testkit/daemonargs.py (in-process: build_daemon), so a
+    flag is renamed in one place: no other list starts [PYPROXY, "run", ...]."""
+    root = PACKAGE.parent
+    spelled = []
+    for folder in ("tests", "testkit", "drills", "bench", "demo"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path.name == "daemonargs.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.List) or len(node.elts) < 2:
+                    continue
+                first, second = node.elts[:2]
+                words = {e.value for e in node.elts if isinstance(e, ast.Constant)}
+                if (isinstance(first, ast.Name) and first.id.lower() == "pyproxy"
+                        and isinstance(second, ast.Constant) and second.value == "run"
+                        and not words & ONE_SHOT):
+                    spelled.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not spelled, spelled

@@ -17,6 +17,7 @@ import yaml
 
 from pyproxy.serve.debug import ask
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
 from testkit.waits import until
@@ -59,12 +60,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str
     with Lab() as lab:
         c = lab.standard_topology(backends=2)
         snapshot.write_text(yaml.safe_dump_all(cluster_objects(c)))
-        daemon = lab.popen(c.node, [
-            PYPROXY, "run", "--snapshot", str(snapshot), "--hostname-override", "node-a",
-            "--bind-address", c.node_ip4, "--cluster-cidr", c.cluster_cidr4,
-            "--min-sync-period", "100ms", "--sync-period", "2s",
-            "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", sock],
+        daemon = lab.popen(c.node, DaemonArgs(
+            snapshot=snapshot, bind_address=c.node_ip4, cluster_cidr=c.cluster_cidr4,
+            min_sync_period="100ms", sync_period="2s", debug_socket=sock).argv(),
             log_name="pyproxy-live.log")
         until(lambda: cli(sock, "status")[0] == 0, 20, "the daemon healthy", interval=0.2)
         yield c, sock, snapshot

@@ -34,6 +34,7 @@ from pyproxy.serve.localhost import LocalhostListeners
 from pyproxy.serve.metrics import RejectedPackets
 from pyproxy.sync.proxier import FamilyProxier, desired_state
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, tally
@@ -351,11 +352,10 @@ def cluster() -> Iterator[Cluster]:
 def start(cluster: Cluster, tmp_path: Path, *extra: str) -> Any:
     snapshot = tmp_path / "cluster.yaml"
     snapshot.write_text(yaml.safe_dump_all(cluster_objects(cluster)))
-    return cluster.lab.popen(cluster.node, [
-        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
-        "--cluster-cidr", f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
-        "--healthz-bind-address", "", "--metrics-bind-address", "127.0.0.1:10249",
-        "--debug-socket", "", *extra], log_name="pyproxy-localhost.log")
+    argv = DaemonArgs(snapshot=snapshot,
+                      cluster_cidr=f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
+                      min_sync_period=None, sync_period=None, healthz="", extra=extra).argv()
+    return cluster.lab.popen(cluster.node, argv, log_name="pyproxy-localhost.log")
 
 
 def stop(cluster: Cluster, daemon: Any) -> None:

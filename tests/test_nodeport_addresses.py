@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, Netns, tally
 from testkit.waits import eventually
@@ -68,11 +69,10 @@ def answers(cluster: Cluster, client: Netns | str, address: str) -> set[str]:
 def run_pyproxy(cluster: Cluster, tmp_path: Path, *flags: str) -> Any:
     snapshot = tmp_path / "cluster.yaml"
     snapshot.write_text(yaml.safe_dump_all(snapshot_objects(cluster)))
-    return cluster.lab.popen(cluster.node, [
-        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
-        "--cluster-cidr", cluster.cluster_cidr4, "--min-sync-period", "200ms",
-        "--sync-period", "2s", "--healthz-bind-address", "", "--metrics-bind-address", "",
-        "--debug-socket", "", *flags], log_name=f"pyproxy-{os.path.basename(tmp_path)}.log")
+    argv = DaemonArgs(snapshot=snapshot, cluster_cidr=cluster.cluster_cidr4, sync_period="2s",
+                      healthz="", metrics="", extra=flags).argv()
+    return cluster.lab.popen(cluster.node, argv,
+                             log_name=f"pyproxy-{os.path.basename(tmp_path)}.log")
 
 
 def stop(cluster: Cluster, daemon: Any) -> None:

@@ -19,6 +19,7 @@ from pyproxy.kernel.privileges import (
     privilege_problem,
     require_privileges,
 )
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Lab, NetlabError
 
@@ -92,10 +93,9 @@ def test_without_net_admin_the_daemon_stops_at_once(snapshot: Path, drop: list[s
     with Lab() as lab:
         node = lab.add_ns("node")
         try:
-            result = node.run([*drop, PYPROXY, "run", "--snapshot", str(snapshot),
-                               "--hostname-override", "node-a", "--healthz-bind-address", "",
-                               "--metrics-bind-address", "", "--debug-socket", ""],
-                              check=False, timeout=30)
+            argv = DaemonArgs(snapshot=snapshot, min_sync_period=None, sync_period=None,
+                              healthz="", metrics="").argv()
+            result = node.run([*drop, *argv], check=False, timeout=30)
         except NetlabError:  # timed out
             pytest.fail("the daemon ran on without CAP_NET_ADMIN")
         assert result.returncode == 1, result.stderr

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
 from testkit.waits import eventually
@@ -81,11 +82,8 @@ def write_atomically(path: Path, docs: list[dict[str, Any]]) -> None:
 
 
 def start_daemon(cluster: Cluster, snapshot: Path) -> subprocess.Popen[str]:
-    argv = [PYPROXY, "run", "--hostname-override", "node-a", "--bind-address", cluster.node_ip4,
-            "--cluster-cidr", cluster.cluster_cidr4, "--min-sync-period", "200ms",
-            "--sync-period", "5s", "--healthz-bind-address", "127.0.0.1:10256",
-            "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", "",
-            "--snapshot", str(snapshot)]
+    argv = DaemonArgs(snapshot=snapshot, bind_address=cluster.node_ip4,
+                      cluster_cidr=cluster.cluster_cidr4).argv()
     return cluster.lab.popen(cluster.node, argv, log_name="pyproxy-spillover.log")
 
 

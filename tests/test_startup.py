@@ -34,6 +34,7 @@ from pyproxy.config import ConfigError, ProxyConfig, load_config_file
 from pyproxy.serve.metrics import Metrics
 from testkit.builders import make_service, make_service_cidr
 from testkit.controlplane import Pki, make_pki
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Lab
 from testkit.waits import eventually
@@ -334,9 +335,10 @@ class TestTokenFile:
 
 def pyproxy_run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-    return subprocess.run([PYPROXY, "run", "--debug-socket=", "--healthz-bind-address=",
-                           "--metrics-bind-address=", *args], env={**environ, **(env or {})},
-                          capture_output=True, text=True, timeout=60, check=False)
+    argv = DaemonArgs(node=None, min_sync_period=None, sync_period=None, healthz="",
+                      metrics="", extra=args).argv()
+    return subprocess.run(argv, env={**environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=60, check=False)
 
 
 @pytest.mark.parametrize(("args", "env", "message"), [
@@ -462,10 +464,10 @@ def test_a_refused_start_changes_nothing_on_the_host(lab: Lab, tmp_path: Path) -
 
     before = sysctls()
     assert before != ["7200", "45"]
-    result = lab.run(ns, [
-        PYPROXY, "run", "--kubeconfig", str(tmp_path / "missing"), "--hostname-override", "a",
-        "--conntrack-tcp-timeout-established", "2h", "--conntrack-udp-timeout", "45s",
-        "--debug-socket=", "--healthz-bind-address=", "--metrics-bind-address="], check=False)
+    result = lab.run(ns, DaemonArgs(
+        kubeconfig=tmp_path / "missing", node="a", min_sync_period=None, sync_period=None,
+        healthz="", metrics="", extra=("--conntrack-tcp-timeout-established", "2h",
+                                       "--conntrack-udp-timeout", "45s")).argv(), check=False)
     assert result.returncode == 2, result.stderr
     assert result.stderr == (f"pyproxy: kubeconfig {tmp_path}/missing "
                              "(clientConnection.kubeconfig, --kubeconfig): No such file or "
@@ -486,12 +488,11 @@ def test_a_node_that_needs_its_own_rules_to_reach_the_api_says_so(lab: Lab,
     sock = str(tmp_path / "debug.sock")
     environ = {**os.environ, "KUBERNETES_SERVICE_HOST": "10.96.0.1",
                "KUBERNETES_SERVICE_PORT": "443", "KUBERNETES_PORT_443_TCP_ADDR": "10.96.0.1"}
-    proc = lab.popen(ns, [PYPROXY, "run", "--kubeconfig", path, "--hostname-override", "a",
-                          "--debug-socket", sock, "--healthz-bind-address=",
-                          "--metrics-bind-address=", "--conntrack-max-per-core=0",
-                          "--conntrack-tcp-timeout-established=0",
-                          "--conntrack-tcp-timeout-close-wait=0"],
-                     env=environ, log_name="trap.log")
+    argv = DaemonArgs(kubeconfig=path, node="a", min_sync_period=None, sync_period=None,
+                      healthz="", metrics="", debug_socket=sock,
+                      extra=("--conntrack-max-per-core=0", "--conntrack-tcp-timeout-established=0",
+                             "--conntrack-tcp-timeout-close-wait=0")).argv()
+    proc = lab.popen(ns, argv, env=environ, log_name="trap.log")
 
     def status() -> dict[str, Any]:
         out = lab.run(ns, [PYPROXY, "status", "--socket", sock, "-o", "json"], check=False)

@@ -15,6 +15,7 @@ import yaml
 from pyproxy.core.model import IPFamily
 from pyproxy.core.nodeconfig import NodeConfig
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
 from testkit.nftns import NodeProxy
@@ -97,10 +98,7 @@ def test_nodeports_listen_on_the_ip_the_node_object_names(cluster: Cluster,
     snapshot = tmp_path / "cluster.yaml"
     write_snapshot(snapshot, node_port_cluster(cluster, SECOND_IP))
     daemon = cluster.lab.popen(cluster.node, [
-        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
-        "--cluster-cidr", cluster.cluster_cidr4, "--min-sync-period", "200ms",
-        "--sync-period", "5s", "--healthz-bind-address", "127.0.0.1:10256",
-        "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", ""],
+        *DaemonArgs(snapshot=snapshot, cluster_cidr=cluster.cluster_cidr4).argv()],
         log_name="pyproxy-node-ip.log")
     backends = {"pod-a", "pod-b"}
     try:
@@ -149,12 +147,13 @@ def test_conntrack_sysctls_are_written_in_the_daemons_namespace(cluster: Cluster
     write_snapshot(snapshot, [make_node("node-a", "zone-1")])
     # The OOM score is raised: lowering it needs CAP_SYS_RESOURCE, which a test runner may lack.
     daemon = lab.popen(ns, [
-        PYPROXY, "run", "--hostname-override", "node-a", "--snapshot", str(snapshot),
-        "--conntrack-tcp-timeout-established", "2h", "--conntrack-tcp-timeout-close-wait", "90s",
-        "--conntrack-tcp-be-liberal", "--conntrack-udp-timeout", "45s",
-        "--conntrack-udp-timeout-stream", "2m30s", "--conntrack-min", str(root_before[
-            "nf_conntrack_max"] + 4096), "--oom-score-adj", "500",
-        "--healthz-bind-address", "", "--metrics-bind-address", "", "--debug-socket", ""],
+        *DaemonArgs(snapshot=snapshot, min_sync_period=None, sync_period=None, healthz="",
+                    metrics="", extra=(
+                        "--conntrack-tcp-timeout-established", "2h",
+                        "--conntrack-tcp-timeout-close-wait", "90s", "--conntrack-tcp-be-liberal",
+                        "--conntrack-udp-timeout", "45s", "--conntrack-udp-timeout-stream",
+                        "2m30s", "--conntrack-min", str(root_before["nf_conntrack_max"] + 4096),
+                        "--oom-score-adj", "500")).argv()],
         log_name="pyproxy-conntrack.log")
     try:
         eventually(lambda: sysctls_in(cluster, ns, list(PER_NAMESPACE)) == PER_NAMESPACE,
