@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice, terminating
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, Pod
@@ -129,12 +130,10 @@ def write(path: Path, services: dict[str, tuple[Obj, list[Obj]]]) -> None:
 
 @contextlib.contextmanager
 def daemon(cluster: Cluster, snapshot: Path, *extra: str) -> Iterator[subprocess.Popen[str]]:
-    proc = cluster.lab.popen(cluster.node, [
-        PYPROXY, "run", "--hostname-override", "node-a", "--bind-address", cluster.node_ip4,
-        "--cluster-cidr", f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
-        "--min-sync-period", "100ms", "--sync-period", "5s", "--healthz-bind-address", "",
-        "--metrics-bind-address", "127.0.0.1:10249", "--debug-socket", "",
-        "--snapshot", str(snapshot), *extra], log_name="pyproxy.log")
+    argv = DaemonArgs(snapshot=snapshot, bind_address=cluster.node_ip4,
+                      cluster_cidr=f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
+                      min_sync_period="100ms", healthz="", extra=extra).argv()
+    proc = cluster.lab.popen(cluster.node, argv, log_name="pyproxy.log")
     try:
         yield proc
     finally:
