@@ -40,6 +40,7 @@ from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
 from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker
 from pyproxy.sync.node import AfterSync, FirstSync, NodeProxier, SyncObserver
+from pyproxy.sync.outliers import OutlierEjection
 from pyproxy.sync.proxier import FamilyProxier
 from pyproxy.sync.repairs import Repairs
 from pyproxy.sync.runner import MONOTONIC, BoundedFrequencyRunner, Clock
@@ -181,23 +182,22 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
     api_source = None if config.snapshot else ApiSource(
         api_client, node_name, stop, service_cidrs=config.watches_service_cidrs,
         content_type=config.content_type)
-    if api_source is not None:
-        metrics.watch_api(api_source.status)
+    outliers = OutlierEjection.of(config, api_client, node_name, stop, metrics)  # ejection
     observers: list[SyncObserver] = [reporting, hcnp,
-                                     ConntrackCleanup(conntrack, config.fast_failure),
-                                     FirstSync(lambda: serving.sd_notify("READY=1"))]
-    if config.localhost_nodeports_gate:
-        observers.append(localhost)
+                                     ConntrackCleanup(conntrack, config.fast_failure), outliers,
+                                     FirstSync(lambda: serving.sd_notify("READY=1")),
+                                     *([localhost] if config.localhost_nodeports_gate else [])]
     if address_check is not None:
         check = address_check
         observers.append(AfterSync(lambda proxier: check(proxier.cache.state())))
-    if api_source is not None:  # every Node watched once a service uses their labels
+    if api_source is not None:  # its watches' states; every Node watched once labels matter
         api = api_source
+        metrics.watch_api(api.status)
         observers.append(AfterSync(
             lambda proxier: api.watch_all_nodes() if proxier.cache.uses_node_labels() else None))
 
     def make_family(family: IPFamily, node: NodeConfig) -> FamilyProxier:
-        return FamilyProxier(family, node, kernel(family) if kernel else None)
+        return FamilyProxier(family, node, kernel(family) if kernel else None, outliers.adjust)
 
     proxier = NodeProxier(
         cache, [make_family(f, node_config) for f in families],

@@ -40,6 +40,7 @@ from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.cluster.watch import Reflector
 from pyproxy.config import ConfigError, ProxyConfig, reference_markdown
 from pyproxy.core.model import IPFamily, LocalMode, Node
+from pyproxy.core.outliers import Failure, OutlierPolicy
 from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
 from pyproxy.serve import servers as serve
@@ -47,6 +48,7 @@ from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync import settings
 from pyproxy.sync.node import NodeProxier
+from pyproxy.sync.outliers import OutlierEjection
 from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.nftns import render_script
@@ -287,6 +289,25 @@ H0, H1 = (f"127.0.0.1:{p}" for p in HEALTHZ_PORTS)
 M0, M1 = (f"127.0.0.1:{p}" for p in METRICS_PORTS)
 
 # setting → (the two configurations, the probe)
+def outliers_of(config: ProxyConfig) -> OutlierEjection:
+    return OutlierEjection.of(config, None, "node-a", threading.Event(), Metrics())
+
+
+def outlier_ejection_on(config: ProxyConfig, tmp: Path) -> bool:
+    """Whether a TCP service port without the annotation takes part."""
+    return outliers_of(config).on(STATE.ports[0])
+
+
+def first_ejection(config: ProxyConfig, tmp: Path) -> tuple[float, ...]:
+    """When an endpoint failing once a second is ejected, and for how long."""
+    tracker = outliers_of(config).tracker
+    for second in range(60):
+        if tracker.failure("10.244.1.5:8080", float(second), Failure.NO_REPLY):
+            ejection = tracker.ejected(float(second))["10.244.1.5:8080"]
+            return ejection.since, ejection.until
+    return ()
+
+
 APPLIED: dict[str, tuple[Configs, Probe]] = {
     "hostname_override": (change("hostname_override", "node-b"), node_name),
     "bind_address": (change("bind_address", "10.0.0.9"), node_ips),
@@ -329,6 +350,9 @@ APPLIED: dict[str, tuple[Configs, Probe]] = {
     "feature_gates": (change("feature_gates", {"MultiCIDRServiceAllocator": False}),
                       service_cidr_watch),
     "debug_socket": (debug_configs, debug_socket),
+    "outlier_ejection": (change("outlier_ejection", True), outlier_ejection_on),
+    "outlier_ejection_policy": (change("outlier_ejection_policy", OutlierPolicy(
+        failures=2, base_ejection=60.0)), first_ejection),
 }
 # Applied settings whose effect only a running daemon shows: the test that shows it.
 SHOWN_END_TO_END = {

@@ -229,6 +229,15 @@ def test_runs_with_the_manifests_identity(node: Node) -> None:
     with client.ApiClient(config) as as_pyproxy:
         core = client.CoreV1Api(as_pyproxy)
         core.list_service_for_all_namespaces(limit=1)  # granted
+        # An outlier ejection's Event, in the Service's namespace: valid, and granted.
+        from pyproxy.cluster.events import ejection_event, record
+        record(as_pyproxy, ejection_event(NAMESPACE, "web", "node-a", "10.244.1.5:8080",
+                                          "3 of 3 connection attempts failed in 10 s"),
+               threading.Event()).join(20)
+        ejected = client.EventsV1Api(node.kube.api).list_namespaced_event(
+            NAMESPACE, field_selector="regarding.name=web").items
+        assert [(e.reason, e.type, e.regarding.kind) for e in ejected
+                if e.reason == "EndpointEjected"] == [("EndpointEjected", "Warning", "Service")]
         for forbidden in (lambda: core.list_pod_for_all_namespaces(limit=1),
                           lambda: core.list_secret_for_all_namespaces(limit=1),
                           lambda: core.delete_namespaced_service("web", NAMESPACE)):

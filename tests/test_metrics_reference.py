@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.cluster.watchstate import WatchStatus
+from pyproxy.core.outliers import Ejection, PortOutliers
 from pyproxy.core.topology import PortSelection, select_all
 from pyproxy.serve.connections import Series
 from pyproxy.serve.metrics import RULES_FILE, SPECS, Metrics, reference_markdown
@@ -51,12 +53,15 @@ def rules() -> list[dict[str, Any]]:
 
 
 def selections() -> list[PortSelection]:
-    """A PreferClose service on node-a: a topology mode in force, so that series exists."""
+    """A PreferClose service on node-a: a topology mode in force, and an endpoint ejected,
+    so that those series exist."""
     service = make_service("demo", "web")
     service["spec"]["trafficDistribution"] = "PreferClose"
     state = build_state([make_node("node-a", "zone-1"), service, make_slice("demo", "web", [
         ep("10.244.0.2", "node-a", "zone-1", zones=["zone-1"])])])
-    return list(select_all(state, "node-a"))
+    ejected = PortOutliers({"10.244.0.2:8080": Ejection("failing", 0.0, 30.0, 1)})
+    return [replace(ps, selection=replace(ps.selection, outliers=ejected))
+            for ps in select_all(state, "node-a")]
 
 
 def scrape() -> dict[str, set[str]]:

@@ -1,4 +1,5 @@
-"""Kubernetes Events pyproxy records (the I/O shell), as kube-proxy does.
+"""Kubernetes Events pyproxy records (the I/O shell): the start, as kube-proxy does, and each
+outlier ejection (`EndpointEjected`, Warning, regarding the Service).
 
 kube-proxy records one Event at start: `Starting` / `StartKubeProxy`, type Normal, regarding
 its Node, through the events.k8s.io/v1 API (cluster-scoped objects' Events live in the
@@ -53,17 +54,44 @@ def start_event(node_name: str, now: datetime | None = None) -> dict[str, Any]:
     }
 
 
+def ejection_event(namespace: str, service: str, node_name: str, endpoint: str, note: str,
+                   now: datetime | None = None) -> dict[str, Any]:
+    """The Event recorded when outlier ejection takes an endpoint of a Service out of new
+    connections on node_name (core/outliers.py), in the Service's namespace."""
+    now = now or datetime.now(UTC)
+    body = start_event(node_name, now)
+    body["metadata"] = {"name": f"{service}.{int(now.timestamp() * 1e9):x}",
+                        "namespace": namespace}
+    body.update(action="EjectEndpoint", reason="EndpointEjected", type="Warning",
+                note=f"endpoint {endpoint} ejected from new connections on node {node_name}: "
+                     f"{note}"[:1024],
+                regarding={"kind": "Service", "apiVersion": "v1", "namespace": namespace,
+                           "name": service})
+    return body
+
+
+def events_path(namespace: str) -> str:
+    return f"/apis/events.k8s.io/v1/namespaces/{namespace}/events"
+
+
 def record_start(api_client: Any, node_name: str, stop: threading.Event,
                  retry_seconds: float = 2.0) -> threading.Thread:
     """Record the start Event in the background."""
+    return record(api_client, start_event(node_name), stop, retry_seconds)
+
+
+def record(api_client: Any, body: dict[str, Any], stop: threading.Event,
+           retry_seconds: float = 2.0) -> threading.Thread:
+    """Record an Event in the background, retried a few times."""
 
     def run() -> None:
-        body = start_event(node_name)
+        path = events_path(body["metadata"]["namespace"])
+        regarding = body["regarding"]["name"]
         for attempt in range(1, ATTEMPTS + 1):
             try:
-                response = request(api_client, "POST", EVENTS_PATH, body=body, timeout=10)
+                response = request(api_client, "POST", path, body=body, timeout=10)
                 response.release_conn()
-                log.info("event_recorded", reason=body["reason"], regarding=node_name)
+                log.info("event_recorded", reason=body["reason"], regarding=regarding)
                 return
             except Exception as err:
                 status = getattr(err, "status", None)
@@ -74,6 +102,6 @@ def record_start(api_client: Any, node_name: str, stop: threading.Event,
             if stop.wait(retry_seconds * attempt):
                 return
 
-    thread = threading.Thread(target=run, name="record-start-event", daemon=True)
+    thread = threading.Thread(target=run, name=f"record-event-{body['reason']}", daemon=True)
     thread.start()
     return thread

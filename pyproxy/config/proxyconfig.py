@@ -23,6 +23,7 @@ from pyproxy.config.settings import (
 from pyproxy.config.values import ConfigError, format_duration
 from pyproxy.core.model import IPFamily, LocalMode, override_ips
 from pyproxy.core.nodeconfig import NodeConfig, is_loopback_cidr
+from pyproxy.core.outliers import OutlierPolicy
 
 # KEP-6032: localhost NodePorts in nftables mode (pyproxy/core/model.py, LocalhostNodePorts).
 # Alpha and off in kube-proxy 1.37; on here, as the KEP's beta for 1.38 has it
@@ -88,6 +89,8 @@ class ProxyConfig:
     feature_gates: Mapping[str, bool] = field(
         default_factory=lambda: MappingProxyType({}), hash=False)
 
+    outlier_ejection: bool = False
+    outlier_ejection_policy: OutlierPolicy = field(default_factory=OutlierPolicy)
     debug_socket: str | None = "/run/pyproxy/pyproxy.sock"
     snapshot: str | None = None
 

@@ -19,8 +19,9 @@ from ipaddress import ip_address, ip_network
 from types import MappingProxyType
 from typing import Any
 
-from pyproxy.config.values import ConfigError, ValueType, format_duration
-from pyproxy.core.model import LocalMode
+from pyproxy.config.values import ConfigError, ValueType, format_duration, parse_duration
+from pyproxy.core.model import ANNOTATION_OUTLIER_EJECTION, LocalMode
+from pyproxy.core.outliers import OutlierPolicy
 
 DEFAULT_BIND_ADDRESS = "0.0.0.0"
 HEALTHZ_PORT = 10256
@@ -180,6 +181,42 @@ def _gates(value: dict[str, bool]) -> Mapping[str, bool]:
 
 def _identity(value: Any) -> Any:
     return value
+
+
+_POLICY_FIELDS = {"failures": "failures", "window": "window",
+                  "minFailurePercent": "min_failure_percent", "ejection": "base_ejection",
+                  "maxEjection": "max_ejection", "maxEjectedPercent": "max_ejected_percent",
+                  "replyTimeout": "reply_timeout"}
+_POLICY_PERCENTS = ("min_failure_percent", "max_ejected_percent")
+
+
+def _outlier_policy(value: str) -> OutlierPolicy:
+    """`failures=5,window=10s,ejection=30s,...`: the fields given replace the defaults."""
+    given: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, _, text = item.partition("=")
+        attr = _POLICY_FIELDS.get(name.strip())
+        if attr is None:
+            raise ValueError(f"unknown field {name.strip()!r} (known: "
+                             f"{', '.join(_POLICY_FIELDS)})")
+        text = text.strip()
+        if attr == "failures" or attr in _POLICY_PERCENTS:
+            if not text.isdigit():
+                raise ValueError(f"{name.strip()}: expected a whole number, got {text!r}")
+            number = int(text)
+            high = 100 if attr in _POLICY_PERCENTS else 1_000_000
+            if not 1 <= number <= high:
+                raise ValueError(f"{name.strip()}: must be within 1..{high}, got {number}")
+            given[attr] = number
+        else:
+            try:
+                given[attr] = _positive_duration(parse_duration(text))
+            except ValueError as err:
+                raise ValueError(f"{name.strip()}: {err}") from None
+    policy = OutlierPolicy(**given)
+    if policy.max_ejection < policy.base_ejection:
+        raise ValueError("maxEjection must not be shorter than ejection")
+    return policy
 
 
 # ---------------------------------------------------------------------------------------------
@@ -446,6 +483,28 @@ SETTINGS: tuple[Setting, ...] = (
             flag_help="Name=true|false,...; merged over the file's featureGates; only "
             "MultiCIDRServiceAllocator and KubeProxyNFTablesLocalhostNodePorts are applied",
             partly=True),
+    Setting("outlier_ejection", ValueType.BOOL, _identity,
+            "outlier ejection (docs/services.md) for every TCP Service but those annotated "
+            f"`{ANNOTATION_OUTLIER_EJECTION}: \"false\"`; off: only for those annotated "
+            "`\"true\"`. An endpoint whose connection attempts from this node fail (no reply "
+            "to the SYN, or a reset) is taken out of new connections for a while",
+            applied_by="run.py: the conntrack event reader and the selections "
+            "(sync/outliers.py)",
+            flag="outlier-ejection", flag_help="outlier ejection for every TCP Service "
+            "(else only for Services annotated to have it)", own=True),
+    Setting("outlier_ejection_policy", ValueType.STRING, _outlier_policy,
+            "when an endpoint is ejected and for how long, as `field=value,...` (the fields "
+            "not given keep their default): `failures=5` failed attempts within "
+            "`window=10s`, at least `minFailurePercent=50` of its attempts there; ejected for "
+            "`ejection=30s`, doubled each time in a row up to `maxEjection=5m`; at most "
+            "`maxEjectedPercent=50` of a service port's endpoints; an attempt unanswered for "
+            "`replyTimeout=1s` failed",
+            applied_by="run.py: the outlier tracker and the conntrack event reader "
+            "(sync/outliers.py)",
+            flag="outlier-ejection-policy", flag_help="failures=N,window=D,"
+            "minFailurePercent=P,ejection=D,maxEjection=D,maxEjectedPercent=P,replyTimeout=D",
+            own=True, default_text="`failures=5,window=10s,minFailurePercent=50,ejection=30s,"
+            "maxEjection=5m,maxEjectedPercent=50,replyTimeout=1s`"),
     Setting("debug_socket", ValueType.STRING, _text_or_none,
             applied_by="run.py: the debug server (debug.py, live.py)",
             flag="debug-socket", flag_help="unix socket for pyproxy debug; empty disables",

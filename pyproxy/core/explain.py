@@ -20,7 +20,8 @@ ranges; traffic to an address in them that is no ClusterIP is dropped ([]: none 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,11 +39,16 @@ from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection, Selection, selec
 
 
 def explain_report(
-    state: ClusterState, node_name: str, service: ServiceKey | None = None
+    state: ClusterState, node_name: str, service: ServiceKey | None = None,
+    outliers: Callable[[PortSelection], PortOutliers | None] | None = None,
 ) -> dict[str, Any]:
+    """`outliers`: outlier ejection's verdict in force for a port (the daemon's; None
+    offline, where there is none)."""
     node = state.node(node_name)
     entries = [
-        port_entry(ps) for ps in select_all(state, node_name)
+        port_entry(ps if outliers is None else
+                   replace(ps, selection=replace(ps.selection, outliers=outliers(ps))))
+        for ps in select_all(state, node_name)
         if service is None or ps.port.name.service == service
     ]
     skipped = [

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import lru_cache
+from typing import Any
 
 # Of the new connections, what an endpoint back from an ejection gets relative to the
 # others: 1 slot for every PROBATION_SHARE of each of them (a sixteenth of its share).
@@ -163,7 +164,7 @@ class OutlierTracker:
 
     # -- what the shell feeds in ---------------------------------------------------------------
 
-    def set_ports(self, ports: Mapping[object, Sequence[str]]) -> None:
+    def set_ports(self, ports: Mapping[Any, Sequence[str]]) -> None:
         self._ports = {name: tuple(keys) for name, keys in ports.items()}
         self._ports_of = {}
         for name, keys in self._ports.items():

@@ -236,7 +236,10 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
 
     def explain(query: Mapping[str, str]) -> Any:
         wanted = service_key(query["service"]) if query.get("service") else None
-        report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted)
+        in_force = {(ps.port.name, ps.family): ps.selection.outliers
+                    for p in proxier.proxiers for ps in p.selections.values()}
+        report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted,
+                                lambda ps: in_force.get((ps.port.name, ps.family)))
         report["conflicts"] = disputes_report(((p.family, p.desired) for p in proxier.proxiers),
                                               wanted)
         return with_other_tables(report, other_tables())

@@ -179,6 +179,22 @@ SPECS: tuple[MetricSpec, ...] = (
                "new connections per endpoint, counted by the kernel, read at scrape time "
                "(docs/operating.md, \"New connections per endpoint\")",
                labels=Series._fields),
+    MetricSpec("pyproxy_outlier_failed_attempts_total", "counter",
+               "Failed connection attempts to endpoints under outlier ejection, seen in "
+               "conntrack events; reason: no_reply or reset",
+               "connection attempts to an endpoint of a service port with outlier ejection "
+               "on that failed: `no_reply` (the SYN unanswered for replyTimeout), `reset` (the "
+               "endpoint refused); docs/services.md, \"Outlier ejection\"",
+               labels=("reason",)),
+    MetricSpec("pyproxy_outlier_ejections_total", "counter",
+               "Endpoints ejected from new connections by outlier ejection",
+               "ejections decided (an endpoint failing its attempts; each Event "
+               "`EndpointEjected` is one); stays 0 on a healthy cluster"),
+    MetricSpec("pyproxy_outlier_ejected_endpoints", "gauge",
+               "Endpoints of a service port ejected from new connections now",
+               "endpoints out of a service port's new connections now (outlier ejection, "
+               "within its limits); only service ports with one; computed at scrape time",
+               labels=("service", "port", "ip_family")),
     MetricSpec("kubeproxy_nftables_localhost_nodeport_listeners", "gauge",
                "Number of active localhost NodePort userspace proxy listeners.",
                "TCP NodePorts the userspace proxy listens for on 127.0.0.1 / ::1 (KEP-6032; "
@@ -278,6 +294,9 @@ class Metrics:
         self.api_server_via_service = _gauge(r, "pyproxy_api_server_via_service_address")
         # Other tables' base chains that can drop our connections (kernel/basechains.py).
         self.other_table_drops = _gauge(r, "pyproxy_other_table_drop_chains")
+        # Outlier ejection (sync/outliers.py): attempts failed, ejections decided.
+        self.outlier_failed_attempts = _counter(r, "pyproxy_outlier_failed_attempts_total")
+        self.outlier_ejections = _counter(r, "pyproxy_outlier_ejections_total")
         # Every request to the API server, as client-go counts them (cluster/apirequest.py).
         self.rest_client_requests = _counter(r, "rest_client_requests_total")
         self.rest_client_duration = _histogram(r, "rest_client_request_duration_seconds",
@@ -351,6 +370,7 @@ class _SelectionCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         no_local = _gauge_family("kubeproxy_sync_proxy_rules_no_local_endpoints_total")
         topology = _gauge_family("pyproxy_service_topology_mode")
+        ejected = _gauge_family("pyproxy_outlier_ejected_endpoints")
         # Per family (upstream's newest labels): a dual-stack service counts once in each.
         counts = {(policy, family): 0 for policy in ("internal", "external")
                   for family in ("IPv4", "IPv6")}
@@ -365,10 +385,14 @@ class _SelectionCollector(Collector):
             if sel.topology != TOPOLOGY_NONE:
                 topology.add_metric([str(port.name.service), port.name.port, str(ps.family),
                                      sel.topology], 1)
+            if sel.outliers is not None and sel.outliers.ejected:
+                ejected.add_metric([str(port.name.service), port.name.port, str(ps.family)],
+                                   len(sel.outliers.ejected))
         for (policy, family), count in counts.items():
             no_local.add_metric([policy, family], count)
         yield no_local
         yield topology
+        yield ejected
 
 
 class _WatchCollector(Collector):

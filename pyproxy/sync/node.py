@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -177,6 +177,9 @@ class NodeProxier:
     _last_full: float | None = None  # None: no sync has succeeded yet
     _last_check: float = float("-inf")
     _check_asked: bool = False
+    # Services to render again at the next sync though nothing of theirs changed in the API
+    # (outlier ejection changed what their endpoints map must hold: `rerender`).
+    _rerender: set[ServiceKey] = field(default_factory=set)
 
     # -- sources -----------------------------------------------------------------------------
 
@@ -270,6 +273,15 @@ class NodeProxier:
         self._check_asked = True
         self.request_sync()
 
+    def rerender(self, services: Iterable[ServiceKey]) -> None:
+        """Render these services again at the next sync, asked for now (something outside
+        the API changed their endpoints' slots: an endpoint ejected or back)."""
+        with self.lock:
+            self._rerender.update(services)
+            ready = self.initialized
+        if ready:
+            self.request_sync()
+
     def damage(self) -> str | None:
         """Why the kernel does not hold what was last committed (someone else changed our
         tables and the repair has not succeeded yet), or None."""
@@ -331,6 +343,9 @@ class NodeProxier:
             if new_config is not None:
                 self._reconfigure(new_config)
             checkout = self.cache.checkout()
+            if self._rerender:
+                checkout = replace(checkout, services=checkout.services | self._rerender)
+                self._rerender = set()
             reported = self.repairs.reported()
             facts = SyncFacts(
                 synced=self.synced,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Hashable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +37,8 @@ SKELETON = "skeleton"
 # lists in the order their slots were last rendered.
 SlotOrders = MutableMapping[ServicePortName, tuple[tuple[Endpoint, ...] | None,
                                                    tuple[Endpoint, ...] | None]]
+# What the daemon adds to a selection before it is rendered (outlier ejection's verdict).
+Adjust = Callable[[PortSelection], PortSelection]
 
 
 def node_families(state: ClusterState, config: NodeConfig) -> tuple[IPFamily, ...]:
@@ -70,13 +72,15 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
              selections: dict[ServicePortName, PortSelection],
              spent: list[float] | None = None, orders: SlotOrders | None = None,
              previous: Mapping[ServicePortName, PortSelection] | None = None,
+             adjust: Adjust | None = None,
              ) -> Iterator[tuple[Hashable, Fragment]]:
     """The skeleton's and each service port's fragment, one at a time, recording the
     selections they came from. A consumer that stores each fragment's items as it comes
     never holds the whole render at once (the daemon's peak and heap stay lower). `spent`
     receives the seconds spent selecting and those spent rendering (not in the consumer).
     `orders` and `previous` (the selections last rendered): the slot order each port was
-    last rendered in, kept (`keep_slots`); `orders` is updated."""
+    last rendered in, kept (`keep_slots`); `orders` is updated. `adjust`: applied to each
+    selection first (it is what the selections record)."""
     cfg = render_config(config, family)
     clock = time.perf_counter
     selecting, rendering = 0.0, 0.0
@@ -95,6 +99,8 @@ def rendered(state: ClusterState, config: NodeConfig, family: IPFamily,
             break
         if ps.family is not family:
             continue
+        if adjust is not None:
+            ps = adjust(ps)
         selections[ps.port.name] = ps
         selection = ps.selection if orders is None else _sticky(orders, previous or {}, ps)
         fragment = render_service(ps.port, selection, cfg)
@@ -176,7 +182,8 @@ class FamilyProxier:
     """One family's table kept in step with successive cluster states (the one-shot `apply`,
     tests, and the base the daemon's incremental sync builds on)."""
 
-    def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None) -> None:
+    def __init__(self, family: IPFamily, config: NodeConfig, nft: Kernel | None = None,
+                 adjust: Adjust | None = None) -> None:
         # the I/O shell and its applier, imported where used
         from pyproxy.kernel.libnftables import LibNftables
         from pyproxy.sync.applier import Applier
@@ -192,6 +199,7 @@ class FamilyProxier:
         self.selections: dict[ServicePortName, PortSelection] = {}
         # Its lists in the order of their slots in the endpoints maps (see `keep_slots`).
         self.slot_orders: SlotOrders = {}
+        self.adjust = adjust
 
     def sync(self, state: ClusterState, changed: Iterable[ServiceKey] | None = None,
              plan: SyncPlan | None = None) -> SyncResult:
@@ -232,7 +240,7 @@ class FamilyProxier:
         # Streamed: each fragment goes into the store as soon as it is rendered.
         updates = itertools.chain(
             rendered(state, self.config, self.family, None if changed is None else services,
-                     selections, spent, self.slot_orders, self.selections),
+                     selections, spent, self.slot_orders, self.selections, self.adjust),
             removed)
         result = self.applier.sync(updates, plan)
         self.selections.update(selections)

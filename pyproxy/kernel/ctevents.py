@@ -1,0 +1,319 @@
+"""Failed connection attempts per endpoint, from the kernel's conntrack events: what outlier
+ejection (core/outliers.py) is fed with.
+
+A TCP connection DNATed to an endpoint fails when the endpoint answers its SYN with a reset
+(refused), or does not answer it at all (a wedged node, a partition, a firewall dropping
+SYNs). Conntrack destroys an unanswered entry only when SYN_SENT times out, 120 s after the
+SYN: far too late to spare clients with a 1 s connect timeout. So the attempts are followed
+from their start: the NEW event (the SYN confirmed, DNATed to an endpoint) opens an attempt,
+an UPDATE carrying the reply (status SEEN_REPLY) closes it — a success, or a reset when the
+reply left the entry in state CLOSE — and an attempt still open `reply_timeout` after its
+start failed (`ConnectAttempts.expire`, run by the reader every 100 ms). Detection is then
+the reply timeout plus at most 0.1 s after the last of the N failures, and the next sync.
+
+Why not the other ways: the DESTROY event of an unanswered SYN comes 120 s late; the client's
+SYN retransmissions come 1 s, 3 s, 7 s after the SYN (none at all from a client that gave up
+after 1 s); an nft rule can count SYNs and SYN-ACKs per endpoint but not pair them, and its
+counters must be polled. The events cost one netlink message per conntrack change on the
+node; a socket filter (classic BPF, as for the nftables events) drops every non-TCP one in
+the kernel, and the reader looks only at entries DNATed to a watched endpoint (a set lookup).
+Events are lost when the reader falls behind (ENOBUFS): the attempts then open are forgotten,
+not counted as failures.
+
+Parsing and the attempt ledger are pure (`parse`, `ConnectAttempts`, `filter_program`);
+`ConntrackEvents` is the thread around the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from pyproxy.core.outliers import Failure, endpoint_key
+from pyproxy.kernel.nftevents import (
+    BPF_JEQ_K,
+    BPF_RET_K,
+    NETLINK_ADD_MEMBERSHIP,
+    Instruction,
+    attach_filter,
+)
+from pyproxy.kernel.nlelements import HEADER, NETLINK_NETFILTER, SOL_NETLINK, attributes
+
+log = structlog.get_logger(__name__)
+
+NFNL_SUBSYS_CTNETLINK = 1
+IPCTNL_MSG_CT_NEW, IPCTNL_MSG_CT_DELETE = 0, 2
+NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE, NFNLGRP_CONNTRACK_DESTROY = 1, 2, 3
+# include/uapi/linux/netfilter/nfnetlink_conntrack.h
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_PROTOINFO, CTA_ID = 1, 2, 3, 4, 12
+CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
+CTA_IP_V4_SRC, CTA_IP_V6_SRC = 1, 3
+CTA_PROTO_NUM, CTA_PROTO_SRC_PORT = 1, 2
+CTA_PROTOINFO_TCP, CTA_PROTOINFO_TCP_STATE = 1, 1
+IPS_SEEN_REPLY, IPS_DST_NAT = 1 << 1, 1 << 5
+TCP_CONNTRACK_CLOSE = 8
+IPPROTO_TCP = 6
+AF_INET, AF_INET6 = 2, 10
+BPF_LD_B_ABS, BPF_JA = 0x30, 0x05
+# Where a conntrack event's protocol number is: the nlmsghdr (16), nfgenmsg (4), then
+# CTA_TUPLE_ORIG's header (4), CTA_TUPLE_IP's (4), the two addresses with their headers
+# (8 + 8, or 20 + 20), CTA_TUPLE_PROTO's header (4), CTA_PROTO_NUM's (4): ctnetlink writes
+# the original tuple first, always in this order (ctnetlink_conntrack_event).
+PROTO_OFFSET = {AF_INET: 52, AF_INET6: 76}
+_BE32 = struct.Struct(">I")
+_BE16 = struct.Struct(">H")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One conntrack event about a TCP entry: its id, who answers it (the DNAT target:
+    the reply tuple's source), its status bits and TCP state (None: not in this event)."""
+
+    kind: str  # "new", "update" or "destroy"
+    id: int
+    endpoint: str  # endpoint_key of the reply source
+    status: int
+    tcp_state: int | None
+
+    @property
+    def dnated(self) -> bool:
+        return bool(self.status & IPS_DST_NAT)
+
+    @property
+    def answered(self) -> bool:
+        return bool(self.status & IPS_SEEN_REPLY)
+
+
+def parse(data: bytes) -> Iterator[Event]:
+    """The TCP conntrack events in one datagram (others, and truncated ones, are skipped)."""
+    offset = 0
+    while offset + HEADER.size + 4 <= len(data):
+        length, kind, flags, _seq, _portid = HEADER.unpack_from(data, offset)
+        if length < HEADER.size + 4 or offset + length > len(data):
+            return
+        if kind >> 8 == NFNL_SUBSYS_CTNETLINK:
+            event = _event(data, offset, length, kind & 0xFF, flags)
+            if event is not None:
+                yield event
+        offset += (length + 3) & ~3
+
+
+NLM_F_CREATE = 0x400
+
+
+def _event(data: bytes, offset: int, length: int, msg: int, flags: int) -> Event | None:
+    family = data[offset + HEADER.size]
+    end = offset + length
+    attrs = {kind: (begin, stop) for kind, begin, stop in
+             attributes(data, offset + HEADER.size + 4, end) if stop <= end}
+    if CTA_TUPLE_REPLY not in attrs or CTA_ID not in attrs:
+        return None
+    reply = _tuple(data, *attrs[CTA_TUPLE_REPLY], family)
+    if reply is None or reply[2] != IPPROTO_TCP:
+        return None
+    status = _BE32.unpack_from(data, attrs[CTA_STATUS][0])[0] if CTA_STATUS in attrs else 0
+    state = _tcp_state(data, *attrs[CTA_PROTOINFO]) if CTA_PROTOINFO in attrs else None
+    kind = ("destroy" if msg == IPCTNL_MSG_CT_DELETE
+            else "new" if flags & NLM_F_CREATE else "update")
+    return Event(kind, _BE32.unpack_from(data, attrs[CTA_ID][0])[0],
+                 endpoint_key(reply[0], reply[1]), status, state)
+
+
+def _tuple(data: bytes, start: int, end: int, family: int) -> tuple[str, int, int] | None:
+    """(source address, source port, protocol) of a CTA_TUPLE_* nest."""
+    address, port, proto = None, 0, 0
+    for kind, begin, stop in attributes(data, start, end):
+        if kind == CTA_TUPLE_IP:
+            for k, b, s in attributes(data, begin, stop):
+                if k in (CTA_IP_V4_SRC, CTA_IP_V6_SRC):
+                    af = socket.AF_INET if k == CTA_IP_V4_SRC else socket.AF_INET6
+                    address = socket.inet_ntop(af, data[b:s])
+        elif kind == CTA_TUPLE_PROTO:
+            for k, b, _s in attributes(data, begin, stop):
+                if k == CTA_PROTO_NUM:
+                    proto = data[b]
+                elif k == CTA_PROTO_SRC_PORT:
+                    port = _BE16.unpack_from(data, b)[0]
+    return None if address is None else (address, port, proto)
+
+
+def _tcp_state(data: bytes, start: int, end: int) -> int | None:
+    for kind, begin, stop in attributes(data, start, end):
+        if kind == CTA_PROTOINFO_TCP:
+            for k, b, _s in attributes(data, begin, stop):
+                if k == CTA_PROTOINFO_TCP_STATE:
+                    return data[b]
+    return None
+
+
+def filter_program() -> list[Instruction]:
+    """Keep the TCP events, drop the rest in the kernel (UDP, ICMP: most of a node's
+    entries are DNS lookups)."""
+    return [
+        (BPF_LD_B_ABS, 0, 0, HEADER.size),  # nfgenmsg's family
+        (BPF_JEQ_K, 0, 2, AF_INET),
+        (BPF_LD_B_ABS, 0, 0, PROTO_OFFSET[AF_INET]),
+        (BPF_JA, 0, 0, 2),
+        (BPF_JEQ_K, 0, 3, AF_INET6),
+        (BPF_LD_B_ABS, 0, 0, PROTO_OFFSET[AF_INET6]),
+        (BPF_JEQ_K, 0, 1, IPPROTO_TCP),
+        (BPF_RET_K, 0, 0, 0xFFFFFFFF),
+        (BPF_RET_K, 0, 0, 0),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The attempts, pure
+
+
+@dataclass
+class ConnectAttempts:
+    """The connection attempts to watched endpoints still waiting for their reply, by
+    conntrack id, and what each event or the passing time makes of them. `on_failure(key,
+    how, now)` and `on_success(key, now)` are told the outcomes; `watched(key)` says which
+    endpoints matter (outlier ejection on for one of their service ports)."""
+
+    watched: Callable[[str], bool]
+    on_failure: Callable[[str, Failure, float], None]
+    on_success: Callable[[str, float], None]
+    reply_timeout: float = 1.0
+    limit: int = 65536  # attempts followed at once: beyond, new ones are not
+    _open: dict[int, tuple[str, float]] = field(default_factory=dict)
+    dropped: int = 0
+
+    def feed(self, event: Event, now: float) -> None:
+        if event.kind == "new":
+            if event.dnated and not event.answered and self.watched(event.endpoint):
+                if len(self._open) < self.limit:
+                    self._open[event.id] = (event.endpoint, now)
+                else:
+                    self.dropped += 1
+            return
+        started = self._open.pop(event.id, None)
+        if started is None:
+            return
+        key = started[0]
+        if event.tcp_state == TCP_CONNTRACK_CLOSE:
+            # A reset answering the SYN: the entry closed (its DESTROY event may come without
+            # SEEN_REPLY: the kernel kills it while handling that very reset).
+            self.on_failure(key, Failure.RESET, now)
+        elif event.answered:
+            self.on_success(key, now)
+        elif event.kind == "destroy":  # gone unanswered before the timeout (flushed, ICMP)
+            self.on_failure(key, Failure.NO_REPLY, now)
+        else:
+            self._open[event.id] = started  # another change, still no reply
+
+    def expire(self, now: float) -> None:
+        """The attempts unanswered for `reply_timeout`: failed. (Oldest first: a dict keeps
+        the order attempts opened in.)"""
+        deadline = now - self.reply_timeout
+        while self._open:
+            conn_id, (key, started) = next(iter(self._open.items()))
+            if started > deadline:
+                return
+            del self._open[conn_id]
+            self.on_failure(key, Failure.NO_REPLY, now)
+
+    @property
+    def pending(self) -> int:
+        return len(self._open)
+
+
+# ---------------------------------------------------------------------------------------------
+# The shell
+
+
+def open_socket() -> socket.socket:
+    """A socket subscribed to the conntrack event groups of this thread's network namespace,
+    TCP events only."""
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        attach_filter(sock, filter_program())
+        for option in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, option, 8 << 20)
+                break
+            except OSError:
+                continue
+        sock.bind((0, 0))
+        for group in (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE,
+                      NFNLGRP_CONNTRACK_DESTROY):
+            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclass
+class ConntrackEvents:
+    """Reads the events on a thread of its own into `attempts` (under `lock`, which the
+    outcomes' receiver shares), expires its attempts every `tick_seconds`, and calls
+    `tick(now)` after each read or timeout, without the lock (it may start a sync)."""
+
+    attempts: ConnectAttempts
+    tick: Callable[[float], None]
+    lock: threading.Lock
+    clock: Callable[[], float] = time.time
+    open: Callable[[], socket.socket] = open_socket
+    tick_seconds: float = 0.1
+    lost: int = 0
+    events: int = 0
+    _started: bool = False
+
+    def start(self, stop: threading.Event) -> bool:
+        """Subscribe (in the calling thread's namespace) and start reading. False when the
+        kernel or the privileges do not allow it (outlier ejection then sees nothing)."""
+        try:
+            sock = self.open()
+        except OSError as err:
+            log.warning("conntrack_events_unavailable", error=str(err))
+            return False
+        sock.settimeout(self.tick_seconds)
+        threading.Thread(target=self._run, args=(sock, stop), name="conntrack-events",
+                         daemon=True).start()
+        self._started = True
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._started
+
+    def _run(self, sock: socket.socket, stop: threading.Event) -> None:
+        next_tick = self.clock()
+        try:
+            while not stop.is_set():
+                try:
+                    data = sock.recv(1 << 16)
+                except TimeoutError:
+                    data = b""
+                except OSError as err:
+                    if err.errno != errno.ENOBUFS:
+                        log.error("conntrack_events_stopped", error=str(err))
+                        return
+                    self.lost += 1
+                    data = b""
+                now = self.clock()
+                if data:
+                    with self.lock:
+                        for event in parse(data):
+                            self.events += 1
+                            self.attempts.feed(event, now)
+                if now >= next_tick:
+                    next_tick = now + self.tick_seconds
+                    with self.lock:
+                        self.attempts.expire(now)
+                self.tick(now)
+        finally:
+            self._started = False
+            with contextlib.suppress(OSError):
+                sock.close()

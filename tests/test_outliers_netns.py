@@ -1,0 +1,114 @@
+"""Outlier ejection on real packets: the real daemon in the node namespace, four backends, one
+of which starts dropping SYNs while its endpoint stays ready. The daemon's conntrack events
+show the unanswered attempts; the endpoint is ejected (no new connection reaches it, explain
+says why and until when, the metrics count it), then comes back once it answers again."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fixtures import requires_netns
+from testkit.inproc import call_in_netns
+from testkit.netlab import Cluster, Lab, tally
+from testkit.waits import eventually, until
+
+pytestmark = [pytest.mark.netns, requires_netns]
+
+VIP = "10.96.0.10"
+PYPROXY = str(Path(sys.executable).parent / "pyproxy")
+PODS = ["pod-a", "pod-b", "pod-c", "pod-d"]
+DROP_SYNS = """table inet fault {
+    chain input {
+        type filter hook input priority 0;
+        tcp dport 8080 tcp flags & (syn | ack) == syn drop
+    }
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    with Lab() as lab:
+        yield lab.standard_topology(backends=PODS)
+
+
+def objects(cluster: Cluster) -> list[dict[str, Any]]:
+    service = make_service("ns", "web", ip=VIP)
+    service["metadata"]["annotations"] = {"service.pyproxy.io/outlier-ejection": "true"}
+    return [make_node("node-a", "zone-1"), service,
+            make_slice("ns", "web", [ep(cluster.pods[p].ip4, "node-b") for p in PODS])]
+
+
+def cli_json(sock: str, *args: str) -> Any:
+    out = subprocess.run([PYPROXY, *args, "--socket", sock, "-o", "json"], capture_output=True,
+                         text=True, timeout=60)
+    return yaml.safe_load(out.stdout)
+
+
+def metric(cluster: Cluster, name: str) -> float:
+    def scrape() -> str:
+        with urllib.request.urlopen("http://127.0.0.1:10249/metrics", timeout=5) as response:
+            return str(response.read().decode())
+    text = call_in_netns(cluster.node.full, scrape)
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def landed(cluster: Cluster, count: int) -> dict[str, int]:
+    return dict(tally(cluster.lab.connect(cluster.client, VIP, 80, count=count, parallel=10,
+                                          timeout=0.5)))
+
+
+def test_a_pod_dropping_syns_is_ejected_and_comes_back(cluster: Cluster, tmp_path: Path) -> None:
+    snapshot, sock = tmp_path / "cluster.yaml", str(tmp_path / "debug.sock")
+    snapshot.write_text(yaml.safe_dump_all(objects(cluster)))
+    daemon = cluster.lab.popen(cluster.node, [
+        PYPROXY, "run", "--snapshot", str(snapshot), "--hostname-override", "node-a",
+        "--bind-address", cluster.node_ip4, "--cluster-cidr", cluster.cluster_cidr4,
+        "--min-sync-period", "100ms", "--sync-period", "5s",
+        "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address",
+        "127.0.0.1:10249", "--debug-socket", sock,
+        "--outlier-ejection-policy", "failures=3,window=4s,ejection=8s,replyTimeout=500ms"],
+        log_name="pyproxy-outliers.log")
+    bad = cluster.pods["pod-a"]
+    try:
+        eventually(lambda: set(landed(cluster, 40)) == set(PODS), what="all four serving")
+        assert metric(cluster, "pyproxy_outlier_ejections_total") == 0
+        bad.ns.nft(DROP_SYNS)
+        faulted = time.monotonic()
+        # Attempts through the fault: pod-a's time out, until it is ejected.
+        until(lambda: "timeout" not in landed(cluster, 40), 15, "pod-a ejected")
+        detected = time.monotonic() - faulted
+        assert metric(cluster, "pyproxy_outlier_ejected_endpoints") == 1
+        assert set(landed(cluster, 60)) == {"pod-b", "pod-c", "pod-d"}
+        [entry] = cli_json(sock, "explain", "ns/web")["services"]
+        [ejected] = entry["outliers"]["ejected"]
+        assert ejected["endpoint"] == f"{bad.ip4}:8080" and ejected["ejection"] == 1
+        assert "connection attempts failed" in ejected["reason"], ejected
+        assert "no reply" in ejected["reason"], ejected
+        assert any(r.startswith(f"outlier ejection: {bad.ip4}:8080 ejected until")
+                   for r in entry["reasons"])
+        assert metric(cluster, "pyproxy_outlier_ejections_total") == 1
+        assert metric(cluster, 'pyproxy_outlier_failed_attempts_total{reason="no_reply"}') >= 3
+        # The fault over: back after its ejection (8 s), on probation for a window (4 s).
+        bad.ns.run(["nft", "delete", "table", "inet", "fault"])
+        until(lambda: "pod-a" in landed(cluster, 40), 25, "pod-a back", interval=0.5)
+        [entry] = cli_json(sock, "explain", "ns/web")["services"]
+        assert entry["outliers"]["ejected"] == []
+        print(f"pod-a ejected {detected:.1f} s after it started dropping SYNs (the attempts "
+              "taking 0.5 s each)")
+    finally:
+        bad.ns.run(["nft", "delete", "table", "inet", "fault"], check=False)
+        cluster.lab.stop_process(daemon)
+        for family in ("ip", "ip6"):
+            cluster.node.run(["nft", "delete", "table", family, "pyproxy"], check=False)
