@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab, tally
@@ -72,13 +73,11 @@ def landed(cluster: Cluster, count: int) -> dict[str, int]:
 def test_a_pod_dropping_syns_is_ejected_and_comes_back(cluster: Cluster, tmp_path: Path) -> None:
     snapshot, sock = tmp_path / "cluster.yaml", str(tmp_path / "debug.sock")
     snapshot.write_text(yaml.safe_dump_all(objects(cluster)))
-    daemon = cluster.lab.popen(cluster.node, [
-        PYPROXY, "run", "--snapshot", str(snapshot), "--hostname-override", "node-a",
-        "--bind-address", cluster.node_ip4, "--cluster-cidr", cluster.cluster_cidr4,
-        "--min-sync-period", "100ms", "--sync-period", "5s",
-        "--healthz-bind-address", "127.0.0.1:10256", "--metrics-bind-address",
-        "127.0.0.1:10249", "--debug-socket", sock,
-        "--outlier-ejection-policy", "failures=3,window=4s,ejection=8s,replyTimeout=500ms"],
+    daemon = cluster.lab.popen(cluster.node, DaemonArgs(
+        snapshot=snapshot, bind_address=cluster.node_ip4, cluster_cidr=cluster.cluster_cidr4,
+        min_sync_period="100ms", debug_socket=sock, extra=(
+            "--outlier-ejection-policy=failures=3,window=4s,ejection=8s,replyTimeout=500ms",
+        )).argv(),
         log_name="pyproxy-outliers.log")
     bad = cluster.pods["pod-a"]
     try:
