@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl soak demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure soak demo clean \
 	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
@@ -168,6 +168,10 @@ bench-yaml: venv
 NPL_FLAGS ?=
 bench-npl: venv k8s
 	$(BIN)/python -m bench.bench_npl $(NPL_FLAGS)
+
+# Fast failure for removed endpoints side by side with kube-proxy v1.37.2 (issue 38).
+bench-fast-failure: venv k8s
+	$(BIN)/python -m bench.bench_fast_failure $(FAST_FAILURE_FLAGS)
 
 # The soak (issue 37): the real daemon on the real control plane for DURATION (default 1 h:
 # 3600, 90s, 30m, 1h) under 100 endpoint changes/s with Service adds and deletes among them,

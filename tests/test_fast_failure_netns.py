@@ -19,12 +19,8 @@ No absolute time is asserted: only the outcome, and the baseline against the fas
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
-import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,79 +32,14 @@ import yaml
 from testkit.builders import ep, make_node, make_service, make_slice, terminating
 from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
-from testkit.inproc import call_in_netns
+from testkit.keepalive import Held, KeepAliveServer, silence
 from testkit.netlab import Cluster, Lab, Pod
 from testkit.waits import eventually
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
-PYPROXY = str(Path(sys.executable).parent / "pyproxy")
-TARGET_PORT = 8080
 NODE_PORT = 30080
 Obj = dict[str, Any]
-
-
-class KeepAliveServer:
-    """Answers every line on a connection with the pod's name, connection after connection,
-    from threads of this process (the listening socket made inside the pod's namespace)."""
-
-    def __init__(self, pod: Pod) -> None:
-        self.name = pod.name
-        self.sock = call_in_netns(pod.ns.full, self._listen)
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @staticmethod
-    def _listen() -> socket.socket:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", TARGET_PORT))
-        sock.listen(16)
-        return sock
-
-    def _accept(self) -> None:
-        with contextlib.suppress(OSError):
-            while True:
-                conn, _ = self.sock.accept()
-                self.conns.append(conn)
-                threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while conn.recv(64):
-                conn.sendall(f"{self.name}\n".encode())
-
-    def close(self) -> None:
-        for sock in (self.sock, *self.conns):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-
-class Held:
-    """A client's keep-alive connection to (ip, port), made in the client's namespace."""
-
-    def __init__(self, cluster: Cluster, ip: str, port: int) -> None:
-        self.sock = call_in_netns(cluster.client.full,
-                                  lambda: socket.create_connection((ip, port), timeout=5))
-
-    def ask(self, timeout: float = 5.0) -> tuple[str, float]:
-        """(who answered, or reset / closed / timeout; seconds from the request)."""
-        start = time.monotonic()
-        self.sock.settimeout(timeout)
-        try:
-            self.sock.sendall(b"?\n")
-            answer = self.sock.recv(64).decode().strip()
-        except TimeoutError:
-            return "timeout", time.monotonic() - start
-        except OSError as err:
-            if err.errno in (errno.ECONNRESET, errno.EPIPE):
-                return "reset", time.monotonic() - start
-            return os.strerror(err.errno or 0), time.monotonic() - start
-        return answer or "closed", time.monotonic() - start
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def service(name: str, ip: str, node_port: int = 0) -> Obj:
@@ -153,7 +84,7 @@ def only_reached(cluster: Cluster, ip: str, port: int, pod: Pod) -> None:
         answers = set()
         for _ in range(6):
             try:
-                fresh = Held(cluster, ip, port)
+                fresh = Held(cluster.client, ip, port)
             except OSError as err:  # the gone pod picked: unreachable
                 answers.add(str(err))
                 continue
@@ -161,16 +92,6 @@ def only_reached(cluster: Cluster, ip: str, port: int, pod: Pod) -> None:
             fresh.close()
         return answers == {pod.name}
     eventually(check, what=f"only {pod.name} reached at {ip}:{port}")
-
-
-def unplug(cluster: Cluster, pod: Pod) -> None:
-    """The pod's network goes silent, as when its namespace is torn down: everything that
-    reaches it is dropped before its sockets see it, so no FIN and no reset come back.
-    (Deleting the node's end of its link would not do: the kernel then deletes the entries
-    masqueraded out of that link itself, nf_nat_masquerade's device event, which a node
-    whose pods' links carry no masquerading address never sees.)"""
-    cluster.lab.nft(pod.ns, "table inet gone { chain in { type filter hook prerouting "
-                    "priority -400; policy drop; }; }")
 
 
 @pytest.fixture
@@ -183,7 +104,7 @@ def servers() -> Iterator[list[KeepAliveServer]]:
 
 def held_to(cluster: Cluster, ip: str, port: int, pods: dict[str, Pod]) -> tuple[Held, Pod]:
     """A held connection and the pod that answered it."""
-    held = Held(cluster, ip, port)
+    held = Held(cluster.client, ip, port)
     answer, _ = held.ask()
     assert answer in pods, answer
     return held, pods[answer]
@@ -204,7 +125,7 @@ def removed_endpoint_outcome(lab: Lab, tmp_path: Path, servers: list[KeepAliveSe
         programmed(cluster, *(p.ip4 for p in pods.values()))
         held, gone = held_to(cluster, vip, 80, pods)
         left = next(p for p in pods.values() if p is not gone)
-        unplug(cluster, gone)
+        silence(cluster.lab, gone)
         write(snapshot, {"web": (service("web", vip), [ep(left.ip4, "node-b")])})
         only_reached(cluster, vip, 80, left)
         time.sleep(0.5)  # the cleanup runs after the sync, off its thread
@@ -212,7 +133,7 @@ def removed_endpoint_outcome(lab: Lab, tmp_path: Path, servers: list[KeepAliveSe
             answer, seconds = held.ask(timeout=wait)
         finally:
             held.close()
-        fresh = Held(cluster, vip, 80)
+        fresh = Held(cluster.client, vip, 80)
         try:
             again, _ = fresh.ask()
         finally:
@@ -264,7 +185,7 @@ def test_what_fast_failure_resets_and_what_it_keeps(lab: Lab, tmp_path: Path,
         node_port, gone = held_to(cluster, cluster.node_ip4, NODE_PORT, nodeport_pods)
         left = next(p for p in nodeport_pods.values() if p is not gone)
         for pod in (pods["solo"], gone):
-            unplug(cluster, pod)
+            silence(cluster.lab, pod)
         moved_slice = make_slice("ns", "moved", [ep(pods["moved"].ip4, "node-b")])
         moved_slice["ports"][0]["port"] = 9090  # the targetPort changed, the pod stays
         after = {
