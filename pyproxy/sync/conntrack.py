@@ -143,9 +143,13 @@ class ConntrackCleanup(SyncedOnly):
         keys = state.ports_by_service.keys() | self._listings.keys() if services is None \
             else services
         gone: list[Departed] = []
+        listings, ports_of, slices = self._listings, state.ports_by_service, state.slices
         for key in keys:
-            before = self._listings.get(key)
-            after = Listing(state.ports_of(key), state.slices.get(key, ()))
+            before = listings.get(key)
+            ports, pieces = ports_of.get(key, ()), slices.get(key, ())
+            if before is not None and before.ports is ports and before.slices is pieces:
+                continue  # unchanged (a full sync's other services): nothing built
+            after = Listing(ports, pieces)
             if after.ports:
                 self._listings[key] = after
             else:
