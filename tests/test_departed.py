@@ -249,3 +249,39 @@ def test_the_kernel_sends_the_frontends_entries_and_the_departed_ones_go(lab: La
     out = lab.run(ns, ["conntrack", "-L"]).stdout
     assert sorted(int(m) for m in re.findall(r"sport=(4000\d)", out)) == [
         40002, 40004, 40005, 40006]
+
+
+@requires_netns
+@pytest.mark.netns
+def test_the_same_over_ipv6(lab: Lab) -> None:
+    from pyroute2 import Conntrack
+    from pyroute2.netlink.nfnetlink.nfctsocket import NFCTAttrTuple
+
+    ns = lab.add_ns("ct6")
+    lab.nft(ns, "table inet t { chain o { type filter hook output priority 0; "
+                "ct state new counter; }; }")
+    client, node, pod_a, pod_b = ("2001:db8::7", "fd00:50::1", "fd00:244:0:1::2",
+                                  "fd00:244:0:2::2")
+
+    def add(dst: str, dport: int, answerer: str, sport: int) -> None:
+        orig = NFCTAttrTuple(family=socket.AF_INET6, saddr=client, daddr=dst,
+                             proto=IPPROTO_TCP, sport=sport, dport=dport)
+        reply = NFCTAttrTuple(family=socket.AF_INET6, saddr=answerer, daddr=client,
+                              proto=IPPROTO_TCP, sport=8080, dport=sport)
+        with Conntrack(netns=ns.full, nfgen_family=socket.AF_INET6, flags=0) as ct:
+            ct.entry("add", timeout=120, tuple_orig=orig, tuple_reply=reply)
+
+    add(VIP6, 80, pod_a, 40001)
+    add(VIP6, 80, pod_b, 40002)
+    add(node, NODE_PORT, pod_a, 40003)
+    svc = web(node_port=NODE_PORT)
+    svc["spec"].update(clusterIPs=[VIP, VIP6], ipFamilies=["IPv4", "IPv6"],
+                       ipFamilyPolicy="PreferDualStack")
+    v6 = make_slice("ns", "web", [ep(pod_a), ep(pod_b)], family="IPv6")
+    gone = departed(listing(build_state([svc, v6])),
+                    listing(build_state([svc, {**v6, "endpoints": [ep(pod_b)]}])))
+    departures = departures_map(gone, node_ips=(node,))
+    result = ConntrackCleaner(netns=ns.full).clear_departed(IPFamily.IPv6, departures)
+    assert (result.dumped, result.deleted, result.ok) == (3, 2, True)
+    out = lab.run(ns, ["conntrack", "-L", "-f", "ipv6"]).stdout
+    assert re.findall(r"sport=(4000\d)", out) == ["40002"]

@@ -39,14 +39,17 @@ from testkit.waits import eventually
 pytestmark = [pytest.mark.netns, requires_netns]
 
 NODE_PORT = 30080
+EXTERNAL_IP = "192.168.77.30"
 Obj = dict[str, Any]
 
 
-def service(name: str, ip: str, node_port: int = 0) -> Obj:
+def service(name: str, ip: str, node_port: int = 0, external: str | None = None) -> Obj:
     def tweak(svc: Obj) -> None:
         if node_port:
             svc["spec"]["type"] = "NodePort"
             svc["spec"]["ports"][0]["nodePort"] = node_port
+        if external:
+            svc["spec"]["externalIPs"] = [external]
     return make_service("ns", name, tweak, ip=ip)
 
 
@@ -110,6 +113,16 @@ def held_to(cluster: Cluster, ip: str, port: int, pods: dict[str, Pod]) -> tuple
     return held, pods[answer]
 
 
+def held_on(cluster: Cluster, ip: str, pod: Pod, attempts: int = 30) -> Held:
+    """A held connection to (ip, 80) that reached `pod` (the others closed)."""
+    for _ in range(attempts):
+        held = Held(cluster.client, ip, 80)
+        if held.ask()[0] == pod.name:
+            return held
+        held.close()
+    raise AssertionError(f"no connection to {ip} reached {pod.name} in {attempts}")
+
+
 def removed_endpoint_outcome(lab: Lab, tmp_path: Path, servers: list[KeepAliveServer],
                              fast: bool, wait: float) -> tuple[str, float, str]:
     """Service web (pod-a, pod-b); the pod a held connection reached is deleted; (the held
@@ -158,9 +171,9 @@ def test_a_removed_endpoints_connection_fails_at_once_not_after_tcp_gives_up(
 
 def test_what_fast_failure_resets_and_what_it_keeps(lab: Lab, tmp_path: Path,
                                                     servers: list[KeepAliveServer]) -> None:
-    """The last endpoint of a Service gone: the reject chain resets. A NodePort's connection
-    to a removed endpoint: reset. A terminating endpoint still serving, and one whose port
-    number changed: their connections go on."""
+    """The last endpoint of a Service gone: the reject chain resets. A NodePort's and an
+    external IP's connections to a removed endpoint: reset. A terminating endpoint still
+    serving, and one whose port number changed: their connections go on."""
     cluster = lab.standard_topology(backends=["solo", "drain", "moved", "np-a", "np-b"],
                                     tcp_ports=(8081,), udp_ports=())
     pods = dict(cluster.pods)
@@ -172,7 +185,7 @@ def test_what_fast_failure_resets_and_what_it_keeps(lab: Lab, tmp_path: Path,
         "solo": (service("solo", ips["solo"]), [ep(pods["solo"].ip4, "node-b")]),
         "drain": (service("drain", ips["drain"]), [ep(pods["drain"].ip4, "node-b")]),
         "moved": (service("moved", ips["moved"]), [ep(pods["moved"].ip4, "node-b")]),
-        "np": (service("np", ips["np"], NODE_PORT),
+        "np": (service("np", ips["np"], NODE_PORT, EXTERNAL_IP),
                [ep(p.ip4, "node-b") for p in nodeport_pods.values()]),
     }
     snapshot = tmp_path / "cluster.yaml"
@@ -184,6 +197,7 @@ def test_what_fast_failure_resets_and_what_it_keeps(lab: Lab, tmp_path: Path,
         moved, _ = held_to(cluster, ips["moved"], 80, pods)
         node_port, gone = held_to(cluster, cluster.node_ip4, NODE_PORT, nodeport_pods)
         left = next(p for p in nodeport_pods.values() if p is not gone)
+        external = held_on(cluster, EXTERNAL_IP, gone)
         for pod in (pods["solo"], gone):
             silence(cluster.lab, pod)
         moved_slice = make_slice("ns", "moved", [ep(pods["moved"].ip4, "node-b")])
@@ -201,7 +215,9 @@ def test_what_fast_failure_resets_and_what_it_keeps(lab: Lab, tmp_path: Path,
         only_reached(cluster, cluster.node_ip4, NODE_PORT, left)
         time.sleep(0.5)  # the cleanup runs after the sync, off its thread
         outcomes = {name: held.ask(timeout=10.0)[0] for name, held in
-                    (("solo", solo), ("np", node_port), ("drain", drain), ("moved", moved))}
-        for held in (solo, node_port, drain, moved):
+                    (("solo", solo), ("np", node_port), ("external", external),
+                     ("drain", drain), ("moved", moved))}
+        for held in (solo, node_port, external, drain, moved):
             held.close()
-    assert outcomes == {"solo": "reset", "np": "reset", "drain": "drain", "moved": "moved"}
+    assert outcomes == {"solo": "reset", "np": "reset", "external": "reset", "drain": "drain",
+                        "moved": "moved"}
