@@ -500,7 +500,7 @@ def soak_setup(plane: ControlPlane, args: argparse.Namespace) -> Iterator[tuple[
         kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
                                            service_account_token(kube))
         sock = str(lab.workdir / "pyproxy.sock")
-        argv = [*vs.pyproxy_argv(kubeconfig)[:-1], sock]
+        argv = vs.pyproxy_argv(kubeconfig, debug_socket=sock)
 
         def stop(proc: Any) -> None:
             lab.stop_process(proc)
