@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure soak demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure bench-inflight soak demo clean \
 	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
@@ -183,6 +183,12 @@ DURATION ?= 3600
 SOAK_FLAGS ?=
 soak: venv k8s
 	$(BIN)/python -m bench.bench_soak --duration $(DURATION) $(SOAK_FLAGS)
+
+# Reading the connections in flight (issue 38, point 4): 10k and 100k DNATed conntrack entries
+# in a namespace, the daemon's ctnetlink read against pyroute2's in the same run, and the
+# pure count at 1k and 10k services (bench/bench_inflight.py; root; ~8 min, most of it pyroute2).
+bench-inflight: venv
+	$(BIN)/python -m bench.bench_inflight
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

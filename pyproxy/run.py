@@ -34,7 +34,7 @@ from pyproxy.serve import connections as conns
 from pyproxy.serve import servers as serving
 from pyproxy.serve.debug import DebugServer
 from pyproxy.serve.health import HealthServer, ProxyHealth, ServiceHealth, ServiceHealthServers
-from pyproxy.serve.live import connection_counters
+from pyproxy.serve.live import ConnectionViews, connection_views
 from pyproxy.serve.localhost import LocalhostProxies, rejected_reader
 from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
@@ -75,7 +75,7 @@ class Daemon:
     health_check_node_ports: HealthCheckNodePorts
     localhost: LocalhostProxies
     conntrack: ConntrackWorker
-    connections: conns.ConnectionCounters
+    connections: ConnectionViews
     coexistence: CoexistenceCheck
     source: ApiSource | SnapshotSource
     address_check: ApiAddressCheck | None
@@ -86,7 +86,7 @@ class Daemon:
         before anything on the host changes."""
         stop = self.stopping
         self.conntrack.start()
-        threading.Thread(target=self.connections.run_periodically,
+        threading.Thread(target=self.connections.new.run_periodically,
                          args=(stop, conns.REFRESH_INTERVAL), name="connection-counters",
                          daemon=True).start()
         NftMonitor(OWN_SOCKETS, self.proxier.table_changed, self.proxier.events_lost,
@@ -212,8 +212,7 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
     if config.localhost_nodeports_gate:
         metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
     metrics.watch_selections(proxier.current_selections)
-    connections = connection_counters(proxier)
-    metrics.watch_connections(connections.totals)
+    connections = connection_views(proxier, metrics, config.in_flight_interval)
     # Other tables' base chains that drop what we accept: checked at start and after every
     # change to another table's chains or rules.
     coexistence = CoexistenceCheck(

@@ -45,6 +45,7 @@ from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
 from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
+from pyproxy.serve.live import connection_views
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync import settings
 from pyproxy.sync.node import NodeProxier
@@ -272,6 +273,13 @@ def debug_socket(config: ProxyConfig, tmp: Path) -> bool:
     return True
 
 
+def in_flight(config: ProxyConfig, tmp: Path) -> tuple[bool, float]:
+    """Whether the daemon reads the connections in flight, and how often at most."""
+    proxier = NodeProxier(ClusterCache("node-a"), [])
+    views = connection_views(proxier, Metrics(), config.in_flight_interval)
+    return views.in_flight is not None, views.interval
+
+
 def with_kubeconfig(attr: str, value: Any) -> Configs:
     def configs(tmp: Path) -> tuple[ProxyConfig, ProxyConfig]:
         first = ProxyConfig(kubeconfig=kubeconfig(tmp, "https://a.example:6443"))
@@ -353,6 +361,7 @@ APPLIED: dict[str, tuple[Configs, Probe]] = {
     "outlier_ejection": (change("outlier_ejection", True), outlier_ejection_on),
     "outlier_ejection_policy": (change("outlier_ejection_policy", OutlierPolicy(
         failures=2, base_ejection=60.0)), first_ejection),
+    "in_flight_interval": (change("in_flight_interval", 0.0), in_flight),
 }
 # Applied settings whose effect only a running daemon shows: the test that shows it.
 SHOWN_END_TO_END = {

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from ipaddress import ip_address
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -19,6 +19,7 @@ from pyproxy.serve.debug import ask
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
 from testkit.daemonargs import DaemonArgs
 from testkit.fixtures import requires_netns
+from testkit.held import HeldClients, HoldingServer
 from testkit.netlab import Cluster, Lab, tally
 from testkit.waits import until
 
@@ -62,7 +63,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, str
         snapshot.write_text(yaml.safe_dump_all(cluster_objects(c)))
         daemon = lab.popen(c.node, DaemonArgs(
             snapshot=snapshot, bind_address=c.node_ip4, cluster_cidr=c.cluster_cidr4,
-            min_sync_period="100ms", sync_period="2s", debug_socket=sock).argv(),
+            min_sync_period="100ms", sync_period="2s", debug_socket=sock,
+            extra=("--in-flight-interval", "1s")).argv(),
             log_name="pyproxy-live.log")
         until(lambda: cli(sock, "status")[0] == 0, 20, "the daemon healthy", interval=0.2)
         yield c, sock, snapshot
@@ -107,6 +109,8 @@ def test_services_and_live_explain(env: tuple[Cluster, str, Path]) -> None:
     offline = json.loads(subprocess.run(
         [PYPROXY, "explain", "-f", str(snapshot), "--node", "node-a", "--service", "ns/local",
          "-o", "json"], capture_output=True, text=True, check=True).stdout)
+    # live, a TCP port has its connections in flight too (none here)
+    assert [e.pop("inFlight")["established"] for e in live["services"]] == [0]
     assert live == offline
     assert cli(sock, "explain", "ns/nope")[0] == 1
 
@@ -249,3 +253,71 @@ def test_new_connections_per_endpoint_on_metrics_and_services(
         assert f"{endpoint}={int(count)}({where})" in text, text
     entry = cli_json(sock, "services", "ns/web")[0]
     assert sum(x["count"] for x in entry["newConnections"]) == sum(now.values())
+
+
+def in_flight_metric(c: Cluster) -> dict[tuple[str, str], float]:
+    """ns/held's connections in flight per (endpoint, terminating), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = c.lab.exec_python(c.node, "import urllib.request;print(urllib.request.urlopen("
+                             "'http://127.0.0.1:10249/metrics').read().decode())").stdout
+    return {(s.labels["endpoint"], s.labels["terminating"]): s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "pyproxy_endpoint_connections_in_flight"
+            for s in family.samples if s.labels["service"] == "ns/held"}
+
+
+def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
+        env: tuple[Cluster, str, Path]) -> None:
+    """Connections held open through a Service, seen per endpoint; one endpoint
+    terminating shows "draining: N left", then 0 once its clients are done."""
+    c, sock, snapshot = env
+    held, vip = 9090, "10.96.0.30"
+    servers = [HoldingServer(c.pods[p].ns.full, c.pods[p].ip4, held, p) for p in c.pods]
+    original = snapshot.read_text()
+
+    def objects(terminating: str | None = None) -> list[dict[str, Any]]:
+        def ports(s: dict[str, Any]) -> None:
+            s["ports"] = [{"name": "http", "port": held, "protocol": "TCP"}]
+
+        return [make_service("ns", "held", lambda s: s["spec"]["ports"][0].update(
+                    targetPort=held), ip=vip),
+                make_slice("ns", "held", [ep(c.pods[p].ip4, "node-a", ready=p != terminating,
+                                             serving=True, terminating=p == terminating)
+                                          for p in c.pods], ports)]
+
+    def entry() -> dict[str, Any]:
+        return cast(dict[str, Any], cli_json(sock, "services", "ns/held")[0])
+
+    clients = HeldClients(c.client.full, vip, 80)
+    try:
+        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects()))
+        until(lambda: cli(sock, "services", "ns/held")[0] == 0 and cli_json(
+            sock, "services", "ns/held"), 20, "ns/held programmed", interval=0.3)
+        landed = clients.open(20)
+        busiest = max(landed, key=lambda p: landed[p])
+        ip = {p: f"{c.pods[p].ip4}:{held}" for p in c.pods}
+        # read at most every second (--in-flight-interval 1s): a look may see the last read
+        until(lambda: entry()["inFlight"]["established"] == 20, 10, "20 in flight",
+              interval=0.3)
+        assert {e["endpoint"]: e["established"] for e in entry()["inFlight"]["endpoints"]} \
+            == {ip[p]: landed.get(p, 0) for p in c.pods}
+        assert in_flight_metric(c) == {(ip[p], "false"): n for p, n in landed.items()}
+        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects(busiest)))
+        draining = f"{ip[busiest]} terminating, draining: {landed[busiest]} left"
+        until(lambda: draining in cli(sock, "explain", "ns/held")[1], 20, draining,
+              interval=0.3)
+        code, text = cli(sock, "services", "ns/held", "-o", "wide")
+        assert code == 0 and f"20 (draining: {landed[busiest]} left)" in text, text
+        clients.close(busiest)
+        done = f"{ip[busiest]} terminating, draining: 0 left"
+        until(lambda: done in cli(sock, "explain", "ns/held")[1], 10, done, interval=0.3)
+        until(lambda: in_flight_metric(c).get((ip[busiest], "true")) == 0, 10,
+              "the metric at 0 for the drained endpoint", interval=0.3)
+    finally:
+        clients.close()
+        for server in servers:
+            server.close()
+        snapshot.write_text(original)
+        until(lambda: cli_json(sock, "status")["services"] == 4, 20, "ns/held gone",
+              interval=0.3)

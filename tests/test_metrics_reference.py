@@ -26,9 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.cluster.watchstate import WatchStatus
+from pyproxy.core.inflight import EndpointInFlight, InFlight, Load, PortInFlight
+from pyproxy.core.model import IPFamily, Protocol, ServicePortName
 from pyproxy.core.outliers import Ejection, PortOutliers
 from pyproxy.core.topology import PortSelection, select_all
 from pyproxy.serve.connections import Series
+from pyproxy.serve.live import InFlightCollector
 from pyproxy.serve.metrics import RULES_FILE, SPECS, Metrics, reference_markdown
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import require_tool
@@ -64,11 +67,16 @@ def selections() -> list[PortSelection]:
             for ps in select_all(state, "node-a")]
 
 
+WEB = ServicePortName("demo", "web", "http", Protocol.TCP)
+
+
 def scrape() -> dict[str, set[str]]:
     """Every sample name the daemon's registry exposes, with the labels its series carry."""
     metrics = Metrics()
     metrics.watch_selections(selections)
     metrics.watch_connections(lambda: {Series("demo/web", "http", "10.244.1.5:8080", "node"): 1})
+    busy = PortInFlight({"10.244.1.5:8080": EndpointInFlight("10.244.1.5:8080", Load(1), False)})
+    metrics.registry.register(InFlightCollector(lambda: InFlight({(WEB, IPFamily.IPv4): busy})))
     metrics.watch_localhost_nodeports(lambda: {("IPv4", "UDP"): 1})  # the gate's default: on
     metrics.watch_api(lambda: [WatchStatus("Service")])
     for attribute in vars(metrics).values():  # one series per labelled metric
@@ -95,6 +103,7 @@ def test_the_reference_lists_exactly_what_the_daemon_exports() -> None:
     metrics = Metrics()
     metrics.watch_selections(list)
     metrics.watch_connections(dict)
+    metrics.registry.register(InFlightCollector(lambda: None))
     metrics.watch_localhost_nodeports(dict)  # as the daemon with the gate on, the default
     metrics.watch_api(list)  # as the daemon fed by the API server
     exported = {family.name: family.type for family in metrics.registry.collect()}

@@ -358,7 +358,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             report["warnings"] = [*report.get("warnings", ()), *unusable]
         where = "in the snapshot"
     else:
-        report = ask(args.socket, "/explain", service=service)
+        report = ask(args.socket, "/explain", service=service, inflight="1")
         where = "known to the daemon"
     if service is not None and not _service_known(report, service):
         print(f"pyproxy: service {service} is not {where}", file=sys.stderr)

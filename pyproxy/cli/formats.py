@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pyproxy.core.explain import topology_text
+from pyproxy.core.inflight import in_flight_text
 
 
 def align(rows: Sequence[Sequence[str]]) -> list[str]:
@@ -106,7 +107,7 @@ def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
     header = ["SERVICE", "PORT", "TYPE", "CLUSTER-IP", "NODEPORT", "TOPOLOGY", "ENDPOINTS"]
     if wide:
         header += ["LOCAL-ENDPOINTS", "EXTERNAL-IPS", "POLICIES", "AFFINITY",
-                   "NEW-CONNECTIONS"]
+                   "NEW-CONNECTIONS", "IN-FLIGHT"]
     rows = [header]
     for e in entries:
         row = [e["service"], f"{e['servicePort']}/{e['protocol']}"
@@ -120,7 +121,8 @@ def format_services(entries: list[dict[str, Any]], wide: bool = False) -> str:
             row += [_endpoints(e["localEndpoints"]),
                     ",".join(e["externalIPs"] + e["loadBalancerIPs"]) or "-",
                     f"int={e['internalTrafficPolicy']},ext={e['externalTrafficPolicy']}",
-                    e["sessionAffinity"], _connections(e.get("newConnections"))]
+                    e["sessionAffinity"], _connections(e.get("newConnections")),
+                    in_flight_text(e["inFlight"]) if "inFlight" in e else "-"]
         rows.append(row)
     return "\n".join(align(rows)) + "\n"
 

@@ -108,9 +108,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_services(args: argparse.Namespace) -> int:
-    # new connections per endpoint: a read of the kernel's counters, for the outputs showing them
+    # new connections per endpoint (the kernel's counters) and connections in flight
+    # (conntrack): reads of the kernel, for the outputs showing them
     counts = "1" if args.output in ("wide", "json") else None
-    entries = ask(args.socket, "/services", service=args.service, connections=counts)
+    entries = ask(args.socket, "/services", service=args.service, connections=counts,
+                  inflight=counts)
     if args.output == "json":
         print_json(entries)
     else:

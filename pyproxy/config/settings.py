@@ -360,6 +360,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("full_sync_period", ValueType.DURATION, _positive_duration,
             applied_by="run.py: sync timing (sync/node.py)",
             flag="full-sync-period", flag_help="full resync at least this often", own=True),
+    Setting("in_flight_interval", ValueType.DURATION, _not_negative_duration,
+            applied_by="run.py: the connections in flight (sync/inflight.py, serve/live.py)",
+            flag="in-flight-interval",
+            flag_help="read conntrack for the connections in flight per endpoint at most this "
+            "often, when a scrape, `pyproxy services -o wide` or a live `explain` asks (reads "
+            "take at most 5 % of a CPU whatever this is); 0 never reads", own=True),
     Setting("config_sync_period", ValueType.DURATION, _positive_duration,
             "informer resync period",
             applied_by="—",

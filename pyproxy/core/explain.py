@@ -8,6 +8,8 @@ The JSON form is a contract that later tools build on:
                  "hasEndpoints", "reasons", "outliers"?}],
    "skipped": [{"object", "reason", "invalid"}],
    "serviceCIDRs": ["10.96.0.0/16", ...]}
+Live, a TCP port's entry also has `inFlight` (core/inflight.py: its established connections
+per endpoint, from conntrack).
 A null endpoint list means the service does not use that list; [] means used and empty.
 `topologyLevels` lists the topology levels the cluster list draws on, preferred first (more
 than one when it spilled over: ["zone", "region", "all"]); [] without a topology preference.
@@ -26,6 +28,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pyproxy.core.balancing import MAGLEV_TABLE_SIZE, effective_weights
+from pyproxy.core.inflight import endpoint_lines
 from pyproxy.core.model import (
     Algorithm,
     ClusterState,
@@ -192,6 +195,8 @@ def format_table(report: dict[str, Any]) -> str:
         name = f"{entry['service']}:{entry['port']}" if entry["port"] else entry["service"]
         details.append(f"{name} ({entry['ipFamily']}):")
         details.extend(f"  - {reason}" for reason in entry["reasons"])
+        if "inFlight" in entry:  # live only: conntrack's established connections
+            details.extend(f"  - {line}" for line in endpoint_lines(entry["inFlight"]))
     lines.extend(_align(rows))
     if any(" more" in cell for row in rows[1:] for cell in row[4:]):
         lines.append(f"(endpoint lists are cut after {CELL_ENDPOINTS}: -o json has them all)")

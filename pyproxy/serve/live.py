@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from ipaddress import ip_address
 from typing import Any
 
 import structlog
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
-from pyproxy.core.model import ServiceKey, ip_family
+from pyproxy.core.inflight import InFlight, exported
+from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePortName, ip_family
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.objects import ElementValue, Key, element_text
 from pyproxy.render.skeleton import render_config
@@ -29,7 +32,9 @@ from pyproxy.serve.connections import (
 )
 from pyproxy.serve.debug import Handler
 from pyproxy.serve.health import ProxyHealth
+from pyproxy.serve.metrics import Metrics, gauge_family
 from pyproxy.sync.applier import inject_faults, pending_faults
+from pyproxy.sync.inflight import InFlightReader, kernel_reader
 from pyproxy.sync.proxier import FamilyProxier, disputes_report
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -164,6 +169,79 @@ def connection_counters(proxier: NodeProxier) -> ConnectionCounters:
                               Kernel(counters.read, counters.delete))
 
 
+@dataclass(frozen=True)
+class ConnectionViews:
+    """What the daemon shows of the connections through it: new connections per endpoint
+    (the kernel's counters) and the connections in flight (conntrack, read at most every
+    `interval`; None when inFlightInterval is 0)."""
+
+    new: ConnectionCounters
+    in_flight: InFlightReader | None = None
+    interval: float = 10.0
+
+    def in_flight_now(self) -> InFlight | None:
+        return None if self.in_flight is None else self.in_flight.current(self.interval)
+
+
+class InFlightCollector(Collector):
+    """Connections in flight per endpoint, read from conntrack at scrape time (at most every
+    inFlightInterval; sync/inflight.py)."""
+
+    NAMES = ("pyproxy_endpoint_connections_in_flight", "pyproxy_connections_in_flight_omitted",
+             "pyproxy_connections_in_flight_read_seconds", "pyproxy_connections_in_flight_entries")
+
+    def __init__(self, current: Callable[[], InFlight | None]) -> None:
+        self.current = current
+
+    def describe(self) -> Iterator[Metric]:
+        # without it, registering would call collect(): a conntrack read before the first sync
+        for name in self.NAMES:
+            yield gauge_family(name)
+
+    def collect(self) -> Iterator[Metric]:
+        per_endpoint, omitted, seconds, entries = (gauge_family(n) for n in self.NAMES)
+        try:
+            in_flight = self.current()
+        except Exception as err:  # the rest of /metrics must still answer
+            log.warning("connections_in_flight_not_read", error=str(err))
+            in_flight = None
+        if in_flight is not None:
+            rows, left_out = exported(in_flight)
+            for row in rows:
+                per_endpoint.add_metric(list(row[:4]), row.established)
+            omitted.add_metric([], left_out)
+            seconds.add_metric([], in_flight.seconds)
+            entries.add_metric([], in_flight.entries)
+        yield from (per_endpoint, omitted, seconds, entries)
+
+
+def connection_views(proxier: NodeProxier, metrics: Metrics,
+                     in_flight_interval: float) -> ConnectionViews:
+    """Both views of the daemon's proxier, their metrics registered."""
+    views = ConnectionViews(connection_counters(proxier),
+                            kernel_reader(proxier) if in_flight_interval else None,
+                            in_flight_interval)
+    metrics.watch_connections(views.new.totals)
+    if views.in_flight is not None:
+        metrics.registry.register(InFlightCollector(views.in_flight_now))
+    return views
+
+
+def with_in_flight(entries: list[dict[str, Any]],
+                   in_flight: InFlight | None) -> list[dict[str, Any]]:
+    """Each TCP service port entry (`services`, `explain`) with `inFlight`: its established
+    connections per endpoint (core/inflight.py's PortInFlight.as_dict)."""
+    if in_flight is None:
+        return entries
+    out = []
+    for e in entries:
+        namespace, _, name = e["service"].partition("/")
+        port = None if e["protocol"] != "TCP" else in_flight.of(
+            ServicePortName(namespace, name, e["port"], Protocol.TCP), IPFamily(e["ipFamily"]))
+        out.append(e if port is None else {**e, "inFlight": port.as_dict()})
+    return out
+
+
 def counting_context(proxier: NodeProxier) -> CountingContext:
     """What the connection counters' labels need, copied under the sync lock."""
     with proxier.lock:
@@ -187,7 +265,7 @@ def with_connections(entries: list[dict[str, Any]],
 
 def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequencyRunner,
              source_status: Callable[[], Any],
-             connections: ConnectionCounters | None = None,
+             connections: ConnectionViews | None = None,
              other_tables: Callable[[], tuple[Finding, ...]] = lambda: ()
              ) -> dict[str, Handler]:
     def locked(fn: Callable[[Mapping[str, str]], Any]) -> Handler:
@@ -229,9 +307,11 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
 
     def services_handler(query: Mapping[str, str]) -> tuple[int, Any]:
         code, entries = locked(services)(query)
+        # the kernel read outside the sync lock: at 10k services, a fraction of a second
         if query.get("connections") == "1" and connections is not None:
-            # read outside the sync lock: at 10k services it takes a fraction of a second
-            entries = with_connections(entries, connections.totals())
+            entries = with_connections(entries, connections.new.totals())
+        if query.get("inflight") == "1" and connections is not None:
+            entries = with_in_flight(entries, connections.in_flight_now())
         return code, entries
 
     def explain(query: Mapping[str, str]) -> Any:
@@ -243,6 +323,13 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
         report["conflicts"] = disputes_report(((p.family, p.desired) for p in proxier.proxiers),
                                               wanted)
         return with_other_tables(report, other_tables())
+
+    def explain_handler(query: Mapping[str, str]) -> tuple[int, Any]:
+        code, report = locked(explain)(query)
+        if query.get("inflight") == "1" and connections is not None:
+            report["services"] = with_in_flight(report["services"],
+                                                connections.in_flight_now())
+        return code, report
 
     def trace_handler(query: Mapping[str, str]) -> Any:
         return trace_in(proxier.proxiers, query)
@@ -273,7 +360,7 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
                              for p in proxier.proxiers}}
 
     return {
-        "/status": locked(status), "/services": services_handler, "/explain": locked(explain),
+        "/status": locked(status), "/services": services_handler, "/explain": explain_handler,
         "/trace": locked(trace_handler), "/diff": locked(diff), "/history": locked(history),
         "/fault": locked(fault),
     }

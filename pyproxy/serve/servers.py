@@ -16,10 +16,9 @@ from pyproxy.cluster.apiserver import ApiAddressCheck
 from pyproxy.cluster.sources import ApiSource, SnapshotSource
 from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.kernel.basechains import CoexistenceCheck
-from pyproxy.serve.connections import ConnectionCounters
 from pyproxy.serve.debug import DebugServer
 from pyproxy.serve.health import HealthServer, ProxyHealth
-from pyproxy.serve.live import handlers
+from pyproxy.serve.live import ConnectionViews, handlers
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.runner import BoundedFrequencyRunner
@@ -123,7 +122,7 @@ def _retry_server(name: str, start: Callable[[], HealthServer | MetricsServer],
 
 def start_debug(config: ProxyConfig, proxier: NodeProxier, health: ProxyHealth,
                 runner: BoundedFrequencyRunner, source: ApiSource | SnapshotSource,
-                connections: ConnectionCounters | None = None,
+                connections: ConnectionViews | None = None,
                 address_check: ApiAddressCheck | None = None,
                 coexistence: CoexistenceCheck | None = None) -> DebugServer | None:
     """The debug socket (`pyproxy status`, `explain`, `trace` …), if configured; one that
