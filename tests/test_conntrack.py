@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortName
-from pyproxy.kernel.conntrack import (
+from pyproxy.core.conntrack import (
     IPPROTO_SCTP,
     IPPROTO_TCP,
     IPPROTO_UDP,
@@ -29,6 +28,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
+from pyproxy.core.model import ClusterState, IPFamily, Protocol, ServicePortName
 from pyproxy.sync.conntrack import ConntrackCleanup
 from testkit.builders import ep, make_service, make_slice, terminating
 from testkit.fakes import fake_node_proxier

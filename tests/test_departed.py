@@ -1,4 +1,4 @@
-"""Fast failure planned without a kernel (kernel/departed.py): which endpoints left which TCP
+"""Fast failure planned without a kernel (core/departed.py): which endpoints left which TCP
 service port, which conntrack entries that makes stale, and the sync observer that hands the
 work over (sync/conntrack.py). Real packets: tests/test_fast_failure_netns.py."""
 
@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import ClusterState, IPFamily
-from pyproxy.kernel.conntrack import IPPROTO_TCP, IPPROTO_UDP, ConntrackEntry
-from pyproxy.kernel.departed import (
+from pyproxy.core.conntrack import IPPROTO_TCP, IPPROTO_UDP, ConntrackEntry
+from pyproxy.core.departed import (
     Departures,
     Listing,
     departed,
@@ -23,6 +22,7 @@ from pyproxy.kernel.departed import (
     still_listed,
     to_departed,
 )
+from pyproxy.core.model import ClusterState, IPFamily
 from pyproxy.kernel.netlink import ConntrackCleaner
 from pyproxy.sync.conntrack import ConntrackCleanup, Work
 from testkit.builders import ep, make_service, make_slice, terminating

@@ -1,4 +1,4 @@
-"""Fast failure for removed endpoints on real packets (kernel/departed.py, --fast-failure).
+"""Fast failure for removed endpoints on real packets (core/departed.py, --fast-failure).
 
 The real daemon in the node namespace, fed a snapshot file; keep-alive backends in the pods
 (one line answered per line asked, on one connection for as long as the client keeps it) and a

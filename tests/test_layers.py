@@ -41,13 +41,15 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # watch → cache → sync → topology → render → ruleset: the stages that only compute.
 PURE = ("core.model", "core.convert", "core.plan", "cluster.cache", "core.topology",
-        "core.balancing", "core.outliers", "core.coexistence", "core.explain", "render",
+        "core.balancing", "core.outliers", "core.coexistence", "core.conntrack", "core.departed",
+        "core.explain", "render",
         "render.connection_keys",
         "render.ruleset", "render.staging", "render.trace")
 FORBIDDEN = ("kubernetes", "nftables", "pyroute2", "yaml", "threading", "socketserver",
              "subprocess", "http", "urllib", "asyncio", "selectors", "concurrent")
-# The socket module's address conversions are computation, not I/O (convert.py uses them).
-SOCKET_ALLOWED = {"inet_pton", "inet_ntop", "AF_INET", "AF_INET6"}
+# The socket module's address conversions are computation, not I/O (convert.py uses them),
+# and its protocol numbers constants (core/conntrack.py).
+SOCKET_ALLOWED = {"inet_pton", "inet_ntop", "AF_INET", "AF_INET6", "IPPROTO_TCP", "IPPROTO_UDP"}
 
 
 def _path(name: str) -> Path:
@@ -179,7 +181,6 @@ def test_the_layer_check_refuses_an_import_that_does_not_point_down(
 def test_the_pure_stages_do_not_import_the_shells() -> None:
     """Nothing pure reaches the file reader, the kernel, the watches or the daemon."""
     shells = {"cluster.snapshot", "kernel.nft", "kernel.libnftables", "kernel.netlink",
-              "kernel.conntrack",
               "cluster.watch", "cluster.sources", "sync.node", "run", "cli", "config",
               "serve.health", "serve.metrics", "serve.debug", "serve.live", "sync.proxier",
               "sync.runner"}

@@ -13,8 +13,7 @@ from collections.abc import Iterable
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
-from pyproxy.core.model import IPFamily
-from pyproxy.kernel.conntrack import (
+from pyproxy.core.conntrack import (
     IPPROTO_TCP,
     IPPROTO_UDP,
     ConntrackEntry,
@@ -25,6 +24,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
+from pyproxy.core.model import IPFamily
 from pyproxy.kernel.netlink import (
     IFA_F_DADFAILED,
     IFA_F_DEPRECATED,

@@ -416,7 +416,7 @@ SETTINGS: tuple[Setting, ...] = (
             flag="conntrack-udp-timeout-stream", flag_help="0 leaves the sysctl alone"),
     Setting("fast_failure", ValueType.BOOL, _identity,
             applied_by="run.py: the conntrack cleanup after syncs (sync/conntrack.py, "
-            "kernel/departed.py)",
+            "core/departed.py)",
             flag="fast-failure",
             flag_help="when an endpoint leaves a Service, delete the TCP conntrack entries "
             "of its connections through the Service (not of a terminating endpoint's, nor "

@@ -26,8 +26,7 @@ from typing import Any
 
 import structlog
 
-from pyproxy.core.model import IPFamily, ip_family
-from pyproxy.kernel.conntrack import (
+from pyproxy.core.conntrack import (
     IPPROTO_TCP,
     IPPROTO_UDP,
     Allowed,
@@ -36,7 +35,8 @@ from pyproxy.kernel.conntrack import (
     not_dnated,
     stale,
 )
-from pyproxy.kernel.departed import Departures, to_departed
+from pyproxy.core.departed import Departures, to_departed
+from pyproxy.core.model import IPFamily, ip_family
 from pyproxy.lazy import submodule
 
 log = structlog.get_logger(__name__)
@@ -237,7 +237,7 @@ class CleanupResult:
     failed: int = 0
     errors: tuple[str, ...] = ()
     duration: float = 0.0
-    departed: bool = False  # fast failure's TCP entries (kernel/departed.py), not UDP's
+    departed: bool = False  # fast failure's TCP entries (core/departed.py), not UDP's
 
     @property
     def ok(self) -> bool:
@@ -421,7 +421,7 @@ class ConntrackCleaner:
 
     def clear_departed(self, family: IPFamily, departures: Departures) -> CleanupResult:
         """Fast failure: dump the TCP entries of the frontends endpoints left, delete those
-        answered by a departed endpoint (kernel/departed.py). Never raises: errors are
+        answered by a departed endpoint (core/departed.py). Never raises: errors are
         logged and returned."""
         if not departures:
             return CleanupResult(family, departed=True)

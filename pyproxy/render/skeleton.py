@@ -233,7 +233,7 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
         )),
         # Only a connection's first packet gets here (`ct state new`). A TCP one without SYN
         # is a connection conntrack lost, its endpoint gone (fast failure deleted the
-        # entry, kernel/departed.py) and none left: an ICMP error would be a soft error to
+        # entry, core/departed.py) and none left: an ICMP error would be a soft error to
         # an established socket, which retransmits until TCP gives up; a reset ends it.
         chain_item(REJECT_CHAIN, ("tcp flags & syn == 0 reject with tcp reset", "reject")),
         chain_item(MASQUERADING_CHAIN, (

@@ -1,5 +1,5 @@
-"""Conntrack cleanup after syncs (what to delete is `kernel/conntrack.py`'s and
-`kernel/departed.py`'s; this decides when).
+"""Conntrack cleanup after syncs (what to delete is `core/conntrack.py`'s and
+`core/departed.py`'s; this decides when).
 
 Three kinds of work, in order: the stale UDP flows of the services a sync changed (`Allowed`:
 the diff of UDP targets between syncs), the TCP connections to endpoints that left a Service
@@ -17,9 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pyproxy.cluster.cache import Checkout
-from pyproxy.core.model import ClusterState, IPFamily, ServiceKey, ServicePort
-from pyproxy.core.plan import Cause
-from pyproxy.kernel.conntrack import (
+from pyproxy.core.conntrack import (
     Allowed,
     ServiceFrontends,
     UdpTarget,
@@ -30,7 +28,7 @@ from pyproxy.kernel.conntrack import (
     udp_targets,
     withdrawn,
 )
-from pyproxy.kernel.departed import (
+from pyproxy.core.departed import (
     Departed,
     Departures,
     Listing,
@@ -39,6 +37,8 @@ from pyproxy.kernel.departed import (
     shared_frontends,
     still_listed,
 )
+from pyproxy.core.model import ClusterState, IPFamily, ServiceKey, ServicePort
+from pyproxy.core.plan import Cause
 from pyproxy.sync.node import NodeProxier, SyncedOnly, SyncRecord
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class ConntrackCleanup(SyncedOnly):
 
     def _after_repair(self, proxier: NodeProxier, state: ClusterState) -> None:
         """Connections started while our rules were missing keep conntrack entries without
-        DNAT, which their next packets follow (pyproxy/kernel/conntrack.py, end): deleted
+        DNAT, which their next packets follow (pyproxy/core/conntrack.py, end): deleted
         now, so that those packets are NATed afresh by the repaired rules."""
         for family in proxier.families:
             self.sink.submit(family, service_frontends(state, family, proxier.node_addresses))

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pyproxy.core.conntrack import IPPROTO_TCP, ConntrackEntry, canonical_ip
 from pyproxy.core.model import (
     IPFamily,
     Protocol,
@@ -40,7 +41,6 @@ from pyproxy.core.model import (
     SliceEndpoints,
     merge_slices,
 )
-from pyproxy.kernel.conntrack import IPPROTO_TCP, ConntrackEntry, canonical_ip
 
 Destination = tuple[str, int]  # a frontend's canonical IP and port
 
