@@ -20,28 +20,25 @@ from pyproxy.core.fields import (
     MAX_SERVICE_PORTS,
     MAX_SOURCE_RANGES,
     MAX_TOPOLOGY_KEYS,
-    POLICIES,
     SERVICE_TYPES,
     Invalid,
     NotProxied,
-    api_dict,
+    cluster_scoped,
     guarded,
     is_label_key,
     prefixed,
     read_annotations,
     read_cidr,
     read_dns_label,
-    read_dns_subdomain,
     read_int,
     read_ip,
     read_labels,
     read_list,
     read_mapping,
+    read_policy,
     read_port_name,
     read_protocol,
     read_str,
-    readable,
-    safe_name,
 )
 from pyproxy.core.model import (
     ANNOTATION_BALANCING,
@@ -67,7 +64,6 @@ from pyproxy.core.model import (
     ip_family,
 )
 from pyproxy.core.topology import parse_min_endpoints
-from pyproxy.core.wire import metadata
 
 # ---------------------------------------------------------------------------------------------
 # Services
@@ -116,8 +112,8 @@ def _service_ports(data: Any) -> tuple[ServicePort, ...]:
         )
     )
     affinity, timeout = _session_affinity(spec)
-    internal = _policy(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy")
-    external = _policy(spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy")
+    internal = read_policy(spec.get("internalTrafficPolicy"), "spec.internalTrafficPolicy")
+    external = read_policy(spec.get("externalTrafficPolicy"), "spec.externalTrafficPolicy")
     # healthCheckNodePort matters only for LoadBalancer + eTP=Local (as upstream).
     hcnp = read_int(spec.get("healthCheckNodePort"), "spec.healthCheckNodePort", 0, 0, 65535)
     if not (service_type == "LoadBalancer" and external is TrafficPolicy.LOCAL):
@@ -307,16 +303,6 @@ def _session_affinity(spec: Mapping[str, Any]) -> tuple[bool, int]:
     return True, timeout
 
 
-def _policy(value: Any, field: str) -> TrafficPolicy:
-    policy = POLICIES.get(value) if type(value) is str else None
-    if policy is not None:
-        return policy
-    text = read_str(value, field, "Cluster")
-    if text not in POLICIES:
-        raise Invalid(f"{field}: unknown policy {text!r} (Cluster or Local)")
-    return POLICIES[text]
-
-
 def _topology_keys(spec: Mapping[str, Any], annotations: Mapping[str, str]) -> tuple[str, ...]:
     """Ordered topology keys from spec.topologyKeys (older clusters, snapshots) or, where the
     API no longer has the field, from pyproxy's annotation (comma-separated)."""
@@ -350,26 +336,18 @@ def convert_service_cidr(obj: Any) -> tuple[str, ...] | Skipped:
     """A ServiceCIDR (networking.k8s.io/v1, cluster-scoped) → its CIDRs in canonical form, or
     why it is skipped. One being deleted (deletionTimestamp) still counts until it is gone:
     its ClusterIPs may still be in use, as kube-proxy, which reads every object, does."""
-    data = api_dict(obj)
-    meta = metadata(data)  # a dict's, or an Unreadable's as far as it was read
-    name = safe_name(meta, "name")
-    try:
-        readable(data)
-        data = read_mapping(data, "ServiceCIDR")
-        meta = read_mapping(data.get("metadata"), "metadata")
-        name = read_dns_subdomain(meta.get("name"), "metadata.name")
-        spec = read_mapping(data.get("spec"), "spec")
-        # The API allows one CIDR per family.
-        raw = read_list(spec.get("cidrs"), "spec.cidrs", 2)
-        cidrs = tuple(read_cidr(value, f"spec.cidrs[{i}]") for i, value in enumerate(raw))
-        for i, cidr in enumerate(cidrs):
-            if cidr.endswith("/0"):
-                # Every address of the family: the node would drop all forwarded traffic
-                # that no service DNATs. No working cluster has it; refuse it as a typo.
-                raise Invalid(f"spec.cidrs[{i}]: {cidr!r} covers every address")
-        return cidrs
-    except Invalid as why:
-        return Skipped("ServiceCIDR", "", name, str(why))
-    except Exception as why:  # a last safety net: bad input must never crash the proxy
-        return Skipped("ServiceCIDR", "", name, f"unreadable object: {why!r}")
+    return cluster_scoped("ServiceCIDR", obj, _service_cidrs)
 
+
+def _service_cidrs(data: Mapping[str, Any], _meta: Mapping[str, Any],
+                   _name: str) -> tuple[str, ...]:
+    spec = read_mapping(data.get("spec"), "spec")
+    # The API allows one CIDR per family.
+    raw = read_list(spec.get("cidrs"), "spec.cidrs", 2)
+    cidrs = tuple(read_cidr(value, f"spec.cidrs[{i}]") for i, value in enumerate(raw))
+    for i, cidr in enumerate(cidrs):
+        if cidr.endswith("/0"):
+            # Every address of the family: the node would drop all forwarded traffic
+            # that no service DNATs. No working cluster has it; refuse it as a typo.
+            raise Invalid(f"spec.cidrs[{i}]: {cidr!r} covers every address")
+    return cidrs

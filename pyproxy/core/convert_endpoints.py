@@ -9,35 +9,7 @@ from typing import Any
 
 import msgspec
 
-from pyproxy.core.fields import (
-    FAMILIES,
-    LABEL_VALUE,
-    MAX_HINTS,
-    MAX_SLICE_ENDPOINTS,
-    MAX_SLICE_PORTS,
-    Invalid,
-    NotProxied,
-    api_dict,
-    guarded,
-    lenient_reads,
-    prefixed,
-    read_annotations,
-    read_bool,
-    read_cidr,
-    read_dns_label,
-    read_dns_subdomain,
-    read_int,
-    read_ip,
-    read_labels,
-    read_list,
-    read_mapping,
-    read_port_name,
-    read_protocol,
-    read_str,
-    readable,
-    remember,
-    safe_name,
-)
+from pyproxy.core import fields
 from pyproxy.core.model import (
     ANNOTATION_TRIGGER_TIME,
     ANNOTATION_WEIGHT,
@@ -54,7 +26,7 @@ from pyproxy.core.model import (
     SliceEndpoints,
     ip_family,
 )
-from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, metadata
+from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc
 
 # ---------------------------------------------------------------------------------------------
 # EndpointSlices
@@ -62,34 +34,37 @@ from pyproxy.core.wire import NO_CONDITIONS, EndpointDoc, SliceDoc, metadata
 
 def convert_endpoint_slice(obj: Any) -> SliceEndpoints | Skipped:
     """An EndpointSlice → the endpoints the proxy uses, or why it is not used."""
-    return guarded("EndpointSlice", obj, _slice)
+    return fields.guarded("EndpointSlice", obj, _slice)
 
 
 def _slice(data: Any) -> SliceEndpoints:
     if type(data) is SliceDoc:  # decoded from the API by msgspec (pyproxy/core/wire.py)
-        meta = read_mapping(data.metadata, "metadata")
+        meta = fields.read_mapping(data.metadata, "metadata")
         address_type_value, ports_value = data.address_type, data.ports
-        raw_endpoints: list[Any] = read_list(data.endpoints, "endpoints", MAX_SLICE_ENDPOINTS)
+        raw_endpoints: list[Any] = fields.read_list(data.endpoints, "endpoints",
+                                                    fields.MAX_SLICE_ENDPOINTS)
     else:
-        data = read_mapping(data, "EndpointSlice")
-        meta = read_mapping(data.get("metadata"), "metadata")
+        data = fields.read_mapping(data, "EndpointSlice")
+        meta = fields.read_mapping(data.get("metadata"), "metadata")
         address_type_value, ports_value = data.get("addressType"), data.get("ports")
-        raw_endpoints = read_list(data.get("endpoints"), "endpoints", MAX_SLICE_ENDPOINTS)
-    namespace = read_dns_label(meta.get("namespace", "default"), "metadata.namespace")
-    name = read_dns_subdomain(meta.get("name"), "metadata.name")
-    labels = read_labels(meta.get("labels"), "metadata.labels")
-    annotations = read_annotations(meta.get("annotations"), "metadata.annotations")
+        raw_endpoints = fields.read_list(data.get("endpoints"), "endpoints",
+                                         fields.MAX_SLICE_ENDPOINTS)
+    namespace = fields.read_dns_label(meta.get("namespace", "default"), "metadata.namespace")
+    name = fields.read_dns_subdomain(meta.get("name"), "metadata.name")
+    labels = fields.read_labels(meta.get("labels"), "metadata.labels")
+    annotations = fields.read_annotations(meta.get("annotations"), "metadata.annotations")
     if LABEL_HEADLESS in labels:
-        raise NotProxied("belongs to a headless service")
+        raise fields.NotProxied("belongs to a headless service")
     if LABEL_SERVICE_NAME not in labels:
-        raise NotProxied(f"no {LABEL_SERVICE_NAME} label: not owned by a Service")
-    service = read_dns_label(labels[LABEL_SERVICE_NAME], f"metadata.labels[{LABEL_SERVICE_NAME}]")
-    address_type = read_str(address_type_value, "addressType")
+        raise fields.NotProxied(f"no {LABEL_SERVICE_NAME} label: not owned by a Service")
+    service = fields.read_dns_label(labels[LABEL_SERVICE_NAME],
+                                    f"metadata.labels[{LABEL_SERVICE_NAME}]")
+    address_type = fields.read_str(address_type_value, "addressType")
     if address_type == "FQDN":
-        raise NotProxied("addressType FQDN: not proxied")
+        raise fields.NotProxied("addressType FQDN: not proxied")
     if address_type not in ("IPv4", "IPv6"):
-        raise Invalid(f"addressType: unknown type {address_type!r}")
-    family = FAMILIES[address_type]
+        raise fields.Invalid(f"addressType: unknown type {address_type!r}")
+    family = fields.FAMILIES[address_type]
     ports = _slice_ports(ports_value)
     weight = _slice_weight(annotations)
     # Numbered after the first port: SliceEndpoints keeps them that way (see there).
@@ -107,11 +82,11 @@ def _slice(data: Any) -> SliceEndpoints:
 
 def _slice_ports(value: Any) -> tuple[tuple[str, Protocol, int], ...]:
     out: list[tuple[str, Protocol, int]] = []
-    for i, raw in enumerate(read_list(value, "ports", MAX_SLICE_PORTS)):
+    for i, raw in enumerate(fields.read_list(value, "ports", fields.MAX_SLICE_PORTS)):
         try:
             port = _slice_port(raw)
-        except Invalid as err:
-            raise prefixed(f"ports[{i}]", err) from None
+        except fields.Invalid as err:
+            raise fields.prefixed(f"ports[{i}]", err) from None
         if port is not None:
             out.append(port)
     return tuple(out)
@@ -119,13 +94,13 @@ def _slice_ports(value: Any) -> tuple[tuple[str, Protocol, int], ...]:
 
 def _slice_port(raw: Any) -> tuple[str, Protocol, int] | None:
     """One entry of a slice's ports, its fields named relative to it (as `_service_port`)."""
-    raw = read_mapping(raw, "")
+    raw = fields.read_mapping(raw, "")
     # A port without a number is skipped, as upstream does: it cannot be proxied.
-    number = read_int(raw.get("port"), "port", 0, 0, 65535)
+    number = fields.read_int(raw.get("port"), "port", 0, 0, 65535)
     if number == 0:
         return None
-    return (read_port_name(raw.get("name"), "name"), read_protocol(raw.get("protocol"), "protocol"),
-            number)
+    return (fields.read_port_name(raw.get("name"), "name"),
+            fields.read_protocol(raw.get("protocol"), "protocol"), number)
 
 
 def _slice_weight(annotations: Mapping[str, str]) -> int | None:
@@ -133,7 +108,7 @@ def _slice_weight(annotations: Mapping[str, str]) -> int | None:
         return None
     text = annotations[ANNOTATION_WEIGHT].strip()
     if not text.isdigit() or int(text) > MAX_WEIGHT:
-        raise Invalid(f"annotation {ANNOTATION_WEIGHT}: {text[:40]!r} is not a weight "
+        raise fields.Invalid(f"annotation {ANNOTATION_WEIGHT}: {text[:40]!r} is not a weight "
                       f"0..{MAX_WEIGHT}")
     return int(text)
 
@@ -144,7 +119,7 @@ def _slice_endpoints(raw_endpoints: list[Any], family: IPFamily, number: int,
     `endpoints[i].` prefix only when one is invalid: 100k endpoints per initial list, and
     formatting a dozen field paths for each was a third of the conversion. The addresses
     read leniently get the prefix the same way."""
-    notes = lenient_reads.get()
+    notes = fields.lenient_reads.get()
     noted = len(notes) if notes is not None else 0
     out: list[Endpoint] = []
     index = 0
@@ -156,8 +131,8 @@ def _slice_endpoints(raw_endpoints: list[Any], family: IPFamily, number: int,
                 notes[noted:] = [(f"endpoints[{index}].{field}", text, canonical)
                                  for field, text, canonical in notes[noted:]]
                 noted = len(notes)
-    except Invalid as err:
-        raise prefixed(f"endpoints[{index}]", err) from None
+    except fields.Invalid as err:
+        raise fields.prefixed(f"endpoints[{index}]", err) from None
     return tuple(out)
 
 
@@ -166,13 +141,14 @@ def _endpoint_doc(raw: Any) -> EndpointDoc:
     refused), typed as the API's decoder types it; what msgspec refuses (conditions that
     are not booleans) is named as the checks name it."""
     try:
-        return msgspec.convert(raw if type(raw) is dict else dict(read_mapping(raw, "")),
+        return msgspec.convert(raw if type(raw) is dict else dict(fields.read_mapping(raw, "")),
                                EndpointDoc)
     except msgspec.ValidationError as err:
-        conditions = read_mapping(read_mapping(raw, "").get("conditions"), "conditions")
+        conditions = fields.read_mapping(fields.read_mapping(raw, "").get("conditions"),
+                                         "conditions")
         for name, default in (("ready", True), ("serving", True), ("terminating", False)):
-            read_bool(conditions.get(name), f"conditions.{name}", default)
-        raise Invalid(f": {err}") from None
+            fields.read_bool(conditions.get(name), f"conditions.{name}", default)
+        raise fields.Invalid(f": {err}") from None
 
 
 def _endpoint(doc: EndpointDoc, family: IPFamily, number: int,
@@ -181,20 +157,20 @@ def _endpoint(doc: EndpointDoc, family: IPFamily, number: int,
     # helpers, inlined for the value every endpoint has.
     addresses = doc.addresses
     if type(addresses) is not list or not 0 < len(addresses) <= 100:
-        addresses = read_list(addresses, "addresses", 100)
+        addresses = fields.read_list(addresses, "addresses", 100)
         if not addresses:
-            raise Invalid("addresses: empty")
+            raise fields.Invalid("addresses: empty")
     # Only the first address is used, as upstream does (the API allows exactly one today).
-    ip = read_ip(addresses[0], "addresses[0]")
+    ip = fields.read_ip(addresses[0], "addresses[0]")
     if (":" in ip) is not (family is IPFamily.IPv6):
-        raise Invalid(f"addresses[0]: {ip} is not an {family} address")
+        raise fields.Invalid(f"addresses[0]: {ip} is not an {family} address")
     # API defaults: a missing ready/serving means true, a missing terminating false.
     conditions = doc.conditions or NO_CONDITIONS
     ready, serving, terminating = conditions.ready, conditions.serving, conditions.terminating
     node_name, zone, topology = doc.node_name, doc.zone, doc.deprecated_topology
     hints = doc.hints
     if hints is not None:
-        hints = read_mapping(hints, "hints")
+        hints = fields.read_mapping(hints, "hints")
     return Endpoint(
         ip,
         number,
@@ -205,7 +181,8 @@ def _endpoint(doc: EndpointDoc, family: IPFamily, number: int,
         _known(zone, _VALID_ZONES) or (_zone(zone) if zone else None),
         _hint_names(hints.get("forZones"), "hints.forZones") if hints else _NO_NAMES,
         _hint_names(hints.get("forNodes"), "hints.forNodes") if hints else _NO_NAMES,
-        tuple(sorted(read_labels(topology, "deprecatedTopology").items())) if topology else (),
+        tuple(sorted(fields.read_labels(topology, "deprecatedTopology").items()))
+        if topology else (),
         weight,
     )
 
@@ -223,7 +200,8 @@ def _known(value: Any, valid: dict[str, str]) -> str | None:
 
 
 def _node_name(value: Any) -> str:
-    return _validated_once(value, _VALID_NODE_NAMES, lambda v: read_dns_subdomain(v, "nodeName"))
+    return _validated_once(value, _VALID_NODE_NAMES,
+                           lambda v: fields.read_dns_subdomain(v, "nodeName"))
 
 
 def _zone(value: Any) -> str:
@@ -235,14 +213,14 @@ def _validated_once(value: Any, valid: dict[str, str], validate: Callable[[Any],
     if known is not None:
         return known
     checked = sys.intern(validate(value))
-    remember(valid, checked, checked)
+    fields.remember(valid, checked, checked)
     return checked
 
 
 def _label_value(value: Any, field: str) -> str:
-    text = read_str(value, field)
-    if len(text) > 63 or not LABEL_VALUE.fullmatch(text):
-        raise Invalid(f"{field}: {text!r} is not a valid label value")
+    text = fields.read_str(value, field)
+    if len(text) > 63 or not fields.LABEL_VALUE.fullmatch(text):
+        raise fields.Invalid(f"{field}: {text!r} is not a valid label value")
     return text
 
 
@@ -251,8 +229,8 @@ def _hint_names(value: Any, field: str) -> frozenset[str]:
         # Shared: frozenset(set()) would be a fresh 216-byte object, two per endpoint.
         return _NO_NAMES
     names: set[str] = set()
-    for i, raw in enumerate(read_list(value, field, MAX_HINTS)):
-        raw = read_mapping(raw, f"{field}[{i}]")
+    for i, raw in enumerate(fields.read_list(value, field, fields.MAX_HINTS)):
+        raw = fields.read_mapping(raw, f"{field}[{i}]")
         names.add(sys.intern(_label_value(raw.get("name"), f"{field}[{i}].name")))
     return _shared(frozenset(names))
 
@@ -273,32 +251,26 @@ def _shared(names: frozenset[str]) -> frozenset[str]:
 
 
 def convert_node(obj: Any) -> Node | Skipped:
-    data = api_dict(obj)
-    meta = metadata(data)  # a dict's, or an Unreadable's as far as it was read
-    name = safe_name(meta, "name")
-    try:
-        readable(data)
-        data = read_mapping(data, "Node")
-        meta = read_mapping(data.get("metadata"), "metadata")
-        name = read_dns_subdomain(meta.get("name"), "metadata.name")
-        spec = read_mapping(data.get("spec"), "spec")
-        taints = tuple(
-            read_str(read_mapping(t, f"spec.taints[{i}]").get("key"), f"spec.taints[{i}].key")
-            for i, t in enumerate(read_list(spec.get("taints"), "spec.taints", 256))
-        )
-        return Node(
-            name=name,
-            labels=read_labels(meta.get("labels"), "metadata.labels"),
-            deleting=meta.get("deletionTimestamp") is not None,
-            taints=taints,
-            host_ips=_host_ips(read_mapping(data.get("status"), "status")),
-            unusable_addresses=_unusable_addresses(read_mapping(data.get("status"), "status")),
-            pod_cidrs=_pod_cidrs(spec),
-        )
-    except Invalid as why:
-        return Skipped("Node", "", name, str(why))
-    except Exception as why:  # a last safety net: bad input must never crash the proxy
-        return Skipped("Node", "", name, f"unreadable object: {why!r}")
+    return fields.cluster_scoped("Node", obj, _node)
+
+
+def _node(data: Mapping[str, Any], meta: Mapping[str, Any], name: str) -> Node:
+    spec = fields.read_mapping(data.get("spec"), "spec")
+    status = fields.read_mapping(data.get("status"), "status")
+    taints = tuple(
+        fields.read_str(fields.read_mapping(t, f"spec.taints[{i}]").get("key"),
+                        f"spec.taints[{i}].key")
+        for i, t in enumerate(fields.read_list(spec.get("taints"), "spec.taints", 256))
+    )
+    return Node(
+        name=name,
+        labels=fields.read_labels(meta.get("labels"), "metadata.labels"),
+        deleting=meta.get("deletionTimestamp") is not None,
+        taints=taints,
+        host_ips=_host_ips(status),
+        unusable_addresses=_unusable_addresses(status),
+        pod_cidrs=_pod_cidrs(spec),
+    )
 
 
 _HOST_IP_TYPES = ("InternalIP", "ExternalIP")
@@ -308,7 +280,7 @@ def _host_ips(status: Mapping[str, Any]) -> tuple[str, ...]:
     """kube-proxy's GetNodeHostIPs: the InternalIPs, then the ExternalIPs, read leniently
     (ParseIPSloppy); one that does not parse is passed over, as upstream does, not a reason
     to lose the whole Node. The first of them, then the first of the other family."""
-    addresses = [a for a in read_list(status.get("addresses"), "status.addresses", 256)
+    addresses = [a for a in fields.read_list(status.get("addresses"), "status.addresses", 256)
                  if isinstance(a, Mapping)]
     ips: list[str] = []
     for kind in _HOST_IP_TYPES:
@@ -325,7 +297,7 @@ def _host_ips(status: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _unusable_addresses(status: Mapping[str, Any]) -> tuple[str, ...]:
     """The addresses `_host_ips` passes over, as "InternalIP '10.0.0.300'"."""
-    addresses = [a for a in read_list(status.get("addresses"), "status.addresses", 256)
+    addresses = [a for a in fields.read_list(status.get("addresses"), "status.addresses", 256)
                  if isinstance(a, Mapping) and a.get("type") in _HOST_IP_TYPES]
     return tuple(f"{a['type']} {str(a.get('address'))[:64]!r}" for a in addresses
                  if _ip_or_none(a.get("address")) is None)
@@ -333,21 +305,21 @@ def _unusable_addresses(status: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _pod_cidrs(spec: Mapping[str, Any]) -> tuple[str, ...]:
     listed = spec.get("podCIDRs") or ([spec["podCIDR"]] if spec.get("podCIDR") else [])
-    cidrs = (_cidr_or_none(v) for v in read_list(listed, "spec.podCIDRs", 2))
+    cidrs = (_cidr_or_none(v) for v in fields.read_list(listed, "spec.podCIDRs", 2))
     return tuple(c for c in cidrs if c is not None)
 
 
 def _ip_or_none(value: Any) -> str | None:
     try:
-        return read_ip(value, "")
-    except Invalid:
+        return fields.read_ip(value, "")
+    except fields.Invalid:
         return None
 
 
 def _cidr_or_none(value: Any) -> str | None:
     try:
-        return read_cidr(value, "")
-    except Invalid:
+        return fields.read_cidr(value, "")
+    except fields.Invalid:
         return None
 
 

@@ -151,11 +151,7 @@ def read_ip(value: Any, field: str) -> str:
         return socket.inet_ntop(family, socket.inet_pton(family, text))
     except (OSError, ValueError):
         pass
-    canonical = parse_ip_sloppy(text)
-    if canonical is None:
-        raise Invalid(f"{field}: {text!r} is not an IP address")
-    read_leniently(field, text, canonical)
-    return canonical
+    return _read_sloppily(field, text, parse_ip_sloppy, "an IP address")
 
 
 def read_cidr(value: Any, field: str) -> str:
@@ -166,9 +162,16 @@ def read_cidr(value: Any, field: str) -> str:
         return str(ipaddress.ip_network(text, strict=False))
     except ValueError:
         pass
-    canonical = parse_cidr_sloppy(text)
+    return _read_sloppily(field, text, parse_cidr_sloppy, "a CIDR")
+
+
+def _read_sloppily(field: str, text: str, parse: Callable[[str], str | None],
+                   what: str) -> str:
+    """What the strict reading refused, read as kube-proxy's Go 1.16 parsers do (leading
+    zeros), and noted for the log; Invalid when even they refuse it."""
+    canonical = parse(text)
     if canonical is None:
-        raise Invalid(f"{field}: {text!r} is not a CIDR")
+        raise Invalid(f"{field}: {text!r} is not {what}")
     read_leniently(field, text, canonical)
     return canonical
 
@@ -224,13 +227,26 @@ FAMILIES = {f.value: f for f in IPFamily}
 
 
 def read_protocol(value: Any, field: str) -> Protocol:
-    protocol = PROTOCOLS.get(value) if type(value) is str else None
-    if protocol is not None:
-        return protocol
-    text = read_str(value, field, "TCP")
-    if text not in PROTOCOLS:
-        raise Invalid(f"{field}: unknown protocol {text!r} (TCP, UDP or SCTP)")
-    return PROTOCOLS[text]
+    return read_choice(value, field, PROTOCOLS, "TCP", "protocol")
+
+
+def read_policy(value: Any, field: str) -> TrafficPolicy:
+    return read_choice(value, field, POLICIES, "Cluster", "policy")
+
+
+def read_choice(value: Any, field: str, choices: Mapping[str, T], default: str,
+                what: str) -> T:
+    """One of `choices` by its API spelling, `default` when unset; an unknown one is Invalid,
+    the error listing them."""
+    found = choices.get(value) if type(value) is str else None
+    if found is not None:
+        return found
+    text = read_str(value, field, default)
+    if text not in choices:
+        *first, last = choices
+        raise Invalid(f"{field}: unknown {what} {text!r} ({', '.join(first)} or {last})")
+    return choices[text]
+
 
 
 def read_port_name(value: Any, field: str) -> str:
@@ -310,6 +326,25 @@ def guarded(kind: str, obj: Any, convert: Callable[[Any], T]) -> T | Skipped:
     if lenient:
         log_lenient(kind, namespace, name, lenient)
     return result
+
+
+def cluster_scoped(kind: str, obj: Any,
+                   convert: Callable[[Mapping[str, Any], Mapping[str, Any], str], T],
+                   ) -> T | Skipped:
+    """Run the conversion of a cluster-scoped object (a Node, a ServiceCIDR) on its data,
+    metadata and name, read and checked first; every failure becomes a Skipped naming it."""
+    data = api_dict(obj)
+    name = safe_name(metadata(data), "name")  # a dict's, or an Unreadable's as far as read
+    try:
+        readable(data)
+        data = read_mapping(data, kind)
+        meta = read_mapping(data.get("metadata"), "metadata")
+        name = read_dns_subdomain(meta.get("name"), "metadata.name")
+        return convert(data, meta, name)
+    except Invalid as why:
+        return Skipped(kind, "", name, str(why))
+    except Exception as why:  # a last safety net: bad input must never crash the proxy
+        return Skipped(kind, "", name, f"unreadable object: {why!r}")
 
 
 def readable(data: Any) -> None:
