@@ -296,6 +296,14 @@ CHAOS_FLAGS ?=
 chaos: venv k8s
 	$(BIN)/python -m drills.chaos $(CHAOS_FLAGS)
 
+# A pod dropping SYNs while Ready, pyproxy's outlier ejection against kube-proxy v1.37.2 on
+# the real control plane (drills/outliers.py; docs/drills.md, "A pod dropping SYNs"), as root.
+# OUTLIER_FLAGS: e.g. --fault 120, --only pyproxy, --json FILE.
+OUTLIER_FLAGS ?=
+.PHONY: drill-outliers
+drill-outliers: venv k8s
+	$(BIN)/python -m drills.outliers $(OUTLIER_FLAGS)
+
 # ---------------------------------------------------------------------------------------------
 # A real cluster on this machine (testkit/cluster.py): the control plane, kube-scheduler and
 # NODES worker nodes (default 2), each a kubelet with containerd and runc in namespaces of its

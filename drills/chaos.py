@@ -72,10 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     print(f"chaos: {len(selected)} drills, seed {args.seed}", flush=True)
     with Lab() as lab:
-        env = d.Env(lab.standard_topology(backends=3))
+        # Outlier ejection on for every TCP Service of every drill's daemon: no drill has a
+        # failing endpoint, so none may be ejected (checked after each drill).
+        env = d.Env(lab.standard_topology(backends=3), daemon_flags=("--outlier-ejection",))
         for name, run in selected:
             print(f"\n== {name}", flush=True)
             t0 = time.monotonic()
+            ejected = d.ejections_logged(env.workdir)
             try:
                 outcome = run(env)
             except Exception as err:  # a drill that breaks down is a result too
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                 outcome.notes.append(traceback.format_exc()[-1500:])
                 env.cleanup()
             batch = outcome if isinstance(outcome, list) else [outcome]
+            ejected = d.ejections_logged(env.workdir) - ejected
+            batch[0].figures["outlier_ejections"] = ejected
+            batch[0].check(ejected == 0, f"{ejected} endpoint(s) ejected by outlier ejection "
+                           "(on in every drill's daemon): no drill has a failing endpoint")
             for res in batch:
                 print(res.summary(), flush=True)
             print(f"   ({time.monotonic() - t0:.0f} s)", flush=True)

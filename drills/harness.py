@@ -164,6 +164,16 @@ class Probe:
 # The daemon
 
 
+def ejections_logged(workdir: Path) -> int:
+    """Ejections the daemons in the lab's workdir logged so far (`endpoint_ejected`):
+    `make chaos` runs every drill's daemon with outlier ejection on (`Env.daemon_flags`),
+    and no drill has an endpoint failing that way (refusing or dropping connections while
+    it stays ready), so none may eject one."""
+    return sum(log.read_text(errors="replace").count("event=endpoint_ejected")
+               + log.read_text(errors="replace").count('"event": "endpoint_ejected"')
+               for log in workdir.glob("*.log"))
+
+
 class Daemon:
     """`pyproxy run` in the node namespace, with its debug socket in the lab's workdir."""
 
@@ -182,7 +192,8 @@ class Daemon:
             cluster_cidr=f"{cluster.cluster_cidr4},{cluster.cluster_cidr6}",
             min_sync_period=_duration(min_sync_period), sync_period=_duration(sync_period),
             debug_socket=self.sock, healthz=HEALTHZ if servers else None,
-            metrics=METRICS if servers else None, extra=(*source, *extra)).argv()
+            metrics=METRICS if servers else None,
+            extra=(*source, *env.daemon_flags, *extra)).argv()
         self.starts = 0
         self.proc: subprocess.Popen[str] = self._spawn()
 
@@ -352,8 +363,10 @@ class HealthWatch:
 class Env:
     """The standard topology (node, client, pod-a…pod-c running backends on 8080)."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, daemon_flags: tuple[str, ...] = ()) -> None:
         self.cluster = cluster
+        # Flags every daemon of the drills gets (`make chaos`: --outlier-ejection).
+        self.daemon_flags = daemon_flags
         self.lab = cluster.lab
         self.workdir = cluster.lab.workdir
         self._count = 0

@@ -16,6 +16,7 @@ from pyproxy.kernel.ctevents import (
     NLM_F_CREATE,
     ConnectAttempts,
     Event,
+    delete_message,
     filter_program,
     parse,
 )
@@ -93,10 +94,11 @@ def test_events_are_parsed_with_who_answers() -> None:
             + message("update", 7, EP, NATED | IPS_SEEN_REPLY, ESTABLISHED)
             + message("destroy", 8, EP6, NATED, CLOSE)
             + message("new", 9, EP, NATED, None, proto=17))
+    orig = tuple_attr(1, "192.168.50.2", "10.96.0.10", 40000, 80, 6)
     assert list(parse(data)) == [
-        Event("new", 7, "10.244.1.5:8080", NATED, SYN_SENT),
+        Event("new", 7, "10.244.1.5:8080", NATED, SYN_SENT, socket.AF_INET, orig),
         Event("update", 7, "10.244.1.5:8080", NATED | IPS_SEEN_REPLY, ESTABLISHED),
-        Event("destroy", 8, "[fd00:244:1::5]:8080", NATED, CLOSE),
+        Event("destroy", 8, "[fd00:244:1::5]:8080", NATED, CLOSE, socket.AF_INET6),
     ]
     assert list(parse(data[:-5])) == list(parse(data))[:3]  # a truncated message: skipped
 
@@ -155,3 +157,19 @@ def test_the_ledger_is_bounded() -> None:
     for conn_id in range(5):
         ledger.feed(Event("new", conn_id, "10.244.1.5:8080", NATED, SYN_SENT), 1.0)
     assert ledger.pending == 2 and ledger.dropped == 3
+
+
+def test_an_unanswered_entry_is_deleted_by_its_tuple_and_id() -> None:
+    stale: list[tuple[int, int, bytes]] = []
+    ledger, out = attempts()
+    ledger.on_stale = lambda family, conn_id, orig: stale.append((family, conn_id, orig))
+    [new] = parse(message("new", 7, EP, NATED, SYN_SENT))
+    ledger.feed(new, 1.0)
+    ledger.expire(2.5)
+    assert out.seen == [("10.244.1.5:8080", "no reply", 2.5)]
+    assert stale == [(socket.AF_INET, 7, new.orig)]
+    request = delete_message(socket.AF_INET, 7, new.orig)
+    length, kind, flags, _, _ = HEADER.unpack_from(request)
+    assert (length, kind, flags) == (len(request), (1 << 8) | 2, 1)  # CT_DELETE, a request
+    # The same attributes the kernel keys an entry by: its original tuple, then its id.
+    assert request[HEADER.size + 4:] == new.orig + attribute(12, struct.pack(">I", 7))

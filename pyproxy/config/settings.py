@@ -184,10 +184,10 @@ def _identity(value: Any) -> Any:
 
 
 _POLICY_FIELDS = {"failures": "failures", "window": "window",
-                  "minFailurePercent": "min_failure_percent", "ejection": "base_ejection",
+                  "ejection": "base_ejection",
                   "maxEjection": "max_ejection", "maxEjectedPercent": "max_ejected_percent",
                   "replyTimeout": "reply_timeout"}
-_POLICY_PERCENTS = ("min_failure_percent", "max_ejected_percent")
+_POLICY_PERCENTS = ("max_ejected_percent",)
 
 
 def _outlier_policy(value: str) -> OutlierPolicy:
@@ -500,16 +500,16 @@ SETTINGS: tuple[Setting, ...] = (
             "(else only for Services annotated to have it)", own=True),
     Setting("outlier_ejection_policy", ValueType.STRING, _outlier_policy,
             "when an endpoint is ejected and for how long, as `field=value,...` (the fields "
-            "not given keep their default): `failures=5` failed attempts within "
-            "`window=10s`, at least `minFailurePercent=50` of its attempts there; ejected for "
+            "not given keep their default): `failures=5` failed attempts in a row within "
+            "`window=10s`; ejected for "
             "`ejection=30s`, doubled each time in a row up to `maxEjection=5m`; at most "
             "`maxEjectedPercent=50` of a service port's endpoints; an attempt unanswered for "
             "`replyTimeout=1s` failed",
             applied_by="run.py: the outlier tracker and the conntrack event reader "
             "(sync/outliers.py)",
             flag="outlier-ejection-policy", flag_help="failures=N,window=D,"
-            "minFailurePercent=P,ejection=D,maxEjection=D,maxEjectedPercent=P,replyTimeout=D",
-            own=True, default_text="`failures=5,window=10s,minFailurePercent=50,ejection=30s,"
+            "ejection=D,maxEjection=D,maxEjectedPercent=P,replyTimeout=D",
+            own=True, default_text="`failures=5,window=10s,ejection=30s,"
             "maxEjection=5m,maxEjectedPercent=50,replyTimeout=1s`"),
     Setting("debug_socket", ValueType.STRING, _text_or_none,
             applied_by="run.py: the debug server (debug.py, live.py)",

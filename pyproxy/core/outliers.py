@@ -6,9 +6,10 @@ what each service port's endpoints map does about it.
 
 The rules, in order:
 
-- an endpoint *wants* ejection after `failures` failed attempts within `window` seconds, at
-  least `min_failure_percent` of its attempts in that window (a busy endpoint that fails one
-  attempt in a thousand is not an outlier);
+- an endpoint *wants* ejection after `failures` failed attempts in a row (no success
+  between them) within `window` seconds: a busy endpoint failing one attempt in a thousand
+  is not an outlier, and one that starts failing every attempt is one after its first
+  `failures`, whatever it answered before;
 - it is ejected for `base_ejection` seconds, doubled at each ejection in a row, at most
   `max_ejection`; each `base_ejection` it then spends without an ejection halves it back
   (the streak decays by one);
@@ -53,7 +54,6 @@ class OutlierPolicy:
 
     failures: int = 5
     window: float = 10.0
-    min_failure_percent: int = 50
     base_ejection: float = 30.0
     max_ejection: float = 300.0
     max_ejected_percent: int = 50
@@ -89,8 +89,8 @@ def endpoint_key(ip: str, port: int) -> str:
 class _Record:
     """What the tracker remembers of one endpoint."""
 
+    # The failed attempts since the last success, within the window.
     failures: deque[tuple[float, Failure]] = field(default_factory=deque)
-    successes: deque[float] = field(default_factory=deque)
     ejection: Ejection | None = None
     streak: int = 0
     # Since when the streak decays (the end of the last ejection, or the last decay step).
@@ -101,17 +101,12 @@ class _Record:
         start = now - window
         while self.failures and self.failures[0][0] < start:
             self.failures.popleft()
-        while self.successes and self.successes[0] < start:
-            self.successes.popleft()
 
     def failing(self, policy: OutlierPolicy) -> bool:
-        failed = len(self.failures)
-        attempts = failed + len(self.successes)
-        return (failed >= policy.failures
-                and failed * 100 >= policy.min_failure_percent * attempts)
+        return len(self.failures) >= policy.failures
 
     def idle(self, now: float) -> bool:
-        return (not self.failures and not self.successes and self.ejection is None
+        return (not self.failures and self.ejection is None
                 and self.streak == 0 and self.probation_until <= now)
 
 
@@ -148,7 +143,7 @@ NO_OUTLIERS = PortOutliers()
 
 @dataclass
 class OutlierTracker:
-    """Failures and successes per endpoint (by key), the ejections they lead to, and per
+    """Failures in a row per endpoint (by key), the ejections they lead to, and per
     service port which of them apply. Not thread-safe: one caller at a time (the shell holds
     a lock). `ports` (set after each sync): the endpoint keys of every service port that has
     outlier ejection on, which the limits and the every-endpoint-fails rule are counted in."""
@@ -176,11 +171,10 @@ class OutlierTracker:
         return key in self._ports_of
 
     def success(self, key: str, now: float) -> None:
+        """An answered attempt: the failures before it no longer count (in a row)."""
         record = self._records.get(key)
-        if record is None:
-            record = self._records[key] = _Record()
-        record.successes.append(now)
-        record.trim(now, self.policy.window)
+        if record is not None:
+            record.failures.clear()
 
     def failure(self, key: str, now: float, how: Failure) -> set[str]:
         """One failed attempt; the endpoints whose ejection this changed (the ports they are
@@ -260,7 +254,7 @@ class OutlierTracker:
 
     @property
     def remembered(self) -> int:
-        """Endpoints with failures, successes, an ejection or a streak remembered (bounded by
+        """Endpoints with failures, an ejection or a streak remembered (bounded by
         the watched endpoints: the others are forgotten a window after their last event)."""
         return len(self._records)
 
@@ -280,8 +274,7 @@ class OutlierTracker:
             return f"{record.failures[-1][1]} on probation, back from an ejection"
         counts = {how: sum(1 for _, h in record.failures if h is how) for how in Failure}
         parts = ", ".join(f"{n} {how}" for how, n in counts.items() if n)
-        attempts = len(record.failures) + len(record.successes)
-        return (f"{len(record.failures)} of {attempts} connection attempts failed in "
+        return (f"{len(record.failures)} connection attempts in a row failed within "
                 f"{self.policy.window:g} s ({parts})")
 
     def _forgive_where_all_fail(self, key: str, now: float) -> set[str]:

@@ -11,6 +11,12 @@ reply left the entry in state CLOSE — and an attempt still open `reply_timeout
 start failed (`ConnectAttempts.expire`, run by the reader every 100 ms). Detection is then
 the reply timeout plus at most 0.1 s after the last of the N failures, and the next sync.
 
+An attempt left unanswered is deleted from conntrack as soon as it counts as failed: its
+SYN_SENT entry would otherwise live 120 s, DNATed to the failing endpoint, and take the
+client's retransmitted SYN there again, or a new connection that happens to reuse its
+source port (measured: a few attempts in a thousand while the endpoint was ejected). Deleted
+by its original tuple and id, so a newer connection on the same tuple is left alone.
+
 Why not the other ways: the DESTROY event of an unanswered SYN comes 120 s late; the client's
 SYN retransmissions come 1 s, 3 s, 7 s after the SYN (none at all from a client that gave up
 after 1 s); an nft rule can count SYNs and SYN-ACKs per endpoint but not pair them, and its
@@ -45,7 +51,14 @@ from pyproxy.kernel.nftevents import (
     Instruction,
     attach_filter,
 )
-from pyproxy.kernel.nlelements import HEADER, NETLINK_NETFILTER, SOL_NETLINK, attributes
+from pyproxy.kernel.nlelements import (
+    HEADER,
+    NETLINK_NETFILTER,
+    NLM_F_REQUEST,
+    SOL_NETLINK,
+    attribute,
+    attributes,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -82,6 +95,9 @@ class Event:
     endpoint: str  # endpoint_key of the reply source
     status: int
     tcp_state: int | None
+    family: int = AF_INET
+    # The CTA_TUPLE_ORIG attribute as the kernel wrote it: what deletes the entry again.
+    orig: bytes = b""
 
     @property
     def dnated(self) -> bool:
@@ -123,8 +139,22 @@ def _event(data: bytes, offset: int, length: int, msg: int, flags: int) -> Event
     state = _tcp_state(data, *attrs[CTA_PROTOINFO]) if CTA_PROTOINFO in attrs else None
     kind = ("destroy" if msg == IPCTNL_MSG_CT_DELETE
             else "new" if flags & NLM_F_CREATE else "update")
+    orig = b""
+    if kind == "new" and CTA_TUPLE_ORIG in attrs:
+        begin, stop = attrs[CTA_TUPLE_ORIG]
+        orig = data[begin - 4:stop]
     return Event(kind, _BE32.unpack_from(data, attrs[CTA_ID][0])[0],
-                 endpoint_key(reply[0], reply[1]), status, state)
+                 endpoint_key(reply[0], reply[1]), status, state, family, orig)
+
+
+def delete_message(family: int, conn_id: int, orig: bytes, seq: int = 0) -> bytes:
+    """IPCTNL_MSG_CT_DELETE of one entry by its original tuple, only if its id is still
+    `conn_id` (a later connection reusing the tuple is left alone: the kernel answers
+    ENOENT)."""
+    payload = (struct.pack("=BBH", family, 0, 0) + orig
+               + attribute(CTA_ID, _BE32.pack(conn_id)))
+    return HEADER.pack(HEADER.size + len(payload), (NFNL_SUBSYS_CTNETLINK << 8)
+                       | IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST, seq, 0) + payload
 
 
 def _tuple(data: bytes, start: int, end: int, family: int) -> tuple[str, int, int] | None:
@@ -185,15 +215,19 @@ class ConnectAttempts:
     on_failure: Callable[[str, Failure, float], None]
     on_success: Callable[[str, float], None]
     reply_timeout: float = 1.0
+    # Told each entry left unanswered (family, id, original tuple): it is deleted, so the
+    # client's retransmitted SYN, or a new connection reusing its source port (the entry
+    # would pin it to the failing endpoint for SYN_SENT's 120 s), is DNATed afresh.
+    on_stale: Callable[[int, int, bytes], None] = lambda family, conn_id, orig: None
     limit: int = 65536  # attempts followed at once: beyond, new ones are not
-    _open: dict[int, tuple[str, float]] = field(default_factory=dict)
+    _open: dict[int, tuple[str, float, int, bytes]] = field(default_factory=dict)
     dropped: int = 0
 
     def feed(self, event: Event, now: float) -> None:
         if event.kind == "new":
             if event.dnated and not event.answered and self.watched(event.endpoint):
                 if len(self._open) < self.limit:
-                    self._open[event.id] = (event.endpoint, now)
+                    self._open[event.id] = (event.endpoint, now, event.family, event.orig)
                 else:
                     self.dropped += 1
             return
@@ -217,11 +251,13 @@ class ConnectAttempts:
         the order attempts opened in.)"""
         deadline = now - self.reply_timeout
         while self._open:
-            conn_id, (key, started) = next(iter(self._open.items()))
+            conn_id, (key, started, family, orig) = next(iter(self._open.items()))
             if started > deadline:
                 return
             del self._open[conn_id]
             self.on_failure(key, Failure.NO_REPLY, now)
+            if orig:
+                self.on_stale(family, conn_id, orig)
 
     @property
     def pending(self) -> int:
@@ -268,7 +304,9 @@ class ConntrackEvents:
     tick_seconds: float = 0.1
     lost: int = 0
     events: int = 0
+    deleted: int = 0  # unanswered entries asked to be deleted
     _started: bool = False
+    _deleter: socket.socket | None = None
 
     def start(self, stop: threading.Event) -> bool:
         """Subscribe (in the calling thread's namespace) and start reading. False when the
@@ -279,6 +317,13 @@ class ConntrackEvents:
             log.warning("conntrack_events_unavailable", error=str(err))
             return False
         sock.settimeout(self.tick_seconds)
+        try:
+            self._deleter = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+            self._deleter.setblocking(False)
+            self._deleter.bind((0, 0))
+            self.attempts.on_stale = self._delete
+        except OSError as err:  # attempts still judged; their entries left to time out
+            log.warning("conntrack_delete_unavailable", error=str(err))
         threading.Thread(target=self._run, args=(sock, stop), name="conntrack-events",
                          daemon=True).start()
         self._started = True
@@ -287,6 +332,22 @@ class ConntrackEvents:
     @property
     def running(self) -> bool:
         return self._started
+
+    def _delete(self, family: int, conn_id: int, orig: bytes) -> None:
+        """Ask the kernel to delete an unanswered entry; its answers (ENOENT when the client
+        closed it meanwhile) are read and dropped (`_drain`)."""
+        if self._deleter is None:
+            return
+        with contextlib.suppress(OSError):  # a full buffer: that entry times out instead
+            self._deleter.send(delete_message(family, conn_id, orig))
+            self.deleted += 1
+
+    def _drain(self) -> None:
+        while self._deleter is not None:
+            try:
+                self._deleter.recv(1 << 16)
+            except OSError:  # nothing more to read (BlockingIOError), or closed
+                return
 
     def _run(self, sock: socket.socket, stop: threading.Event) -> None:
         next_tick = self.clock()
@@ -312,8 +373,11 @@ class ConntrackEvents:
                     next_tick = now + self.tick_seconds
                     with self.lock:
                         self.attempts.expire(now)
+                    self._drain()
                 self.tick(now)
         finally:
             self._started = False
             with contextlib.suppress(OSError):
                 sock.close()
+                if self._deleter is not None:
+                    self._deleter.close()
