@@ -1,21 +1,19 @@
-"""Conntrack events into connection attempts (kernel/ctevents.py), pure: messages laid out as
-ctnetlink writes them (ctnetlink_conntrack_event), the socket filter run on them, and what
-the attempt ledger makes of each sequence. tests/test_outliers_netns.py reads real ones."""
+"""Conntrack events into connection attempts (kernel/ctevents.py, core/attempts.py), pure:
+messages laid out as ctnetlink writes them (ctnetlink_conntrack_event), the socket filter
+run on them, and what the attempt ledger makes of each sequence.
+tests/test_outliers_netns.py reads real ones."""
 
 from __future__ import annotations
 
 import socket
 import struct
 
+from pyproxy.core.attempts import IPS_DST_NAT, IPS_SEEN_REPLY, ConnectAttempts, Event
 from pyproxy.core.outliers import Failure
 from pyproxy.kernel.ctevents import (
     BPF_JA,
     BPF_LD_B_ABS,
-    IPS_DST_NAT,
-    IPS_SEEN_REPLY,
     NLM_F_CREATE,
-    ConnectAttempts,
-    Event,
     delete_message,
     filter_program,
     parse,

@@ -41,9 +41,8 @@ RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 # watch → cache → sync → topology → render → ruleset: the stages that only compute.
 PURE = ("core.model", "core.convert", "core.plan", "cluster.cache", "core.topology",
-        "core.balancing", "core.outliers", "core.coexistence", "core.conntrack", "core.departed",
-        "core.explain", "render",
-        "render.connection_keys",
+        "core.balancing", "core.outliers", "core.attempts", "core.coexistence",
+        "core.conntrack", "core.departed", "core.explain", "render", "render.connection_keys",
         "render.ruleset", "render.staging", "render.trace")
 FORBIDDEN = ("kubernetes", "nftables", "pyroute2", "yaml", "threading", "socketserver",
              "subprocess", "http", "urllib", "asyncio", "selectors", "concurrent")

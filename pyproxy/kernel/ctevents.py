@@ -26,8 +26,9 @@ the kernel, and the reader looks only at entries DNATed to a watched endpoint (a
 Events are lost when the reader falls behind (ENOBUFS): the attempts then open are forgotten,
 not counted as failures.
 
-Parsing and the attempt ledger are pure (`parse`, `ConnectAttempts`, `filter_program`);
-`ConntrackEvents` is the thread around the socket.
+The attempt ledger is pure (core/attempts.py); here the events are read (`parse`, the
+socket filter `filter_program`, `ConntrackEvents`: the thread around the socket) and the
+unanswered entries deleted (`delete_message`).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
-from pyproxy.core.outliers import Failure, endpoint_key
+from pyproxy.core.attempts import AF_INET, AF_INET6, ConnectAttempts, Event
+from pyproxy.core.outliers import endpoint_key
 from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
     BPF_RET_K,
@@ -71,10 +73,7 @@ CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_IP_V4_SRC, CTA_IP_V6_SRC = 1, 3
 CTA_PROTO_NUM, CTA_PROTO_SRC_PORT = 1, 2
 CTA_PROTOINFO_TCP, CTA_PROTOINFO_TCP_STATE = 1, 1
-IPS_SEEN_REPLY, IPS_DST_NAT = 1 << 1, 1 << 5
-TCP_CONNTRACK_CLOSE = 8
 IPPROTO_TCP = 6
-AF_INET, AF_INET6 = 2, 10
 BPF_LD_B_ABS, BPF_JA = 0x30, 0x05
 # Where a conntrack event's protocol number is: the nlmsghdr (16), nfgenmsg (4), then
 # CTA_TUPLE_ORIG's header (4), CTA_TUPLE_IP's (4), the two addresses with their headers
@@ -83,29 +82,6 @@ BPF_LD_B_ABS, BPF_JA = 0x30, 0x05
 PROTO_OFFSET = {AF_INET: 52, AF_INET6: 76}
 _BE32 = struct.Struct(">I")
 _BE16 = struct.Struct(">H")
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One conntrack event about a TCP entry: its id, who answers it (the DNAT target:
-    the reply tuple's source), its status bits and TCP state (None: not in this event)."""
-
-    kind: str  # "new", "update" or "destroy"
-    id: int
-    endpoint: str  # endpoint_key of the reply source
-    status: int
-    tcp_state: int | None
-    family: int = AF_INET
-    # The CTA_TUPLE_ORIG attribute as the kernel wrote it: what deletes the entry again.
-    orig: bytes = b""
-
-    @property
-    def dnated(self) -> bool:
-        return bool(self.status & IPS_DST_NAT)
-
-    @property
-    def answered(self) -> bool:
-        return bool(self.status & IPS_SEEN_REPLY)
 
 
 def parse(data: bytes) -> Iterator[Event]:
@@ -198,70 +174,6 @@ def filter_program() -> list[Instruction]:
         (BPF_RET_K, 0, 0, 0xFFFFFFFF),
         (BPF_RET_K, 0, 0, 0),
     ]
-
-
-# ---------------------------------------------------------------------------------------------
-# The attempts, pure
-
-
-@dataclass
-class ConnectAttempts:
-    """The connection attempts to watched endpoints still waiting for their reply, by
-    conntrack id, and what each event or the passing time makes of them. `on_failure(key,
-    how, now)` and `on_success(key, now)` are told the outcomes; `watched(key)` says which
-    endpoints matter (outlier ejection on for one of their service ports)."""
-
-    watched: Callable[[str], bool]
-    on_failure: Callable[[str, Failure, float], None]
-    on_success: Callable[[str, float], None]
-    reply_timeout: float = 1.0
-    # Told each entry left unanswered (family, id, original tuple): it is deleted, so the
-    # client's retransmitted SYN, or a new connection reusing its source port (the entry
-    # would pin it to the failing endpoint for SYN_SENT's 120 s), is DNATed afresh.
-    on_stale: Callable[[int, int, bytes], None] = lambda family, conn_id, orig: None
-    limit: int = 65536  # attempts followed at once: beyond, new ones are not
-    _open: dict[int, tuple[str, float, int, bytes]] = field(default_factory=dict)
-    dropped: int = 0
-
-    def feed(self, event: Event, now: float) -> None:
-        if event.kind == "new":
-            if event.dnated and not event.answered and self.watched(event.endpoint):
-                if len(self._open) < self.limit:
-                    self._open[event.id] = (event.endpoint, now, event.family, event.orig)
-                else:
-                    self.dropped += 1
-            return
-        started = self._open.pop(event.id, None)
-        if started is None:
-            return
-        key = started[0]
-        if event.tcp_state == TCP_CONNTRACK_CLOSE:
-            # A reset answering the SYN: the entry closed (its DESTROY event may come without
-            # SEEN_REPLY: the kernel kills it while handling that very reset).
-            self.on_failure(key, Failure.RESET, now)
-        elif event.answered:
-            self.on_success(key, now)
-        elif event.kind == "destroy":  # gone unanswered before the timeout (flushed, ICMP)
-            self.on_failure(key, Failure.NO_REPLY, now)
-        else:
-            self._open[event.id] = started  # another change, still no reply
-
-    def expire(self, now: float) -> None:
-        """The attempts unanswered for `reply_timeout`: failed. (Oldest first: a dict keeps
-        the order attempts opened in.)"""
-        deadline = now - self.reply_timeout
-        while self._open:
-            conn_id, (key, started, family, orig) = next(iter(self._open.items()))
-            if started > deadline:
-                return
-            del self._open[conn_id]
-            self.on_failure(key, Failure.NO_REPLY, now)
-            if orig:
-                self.on_stale(family, conn_id, orig)
-
-    @property
-    def pending(self) -> int:
-        return len(self._open)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,11 +24,12 @@ import structlog
 
 from pyproxy.cluster.cache import Checkout
 from pyproxy.cluster.events import ejection_event, record
+from pyproxy.core.attempts import ConnectAttempts
 from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePort, ServicePortName
 from pyproxy.core.outliers import Ejection, Failure, OutlierPolicy, OutlierTracker
 from pyproxy.core.plan import Scope
 from pyproxy.core.topology import PortSelection
-from pyproxy.kernel.ctevents import ConnectAttempts, ConntrackEvents
+from pyproxy.kernel.ctevents import ConntrackEvents
 from pyproxy.sync.node import SyncedOnly, SyncRecord
 
 if TYPE_CHECKING:
