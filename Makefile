@@ -83,7 +83,7 @@ tools:
 	@e2e/tools/build.sh $(TOOLS)
 
 # Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests) and
-# helm (tests/test_helm.py: the chart).
+# helm (tests/test_helm.py, tests/test_helm_cluster.py: the chart).
 test-tools:
 	@e2e/tools/build.sh promtool helm
 

@@ -41,12 +41,12 @@ Objects = dict[tuple[str, str], dict[str, Any]]
 
 def helm(*args: str, kubeconfig_path: Path | None = None,
          home: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """The real helm; its cache, configuration and data in HOME (a test's folder), never the
-    user's."""
+    """The real helm; its cache, configuration and data (and kubectl's cache) in HOME, a
+    test's folder, never the user's."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("HELM_")}
     if home is not None:
-        env.update(HELM_CACHE_HOME=str(home / "cache"), HELM_CONFIG_HOME=str(home / "config"),
-                   HELM_DATA_HOME=str(home / "data"))
+        env.update(HOME=str(home), HELM_CACHE_HOME=str(home / "cache"),
+                   HELM_CONFIG_HOME=str(home / "config"), HELM_DATA_HOME=str(home / "data"))
     if kubeconfig_path is not None:
         env["KUBECONFIG"] = str(kubeconfig_path)
     return subprocess.run([str(require_tool("helm")), *args], capture_output=True, text=True,
