@@ -721,6 +721,10 @@ def main() -> int:
         if set(result["runs"]) == set(PROXIES):
             print(table(result) + "\n")
             print(vs_sizes.targets_text(result) + "\n")
+    both = [r for r in results if set(r["runs"]) == set(PROXIES)]
+    if both:
+        print("The sizes side by side (pyproxy / kube-proxy in brackets):\n"
+              + vs_sizes.sizes_table(both) + "\n")
         timeline = result["runs"].get("pyproxy", {}).get("start_timeline")
         if timeline:
             print(f"pyproxy's start at {result['services']} × {result['endpoints']}, seconds "

@@ -232,3 +232,77 @@ def targets_text(result: dict[str, Any]) -> str:
         word = {True: "met", False: "MISSED", None: "not measurable"}[met]
         lines.append(f"  {word:>14}: {name}: {figures}")
     return "\n".join(lines)
+
+
+# -- the one table of the sizes ------------------------------------------------------------------
+
+
+def _fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _at(run: dict[str, Any], *path: str) -> float | None:
+    value: Any = run
+    for key in path:
+        if not isinstance(value, dict) or value.get(key) is None:
+            return None
+        value = value[key]
+    return float(value)
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return "" if ours is None or not theirs else f" ({ours / theirs:.2f})"
+
+
+def _cells(result: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """One size's (pyproxy, kube-proxy) cells, the ratio pyproxy / kube-proxy in brackets."""
+    py, kp = result["runs"].get("pyproxy", {}), result["runs"].get("kube-proxy", {})
+    floor = result.get("kernel_floor", {}).get("wall_s")
+    out: dict[str, tuple[str, str]] = {}
+    first, kp_first = _at(py, "first_ruleset_s"), _at(kp, "first_ruleset_s")
+    if kp_first is None and kp.get("capped_at_s"):
+        cap = float(kp["capped_at_s"])
+        kp_cell = f"> {cap:,.0f} s (its cap: not finished)"
+        ratio = "" if first is None else f" (< {first / cap:.3f})"
+    else:
+        kp_cell, ratio = _fmt(kp_first, " s"), _ratio(first, kp_first)
+    floor_note = "" if first is None or not floor else f"; {first / floor:.1f}× the floor"
+    out["start → first complete ruleset"] = (f"**{_fmt(first, ' s')}**{ratio}{floor_note}",
+                                             kp_cell)
+    out["the kernel floor: one `nft -f` of pyproxy's whole ruleset"] = (_fmt(floor, " s", 2), "")
+
+    def pair(label: str, *path: str, scale: float = 1.0, unit: str = "",
+             digits: int = 1) -> None:
+        ours, theirs = _at(py, *path), _at(kp, *path)
+        ours = None if ours is None else ours * scale
+        theirs = None if theirs is None else theirs * scale
+        out[label] = (_fmt(ours, unit, digits) + _ratio(ours, theirs),
+                      _fmt(theirs, unit, digits))
+
+    pair("CPU s to the first sync, children's included", "after_first_sync", "total_cpu_s")
+    pair("RSS after the first sync, MiB", "after_first_sync", "rss_mib", digits=0)
+    pair("peak RSS at the end, MiB", "after_1000_more", "hwm_mib", digits=0)
+    pair("one-Service change, the sync's mean (its histogram), ms", "partial_sync_ms")
+    pair("NPL p50, quiet, ms", "npl_quiet", "p50", scale=1000, digits=0)
+    pair("NPL p99, quiet, ms", "npl_quiet", "p99", scale=1000, digits=0)
+    pair("NPL p50 at 20 changes/s, ms", "npl_churn_20", "p50", scale=1000, digits=0)
+    pair("NPL p99 at 20 changes/s, ms", "npl_churn_20", "p99", scale=1000, digits=0)
+    pair("the start: API server CPU s", "api_start", "apiserver_cpu_s")
+    pair("the start: MiB the API server sent", "api_start", "mib_sent")
+    return out
+
+
+def sizes_table(results: list[dict[str, Any]]) -> str:
+    """The sizes side by side: per size pyproxy (its ratio to kube-proxy) and kube-proxy."""
+    cells = [_cells(r) for r in results]
+    head = "| |" + "".join(f" {_size(r['services'])} × {r['endpoints']}: pyproxy | kube-proxy |"
+                           for r in results)
+    lines = [head, "|---|" + "---:|---:|" * len(results)]
+    for label in cells[0]:
+        lines.append(f"| {label} |" + "".join(f" {c[label][0]} | {c[label][1]} |"
+                                               for c in cells))
+    return "\n".join(lines)
+
+
+def _size(services: int) -> str:
+    return f"{services // 1000}k" if services % 1000 == 0 else str(services)
