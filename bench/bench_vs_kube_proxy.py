@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import against as against_build
-from bench import vs_sizes
+from bench import etcd_load, vs_sizes
 from bench.bytecode import compile_pyproxy
 from bench.kernel_floor import kernel_floor
 from bench.synth import Cluster as Synth
@@ -102,10 +102,12 @@ def slice_body(obj: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
+def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8,
+         etcd: ControlPlane | None = None) -> float:
     """Creates the synthetic cluster through the API, `workers` requests at a time; the
     answers are read, not decoded (at 44k Services decoding them was most of the client's
-    CPU)."""
+    CPU). `etcd`: the Services and EndpointSlices written into that control plane's etcd
+    instead (bench/etcd_load.py), the namespaces and Nodes through the API."""
     from kubernetes import client
 
     started = time.monotonic()
@@ -114,6 +116,11 @@ def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8) -> float:
     for name, zone, ip in (("node-a", "zone-1", node_ip), ("node-b", "zone-1", "192.168.0.11"),
                            ("node-c", "zone-2", "192.168.0.12")):
         kube.node(name, (ip,), zone=zone, region="region-1")
+    if etcd is not None:
+        etcd_load.put_all(etcd, synth)
+        etcd_load.wait_listed(kube, synth.services, sum(
+            1 for i in range(synth.services) if not synth.shape(i).no_endpoints))
+        return time.monotonic() - started
     discovery = client.DiscoveryV1Api(kube.api)
 
     def one(i: int) -> None:
@@ -466,7 +473,8 @@ def service_ports(synth: Synth) -> int:
 
 @contextmanager
 def loaded_cluster(plane: ControlPlane, services: int, endpoints: int,
-                   cost: dict[str, Any] | None = None, workers: int = 8) -> Iterator[
+                   cost: dict[str, Any] | None = None, workers: int = 8,
+                   via_etcd: bool = False) -> Iterator[
         tuple[Kube, Synth, Cluster, Lab, float]]:
     """`cost`, when given, receives what loading the objects cost the control plane."""
     kube = Kube(plane.admin_client())
@@ -476,12 +484,13 @@ def loaded_cluster(plane: ControlPlane, services: int, endpoints: int,
         cluster = lab.standard_topology(backends=2)
         plane.attach(cluster.node)
         before = vs_sizes.control_plane(plane)
-        load_s = load(kube, synth, cluster.node_ip4, workers)
+        load_s = load(kube, synth, cluster.node_ip4, workers, plane if via_etcd else None)
         if cost is not None:
             objects = synth.services + sum(1 for i in range(synth.services)
                                            if not synth.shape(i).no_endpoints)
             cost.update(vs_sizes.loading_cost(before, vs_sizes.control_plane(plane), load_s,
-                                              objects), before=before)
+                                              objects), before=before,
+                        via="etcd" if via_etcd else "api")
         kube.namespace(PROBE_NS)
         service, piece = probe_objects(cluster.pods["pod-a"].ip4)
         kube.core.create_namespaced_service(PROBE_NS, service)
@@ -525,7 +534,8 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
     """One loaded cluster: `theirs` (--against's pyproxy) and this checkout's started
     alternately first when given, then each proxy of --order measured."""
     cost: dict[str, Any] = {}
-    with loaded_cluster(plane, services, endpoints, cost, args.workers) as (
+    with loaded_cluster(plane, services, endpoints, cost, args.workers,
+                        args.load_via == "etcd") as (
             kube, synth, cluster, lab, load_s):
         print(f"\n{services} services × {endpoints} endpoints: loaded through the API in "
               f"{load_s:.0f} s ({cost['objects_per_s']} objects/s; kube-apiserver "
@@ -678,6 +688,10 @@ def main() -> int:
                         help="seconds one NPL change may take; past it the series ends")
     parser.add_argument("--workers", type=int, default=8,
                         help="concurrent requests creating the objects")
+    parser.add_argument("--load-via", choices=("api", "etcd"), default="api",
+                        help="create the Services and EndpointSlices through the API "
+                             "(default) or write them into etcd (bench/etcd_load.py: 44k "
+                             "through the API took over half an hour on the shared machine)")
     parser.add_argument("--no-floor", action="store_true",
                         help="skip the kernel floor (one nft -f of the whole ruleset)")
     parser.add_argument("--flips", type=int, default=30, help="quiet NPL samples (≥ 30)")
