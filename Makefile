@@ -132,9 +132,10 @@ bench-daemon: venv
 	$(BIN)/python -m bench.bench_daemon $(if $(AGAINST),--against $(AGAINST)) $(BENCH_FLAGS)
 
 # pyproxy against the real kube-proxy (nftables mode) of the control plane's release, on one
-# cluster loaded through the real API (bench/bench_vs_kube_proxy.py; about 20 minutes), after
-# AGAINST's pyproxy and this one started alternately on it (AGAINST= skips that):
-# VS_FLAGS e.g. --sizes 1000x10 --json out.json.
+# cluster per size loaded through the real API (bench/bench_vs_kube_proxy.py; 44k x 1, 5k x 50
+# and 10k x 10 by default, about an hour), after AGAINST's pyproxy and this one started
+# alternately on it (AGAINST= skips that): VS_FLAGS e.g. --sizes 1000x10 --json out.json,
+# --load-via etcd (44k x 1 through the API takes over half an hour here), --cap 1200.
 bench-vs-kube-proxy: venv k8s
 	$(BIN)/python -m bench.bench_vs_kube_proxy $(if $(AGAINST),--against $(AGAINST)) $(VS_FLAGS)
 

@@ -1,14 +1,18 @@
 """pyproxy against the real kube-proxy (v1.37.2, nftables mode) on the same loaded cluster.
 
 `make bench-vs-kube-proxy` (root; builds the control plane with `make k8s` first). For each size
-(1k × 10 and 10k × 10 by default): a real control plane (testkit/controlplane.py) is loaded
-through the real API with the synthetic cluster of bench/synth.py (Services, EndpointSlices,
+(44k × 1, 5k × 50 and 10k × 10 by default, issue 37's): a real control plane
+(testkit/controlplane.py) is loaded through the real API (or, `--load-via etcd`, straight
+into its etcd) with the synthetic cluster of bench/synth.py (Services, EndpointSlices,
 Nodes; the realistic mix of NodePort, LoadBalancer, affinity, eTP=Local…), then each proxy is
 started on it, one after the other, in the same node namespace with the same minSyncPeriod
 (1 s), and measured from outside:
 
 - start → first complete ruleset: process start until a connection through the Service that
-  was created last (its endpoint a real backend) succeeds;
+  was created last (its endpoint a real backend) succeeds (pyproxy's: and its log says its
+  first sync ended, a large one being staged in several transactions); a kube-proxy past
+  `--cap` is stopped, with how far it got;
+- what the start cost the API server: its CPU and the bytes it sent the node;
 - resident memory (VmRSS) after the first sync and its peak (VmHWM), CPU seconds (utime+stime);
 - network programming latency: the last Service's one endpoint is moved between two real
   backends ≥ 30 times, ≥ 2 s apart; the latency is API write → the first new connection
@@ -16,7 +20,9 @@ started on it, one after the other, in the same node namespace with the same min
 - the same under a churn of 20 endpoint changes/s on other Services;
 - memory after 1,000 more changes (RSS flat?).
 
-Prints one table per size and the ratios; `--json FILE` keeps the figures.
+Prints one table per size and the ratios, the kernel floor (bench/kernel_floor.py), issue
+37's targets met or missed, the sizes side by side (bench/vs_sizes.py); `--json FILE` keeps
+the figures, written after each size.
 
 `--against REV` (the Makefile passes AGAINST, default 9f93ef9: the code issue 14 set its
 3 s against) first starts REV's pyproxy (a temporary git worktree, bench/against.py) and
