@@ -133,11 +133,22 @@ def partial_sync_ms(means: dict[str, Any]) -> float | None:
     return None
 
 
-def table_progress(node: Netns, table: str, service_ports: int) -> dict[str, Any]:
+def table_progress(node: Netns, table: str, service_ports: int,
+                   attempts: int = 5) -> dict[str, Any]:
     """How much of a (capped) proxy's ruleset is in the kernel: its table's chains, the
-    per-service ones among them, against the Service ports the cluster has."""
-    out = node.run(["nft", "list", "chains", "ip", table], check=False, timeout=300).stdout
-    chains = [line.split()[1] for line in out.splitlines() if line.strip().startswith("chain ")]
+    per-service ones among them (kube-proxy's `service-HASH-ns/name/proto/port`), against
+    the Service ports the cluster has. A listing that a commit interrupts fails (nft: EINTR
+    while the proxy writes), so it is tried again; the last error is kept."""
+    error = ""
+    for _ in range(attempts):
+        listed = node.run(["nft", "list", "chains", "ip", table], check=False, timeout=300)
+        if listed.returncode == 0:
+            break
+        error = listed.stderr.strip()[:300]
+    else:
+        return {"error": error, "service_ports_in_cluster": service_ports}
+    chains = [line.split()[1] for line in listed.stdout.splitlines()
+              if line.strip().startswith("chain ")]
     return {"chains": len(chains),
             "service_chains": sum(1 for c in chains if c.startswith("service-")),
             "endpoint_chains": sum(1 for c in chains if c.startswith("endpoint-")),

@@ -166,3 +166,28 @@ def test_targets_hold_a_capped_kube_proxy_as_a_bound() -> None:
     means = histogram_means({"x_count": 2.0, "x_sum": 1.0},
                             {"x_count": 6.0, "x_sum": 1.2, "y_count": 0.0})
     assert means == {"x": {"count": 4, "mean_s": 0.05}}
+
+
+def test_how_far_a_capped_kube_proxy_got_survives_an_interrupted_listing() -> None:
+    """bench/vs_sizes.table_progress: a listing the proxy's commit interrupted is tried
+    again; kube-proxy's per-service and per-endpoint chains are counted by their prefixes."""
+    import subprocess
+
+    from bench.vs_sizes import table_progress
+
+    listing = ("table ip kube-proxy {\n\tchain filter-input {\n\t}\n"
+               "\tchain service-ULMVA6XW-ns1/svc1/tcp/p80 {\n\t}\n"
+               "\tchain endpoint-6UVIXZI4-ns1/svc1/tcp/p80__10.0.0.1/80 {\n\t}\n}\n")
+    answers = [subprocess.CompletedProcess([], 1, "", "Error: Interrupted system call"),
+               subprocess.CompletedProcess([], 0, listing, "")]
+
+    class Node:
+        def run(self, argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+            assert argv == ["nft", "list", "chains", "ip", "kube-proxy"]
+            return answers.pop(0)
+
+    assert table_progress(Node(), "kube-proxy", 7) == {  # type: ignore[arg-type]
+        "chains": 3, "service_chains": 1, "endpoint_chains": 1, "service_ports_in_cluster": 7}
+    answers[:] = [subprocess.CompletedProcess([], 1, "", "Error: Interrupted system call")] * 2
+    assert table_progress(Node(), "kube-proxy", 7, attempts=2) == {  # type: ignore[arg-type]
+        "error": "Error: Interrupted system call", "service_ports_in_cluster": 7}
