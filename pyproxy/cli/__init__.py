@@ -15,7 +15,9 @@ from pyproxy.cli.common import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
+    TABLE_OR_JSON,
     UsageError,
+    command,
     load_offline,
     node_config,
     node_flags,
@@ -131,29 +133,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     _config_commands(commands)
 
-    version_cmd = commands.add_parser(
-        "version", help="print pyproxy's version and the commit it was built from",
-        description="Print pyproxy's version (the package's, which the image is labelled "
-        "with), the git commit it was built from (\"unknown\" when the build did not "
-        "record one) and Python's.")
-    version_cmd.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    version_cmd.set_defaults(handler=_cmd_version)
+    command(commands, "version", _cmd_version,
+            "print pyproxy's version and the commit it was built from",
+            "Print pyproxy's version (the package's, which the image is labelled with), the "
+            "git commit it was built from (\"unknown\" when the build did not record one) and "
+            "Python's.", TABLE_OR_JSON)
 
-    completion = commands.add_parser(
-        "completion", help="print the shell completion script for bash or zsh",
-        description="Print a completion script of pyproxy's commands and flags for bash or "
-        "zsh, generated from this command line's parser (shtab). bash: `source <(pyproxy "
+    completion = command(
+        commands, "completion", _cmd_completion, "print the shell completion script for bash "
+        "or zsh", "Print a completion script of pyproxy's commands and flags for bash or zsh, "
+        "generated from this command line's parser (shtab). bash: `source <(pyproxy "
         "completion bash)`, or write it to /etc/bash_completion.d/pyproxy; zsh: write it as "
         "_pyproxy into a folder of $fpath.")
     completion.add_argument("shell", choices=("bash", "zsh"))
-    completion.set_defaults(handler=_cmd_completion)
 
-    for name, command in commands.choices.items():
+    for name, cmd in commands.choices.items():
         # `run` and `config`'s commands have it among kube-proxy's flags (and from --config)
         if name not in ("run", "config"):
-            command.add_argument("--logging-format", choices=FORMATS, default=None,
-                                 help="log lines on stderr: text (key=value) or json "
-                                      "(default: text)")
+            cmd.add_argument("--logging-format", choices=FORMATS, default=None,
+                             help="log lines on stderr: text (key=value) or json "
+                                  "(default: text)")
     return parser
 
 

@@ -7,7 +7,7 @@ import argparse
 import ipaddress
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pyproxy.cluster.snapshot import SnapshotError, load_snapshot, nothing_usable
@@ -26,6 +26,21 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3  # the live commands could not reach the daemon
+
+
+def command(commands: Any, name: str, handler: Callable[[argparse.Namespace], int], help: str,
+            description: str | None = None, outputs: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """A subcommand that runs `handler`; with `outputs`, its `-o/--output` formats (the first
+    is the default)."""
+    cmd: argparse.ArgumentParser = commands.add_parser(name, help=help, description=description)
+    if outputs:
+        cmd.add_argument("-o", "--output", choices=tuple(outputs), default=outputs[0])
+    cmd.set_defaults(handler=handler)
+    return cmd
+
+
+# What most commands print: a table for people, JSON for programs.
+TABLE_OR_JSON = ("table", "json")
 
 
 def service_key_arg(text: str) -> ServiceKey:

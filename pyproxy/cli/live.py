@@ -10,7 +10,9 @@ from typing import Any
 from pyproxy.cli.common import (
     EXIT_ERROR,
     EXIT_OK,
+    TABLE_OR_JSON,
     UsageError,
+    command,
     load_offline,
     node_config,
     node_flags,
@@ -41,31 +43,27 @@ def socket_flag(cmd: argparse.ArgumentParser) -> None:
 
 
 def live_commands(commands: Any) -> None:
-    status = commands.add_parser(
-        "status", help="the running daemon: sync health, last syncs, counts, API connection",
-        description="Ask the running daemon how it is doing. Exit code 0 healthy, 1 not "
-                    "healthy (the rules are stale, damaged, or a watch of the API server has "
-                    "had no answer for more than 2 minutes: the output says which), 3 the "
-                    "daemon cannot be reached.")
-    status.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    socket_flag(status)
-    status.set_defaults(handler=_cmd_status)
+    socket_flag(command(
+        commands, "status", _cmd_status,
+        "the running daemon: sync health, last syncs, counts, API connection",
+        "Ask the running daemon how it is doing. Exit code 0 healthy, 1 not healthy (the rules "
+        "are stale, damaged, or a watch of the API server has had no answer for more than 2 "
+        "minutes: the output says which), 3 the daemon cannot be reached.", TABLE_OR_JSON))
 
-    services = commands.add_parser(
-        "services", help="each service port, its addresses and the endpoints this node uses",
-        description="The service ports the daemon programs, with the endpoints in force "
-                    "and the topology mode (kubectl-style table).")
+    services = command(
+        commands, "services", _cmd_services,
+        "each service port, its addresses and the endpoints this node uses",
+        "The service ports the daemon programs, with the endpoints in force and the topology "
+        "mode (kubectl-style table).", ("table", "wide", "json"))
     services.add_argument("service", nargs="?", type=service_key_arg, metavar="NS/NAME")
-    services.add_argument("-o", "--output", choices=("table", "wide", "json"), default="table")
     socket_flag(services)
-    services.set_defaults(handler=_cmd_services)
 
-    trace = commands.add_parser(
-        "trace", help="where a new connection goes through this node's rules",
-        description="Follow a new connection through the rules the node programmed: the "
-                    "service matched, the chains walked, the DNAT candidates and their odds, "
-                    "masquerade or not, reject/drop. Live from the daemon's committed state, "
-                    "or offline with -f SNAPSHOT and the node flags.")
+    trace = command(
+        commands, "trace", _cmd_trace, "where a new connection goes through this node's rules",
+        "Follow a new connection through the rules the node programmed: the service matched, "
+        "the chains walked, the DNAT candidates and their odds, masquerade or not, "
+        "reject/drop. Live from the daemon's committed state, or offline with -f SNAPSHOT "
+        "and the node flags.", TABLE_OR_JSON)
     trace.add_argument("--src", required=True, metavar="IP", help="the client's address")
     trace.add_argument("--dst", required=True, metavar="IP:PORT[/PROTO]",
                        help="destination, e.g. 10.96.0.10:80/tcp or [fd00::1]:53/udp")
@@ -76,26 +74,21 @@ def live_commands(commands: Any) -> None:
                             "(live mode); exit code 1 if the kernel disagrees")
     trace.add_argument("--from-node", action="store_true",
                        help="the connection starts on the node itself (output hook)")
-    trace.add_argument("-o", "--output", choices=("table", "json"), default="table")
     trace.add_argument("-f", "--file", help="snapshot file: trace offline")
     node_flags(trace)
     socket_flag(trace)
-    trace.set_defaults(handler=_cmd_trace)
 
-    diff = commands.add_parser(
-        "diff", help="what differs between the rules committed and what the kernel holds",
-        description="Compare the rules the daemon believes it committed with the kernel's. "
-                    "Exit code 0 identical, 1 different, 3 the daemon cannot be reached.")
-    diff.add_argument("-o", "--output", choices=("table", "json"), default="table")
-    socket_flag(diff)
-    diff.set_defaults(handler=_cmd_diff)
+    socket_flag(command(
+        commands, "diff", _cmd_diff,
+        "what differs between the rules committed and what the kernel holds",
+        "Compare the rules the daemon believes it committed with the kernel's. Exit code 0 "
+        "identical, 1 different, 3 the daemon cannot be reached.", TABLE_OR_JSON))
 
-    history = commands.add_parser(
-        "history", help="the last syncs: what changed, why, how long each phase took")
+    history = command(commands, "history", _cmd_history,
+                      "the last syncs: what changed, why, how long each phase took",
+                      outputs=TABLE_OR_JSON)
     history.add_argument("-n", type=int, default=20, help="how many (default 20)")
-    history.add_argument("-o", "--output", choices=("table", "json"), default="table")
     socket_flag(history)
-    history.set_defaults(handler=_cmd_history)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
