@@ -179,6 +179,16 @@ def _gates(value: dict[str, bool]) -> Mapping[str, bool]:
     return MappingProxyType(dict(value))
 
 
+def _conntrack_timeout(name: str, sysctl: str, field: str) -> Setting:
+    """conntrack_NAME_timeout: the sysctl nf_conntrack_SYSCTL set at start (as kube-proxy
+    does; 0s leaves it alone), conntrack.FIELD in the file, --conntrack-SYSCTL."""
+    return Setting(f"conntrack_{name}_timeout", ValueType.DURATION, _not_negative_duration,
+                   f"nf_conntrack_{sysctl} at start; 0s leaves it alone",
+                   applied_by="host.py, at start", paths=(f"conntrack.{field}",),
+                   flag=f"conntrack-{sysctl.replace('_', '-')}",
+                   flag_help="0 leaves the sysctl alone")
+
+
 def _identity(value: Any) -> Any:
     return value
 
@@ -389,31 +399,15 @@ SETTINGS: tuple[Setting, ...] = (
             applied_by="host.py, at start",
             paths=("conntrack.min",),
             flag="conntrack-min", flag_help="lower bound of nf_conntrack_max"),
-    Setting("conntrack_tcp_established_timeout", ValueType.DURATION, _not_negative_duration,
-            "nf_conntrack_tcp_timeout_established at start; 0s leaves it alone",
-            applied_by="host.py, at start",
-            paths=("conntrack.tcpEstablishedTimeout",),
-            flag="conntrack-tcp-timeout-established", flag_help="0 leaves the sysctl alone"),
-    Setting("conntrack_tcp_close_wait_timeout", ValueType.DURATION, _not_negative_duration,
-            "nf_conntrack_tcp_timeout_close_wait at start; 0s leaves it alone",
-            applied_by="host.py, at start",
-            paths=("conntrack.tcpCloseWaitTimeout",),
-            flag="conntrack-tcp-timeout-close-wait", flag_help="0 leaves the sysctl alone"),
+    _conntrack_timeout("tcp_established", "tcp_timeout_established", "tcpEstablishedTimeout"),
+    _conntrack_timeout("tcp_close_wait", "tcp_timeout_close_wait", "tcpCloseWaitTimeout"),
     Setting("conntrack_tcp_be_liberal", ValueType.BOOL, _identity,
             "nf_conntrack_tcp_be_liberal = 1 at start (false leaves it alone)",
             applied_by="host.py, at start",
             paths=("conntrack.tcpBeLiberal",),
             flag="conntrack-tcp-be-liberal", flag_help="set nf_conntrack_tcp_be_liberal"),
-    Setting("conntrack_udp_timeout", ValueType.DURATION, _not_negative_duration,
-            "nf_conntrack_udp_timeout at start; 0s leaves it alone",
-            applied_by="host.py, at start",
-            paths=("conntrack.udpTimeout",),
-            flag="conntrack-udp-timeout", flag_help="0 leaves the sysctl alone"),
-    Setting("conntrack_udp_stream_timeout", ValueType.DURATION, _not_negative_duration,
-            "nf_conntrack_udp_timeout_stream at start; 0s leaves it alone",
-            applied_by="host.py, at start",
-            paths=("conntrack.udpStreamTimeout",),
-            flag="conntrack-udp-timeout-stream", flag_help="0 leaves the sysctl alone"),
+    _conntrack_timeout("udp", "udp_timeout", "udpTimeout"),
+    _conntrack_timeout("udp_stream", "udp_timeout_stream", "udpStreamTimeout"),
     Setting("fast_failure", ValueType.BOOL, _identity,
             applied_by="run.py: the conntrack cleanup after syncs (sync/conntrack.py, "
             "core/departed.py)",
