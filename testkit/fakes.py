@@ -9,7 +9,6 @@ import bisect
 import contextlib
 import copy
 import math
-import re
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -26,6 +25,7 @@ from pyproxy.render.objects import (
     Element,
     ElementValue,
     Key,
+    Rule,
     SetDecl,
     Verdict,
     element_text,
@@ -37,15 +37,11 @@ from pyproxy.render.staging import ElementChunk
 from pyproxy.sync.node import NodeProxier, SyncObserver
 from pyproxy.sync.proxier import FamilyProxier
 
-# A rule's text is nft's own syntax (the renderer's, passed through): what it jumps to and
-# which sets it uses, for the kernel's "still referenced" refusals.
-_REFERENCE = re.compile(r"(?:jump|goto) (\S+)|@(\S+)")
-
 
 @dataclass
 class _Chain:
     base: tuple[str, str, int] | None = None  # (type, hook, priority) of a base chain
-    rules: list[str] = field(default_factory=list)
+    rules: list[Rule] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +61,7 @@ class _Table:
         found: set[str] = set()
         for chain in self.chains.values():
             for rule in chain.rules:
-                for match in _REFERENCE.finditer(rule):
-                    found.add((match[1] or match[2]).rstrip(";,}"))
+                found.update(rule.sets(), rule.chains())
         for found_set in self.sets.values():
             found.update(value.chain for value in found_set.elements.values()
                          if isinstance(value, Verdict) and value.chain)
@@ -79,7 +74,7 @@ class FakeKernel:
     maps with their declarations and elements. Like the kernel, a transaction is all or
     nothing, and it fails for a missing object, a clashing element, a chain or set still
     referenced, a set declared otherwise, or a base chain whose properties would change in
-    place. Rule texts are kept as given (nft would normalise them). `fail_next` refuses the
+    place. Rules are kept as given (nft would normalise their text). `fail_next` refuses the
     next transactions as the kernel would (the drills' /fault)."""
 
     def __init__(self) -> None:
@@ -120,11 +115,6 @@ class FakeKernel:
         found = self._set(family, name)
         return None if found is None else list(found.elements.items())
 
-    def get_element(self, family: str, container: str, key: Key) -> str | None:
-        found = self._set(family, container)
-        value = None if found is None else found.elements.get(key)
-        return None if value is None else element_text(key, value)
-
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         table = self.tables.get(family)
         return ([], []) if table is None else (list(table.chains), list(table.sets))
@@ -137,7 +127,7 @@ class FakeKernel:
 
     def list_ruleset(self) -> dict[str, Any]:
         """The tables as a terse `nft -j list ruleset` lists them (no elements; a rule's
-        expression is its text here, where nft would give its JSON form)."""
+        expression is its nft text here, where nft would give its JSON form)."""
         out: list[dict[str, Any]] = [{"metainfo": {"json_schema_version": 1}}]
         for family, table in self.tables.items():
             where = {"family": family, "table": TABLE}
@@ -152,7 +142,7 @@ class FakeKernel:
                     ("type", "hook", "prio"), chain.base, strict=True), policy="accept")
                 out.append({"chain": {**where, "name": chain_name, **base}})
             for chain_name, chain in table.chains.items():
-                out += [{"rule": {**where, "chain": chain_name, "expr": rule}}
+                out += [{"rule": {**where, "chain": chain_name, "expr": rule.text()}}
                         for rule in chain.rules]
         return {"nftables": out}
 
@@ -175,7 +165,7 @@ class FakeKernel:
         elif isinstance(obj, ops.Rule):
             if verb is not Verb.ADD or obj.chain not in table.chains:
                 raise NftError(f"No such file or directory: {verb} rule in {obj.chain}")
-            table.chains[obj.chain].rules.append(obj.text)
+            table.chains[obj.chain].rules.append(obj.rule)
         elif isinstance(obj, ops.Set):
             self._container(table, verb, obj)
         else:

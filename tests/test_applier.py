@@ -15,7 +15,7 @@ from pyproxy.core.plan import Cause, Scope, SyncPlan
 from pyproxy.kernel.libnftables import NftError
 from pyproxy.kernel.nft import FaultyKernel
 from pyproxy.render import ops
-from pyproxy.render.objects import VERDICT, Element, SetDecl, Verdict
+from pyproxy.render.objects import VERDICT, Element, SetDecl, Verdict, rule
 from pyproxy.serve.live import trace_in
 from pyproxy.sync.applier import Applier, inject_faults, pending_faults
 from pyproxy.sync.node import NodeProxier
@@ -79,7 +79,7 @@ def test_the_fake_kernel_refuses_what_the_kernel_refuses() -> None:
     nat = ops.Chain("nat-prerouting", ("nat", "prerouting", -100))
     to_b = ops.Elements("m", ((("10.0.0.1",), Verdict("goto", "b")),))
     nft.apply("ip", [ops.add(ops.Table()), ops.add(ops.Chain("a")), ops.add(ops.Chain("b")),
-                     ops.add(ops.Rule("a", "goto b")),
+                     ops.add(ops.Rule("a", rule(Verdict("goto", "b")))),
                      ops.add(ops.Set("m", SetDecl(("ipv4_addr",), VERDICT))), ops.add(to_b),
                      ops.add(nat)])
     refused = {
@@ -91,14 +91,14 @@ def test_the_fake_kernel_refuses_what_the_kernel_refuses() -> None:
         ops.add(ops.Set("m", SetDecl(("ipv4_addr",), VERDICT, flags=("interval",)))):
             "File exists",  # a declaration cannot change in place
         ops.flush(ops.Chain("c")): "No such file",
-        ops.add(ops.Rule("c", "counter")): "No such file",
+        ops.add(ops.Rule("c", rule("counter"))): "No such file",
     }
     for op, error in refused.items():
         with pytest.raises(NftError, match=error):
             nft.apply("ip", [op])
     nft.apply("ip", [ops.flush(ops.Chain("a")), ops.delete(to_b), ops.delete(ops.Chain("b"))])
     assert nft.list_names("ip") == (["a", "nat-prerouting"], ["m"])
-    assert nft.get_element("ip", "m", ("10.0.0.1",)) is None
+    assert nft.list_elements("ip", "map", "m") == []
 
 
 # --- tamper repair, diff, verify ---------------------------------------------------------------
@@ -185,7 +185,7 @@ def test_injected_faults_refuse_sync_transactions_and_then_stop() -> None:
     assert nft.list_ruleset() == before and pending_faults(one) == 0
     proxier.sync()
     assert proxier.history[-1].full and proxier.history[-1].error is None
-    assert nft.get_element("ip", "cluster-ips", ("10.96.0.20",)) == "10.96.0.20"
+    assert (("10.96.0.20",), ()) in (nft.list_elements("ip", "set", "cluster-ips") or [])
 
 
 def test_an_injected_fault_is_kept_for_a_sync_not_taken_by_a_stale_chain_cleanup() -> None:

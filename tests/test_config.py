@@ -987,7 +987,7 @@ class TestNodeConfig:
         assert node.nodeport_addresses == ("192.168.50.0/24", "primary")
         assert (node.masquerade_bit, node.masquerade_all) == (5, True)
         rendered = render_config(node, IPFamily.IPv4)
-        assert rendered.local_match() == 'iifname "veth*"'
+        assert rendered.local_match().text() == 'iifname "veth*"'
         assert rendered.mark == "0x00000020"
 
     @pytest.mark.parametrize(("mode", "interface"), [
@@ -1007,7 +1007,8 @@ class TestNodeConfig:
         node = ProxyConfig(detect_local_mode=LocalMode.NODE_CIDR).node_config(
             "n", ["10.0.0.5"], ["10.244.3.0/24", "fd00:10:244:3::/64"])
         assert node.node_cidrs == ("10.244.3.0/24", "fd00:10:244:3::/64")
-        assert render_config(node, IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
+        match = render_config(node, IPFamily.IPv4).local_match()
+        assert match is not None and match.text() == "ip saddr 10.244.3.0/24"
 
     @pytest.mark.parametrize(("addresses", "expected"), [
         pytest.param(("all",), (), id="all is every local address"),

@@ -16,7 +16,7 @@ import pytest
 
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.kernel.libnftables import NftError
-from pyproxy.render.objects import Fragment, Item, Kind
+from pyproxy.render.objects import Fragment, Item, Kind, rule
 from testkit.builders import ep, make_node, make_service, make_service_cidr, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
@@ -383,7 +383,7 @@ def test_failed_transaction_leaves_rules_intact(cluster: Cluster, proxy: NodePro
     objs = [*NODES, service(), endpoints(cluster, ["pod-a"])]
     proxy.apply(objs)
     applier = proxy.proxiers[0].applier
-    broken = Fragment((Item(Kind.CHAIN, "broken", "", ("this is not nft",)),))
+    broken = Fragment((Item(Kind.CHAIN, "broken", "", (rule("this is not nft"),)),))
     with pytest.raises(NftError):
         applier.sync({"bad": broken})
     assert not applier.in_step

@@ -145,7 +145,7 @@ def test_the_reject_map_holds_the_nodeports_nobody_serves(config: NodeConfig,
              "@localhost-nodeport-reject-ports")
     assert (check in script) == bool(rejected)
     six = skeleton(render_config(config, V6))
-    assert any("ip6 daddr ::1 meta l4proto" in rule for item in six.items
+    assert any("ip6 daddr ::1 meta l4proto" in rule.text() for item in six.items
                if item.kind is Kind.CHAIN for rule in item.value) == bool(rejected)
     assert any(item.container == "localhost-nodeport-reject-sctp" for item in six.items) == bool(
         rejected)

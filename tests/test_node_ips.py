@@ -96,7 +96,8 @@ def test_node_cidr_mode_takes_the_nodes_pod_cidrs() -> None:
     node = Node("node-a", pod_cidrs=("10.244.3.0/24",))
     config = node_config_for(ProxyConfig(detect_local_mode=LocalMode.NODE_CIDR), "node-a", node,
                              ("192.168.50.1",))
-    assert render_config(config, IPFamily.IPv4).local_match() == "ip saddr 10.244.3.0/24"
+    match = render_config(config, IPFamily.IPv4).local_match()
+    assert match is not None and match.text() == "ip saddr 10.244.3.0/24"
 
 
 # --- which addresses accept NodePorts (kube-proxy's NodePortAddresses.GetNodeIPs) ----------

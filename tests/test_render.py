@@ -21,8 +21,10 @@ from pyproxy.render.objects import (
     Fragment,
     Item,
     Kind,
+    SetRef,
     Verdict,
     key_text,
+    rule,
     value_text,
 )
 from pyproxy.render.ruleset import (
@@ -56,7 +58,8 @@ def elements(items: set[Item], container: str) -> dict[str, str]:
 
 
 def chains(items: set[Item]) -> dict[str, list[str]]:
-    return {i.container: list(i.value) for i in items if i.kind is Kind.CHAIN}
+    return {i.container: [r.text() for r in i.value] for i in items  # type: ignore[union-attr]
+            if i.kind is Kind.CHAIN}
 
 
 def lines(operations: list[ops.Op]) -> list[str]:
@@ -230,9 +233,9 @@ def test_new_connections_are_counted_after_dnat_in_dynamic_sets() -> None:
     # reached from every hook after DNAT, by the first packet of a DNATed connection only
     jump = "ct status & (dnat | confirmed) == dnat jump count-new-connections"
     for chain in ("filter-input", "filter-forward", "filter-output-post-dnat"):
-        assert BASE_CHAIN_RULES[chain][-1] == jump
-    assert not any(jump in r for c in ("filter-prerouting", "filter-output", "nat-prerouting",
-                                       "nat-output", "nat-postrouting")
+        assert BASE_CHAIN_RULES[chain][-1].text() == jump
+    assert not any(jump in r.text() for c in ("filter-prerouting", "filter-output",
+                                              "nat-prerouting", "nat-output", "nat-postrouting")
                    for r in BASE_CHAIN_RULES[c])
 
 
@@ -263,7 +266,7 @@ def _frag(*items: Item) -> Fragment:
 
 
 def test_shared_slots_are_reference_counted() -> None:
-    chain = Item(Kind.CHAIN, "cluster-tcp-2", "", ("rule",))
+    chain = Item(Kind.CHAIN, "cluster-tcp-2", "", (rule("rule"),))
     state = DesiredState()
     change = Change()
     state.set("a", _frag(chain), change)
@@ -471,9 +474,11 @@ def test_a_big_owners_change_goes_through_the_store_as_a_small_ones() -> None:
     same change compared item by item."""
     slots = [Item(Kind.ELEMENT, "endpoints-tcp-1", ("10.96.0.1", 80, i),
                   (f"10.244.{i // 250}.{i % 250}", 8080)) for i in range(1000)]
-    chain_item = Item(Kind.CHAIN, "cluster-tcp-1000", "", ("numgen random mod 1000 vmap @m",))
+    chain_item = Item(Kind.CHAIN, "cluster-tcp-1000", "", (rule("numgen random mod 1000 vmap",
+                                                                SetRef("m")),))
     before = _frag(chain_item, *slots)
-    after = _frag(chain_item._replace(container="cluster-tcp-1001", value=("mod 1001",)), *slots,
+    after = _frag(chain_item._replace(container="cluster-tcp-1001", value=(rule("mod 1001"),)),
+                  *slots,
                   Item(Kind.ELEMENT, "endpoints-tcp-1", ("10.96.0.1", 80, 1000),
                        ("10.244.9.9", 8080)))
     state, small = DesiredState(), DesiredState()

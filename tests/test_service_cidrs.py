@@ -170,7 +170,7 @@ def test_each_family_drops_its_own_cidrs_after_the_cluster_ip_check() -> None:
     assert v6[(Kind.ELEMENT, "service-cidrs")] == ["fd00:96::/108"]
     assert v4[(Kind.SET, "service-cidrs")] == [
         SetDecl(("ipv4_addr",), flags=("interval",), comment="ServiceCIDRs")]
-    assert list(v4[(Kind.CHAIN, "cluster-ips-check")][0]) == [
+    assert [r.text() for r in v4[(Kind.CHAIN, "cluster-ips-check")][0]] == [
         'ip daddr @cluster-ips reject comment "invalid port of a ClusterIP"',
         'ip daddr @service-cidrs drop comment "unallocated ClusterIP"']
     # none known: the set stays empty, nothing is dropped

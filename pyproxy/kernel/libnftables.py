@@ -18,7 +18,7 @@ import structlog
 
 from pyproxy.kernel import nlelements, nltable
 from pyproxy.render import ops, staging
-from pyproxy.render.objects import TABLE, Element, Field, Key, Verdict, key_text
+from pyproxy.render.objects import TABLE, Element, Field, Key, Verdict
 from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import Structure
 
@@ -322,15 +322,6 @@ class LibNftables:
                 return [element_of(item) for item in entry[kind].get("elem", ())]
         return None
 
-    def get_element(self, family: str, container: str, key: Key) -> str | None:
-        """One element as the kernel holds it (`nft get element`), or None when absent."""
-        rc, out, _ = self._factory().cmd(
-            f"get element {family} {TABLE} {container} {{ {key_text(key)} }}")
-        if rc != 0:
-            return None
-        found = parse_elements(str(out))
-        return found[0] if found else None
-
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         """Names of our table's chains and of its sets and maps."""
         structure = self.list_structure(family)
@@ -398,37 +389,6 @@ def _field(value: Any) -> Field:
     if not isinstance(value, str | int):
         raise ValueError(f"an element's field nft listed as {value!r}")
     return value
-
-
-def parse_elements(listing: str) -> list[str]:
-    """Elements from `nft list set|map` output: the text between `elements = {` and its
-    closing brace, split at the top-level commas."""
-    start = listing.find("elements = {")
-    if start < 0:
-        return []
-    return split_top_level(listing[start + len("elements = {"):])
-
-
-def split_top_level(body: str) -> list[str]:
-    """`a, b { c, d }, e` → its parts at the top-level commas, white space folded; an
-    unmatched `}` ends the body."""
-    depth = 0
-    current: list[str] = []
-    out: list[str] = []
-    for char in body:
-        if char == "}" and depth == 0:
-            break
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-        if char == "," and depth == 0:
-            out.append("".join(current))
-            current = []
-        else:
-            current.append(char)
-    out.append("".join(current))
-    return [" ".join(e.split()) for e in out if e.strip()]
 
 
 def first_lines(text: str, limit: int = 20) -> str:

@@ -15,7 +15,6 @@ from pyproxy.kernel.libnftables import NftError
 from pyproxy.render import ops, staging
 from pyproxy.render.objects import (
     Element,
-    Key,
 )
 from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import (
@@ -58,10 +57,6 @@ class Kernel(Protocol):
 
     def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
         """The elements of one set or map, (key, value) each."""
-        ...
-
-    def get_element(self, family: str, container: str, key: Key) -> str | None:
-        """One element as the kernel holds it (as nft lists it)."""
         ...
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
@@ -110,9 +105,6 @@ class FaultyKernel:
 
     def list_elements(self, family: str, kind: str, name: str) -> list[Element] | None:
         return self.inner.list_elements(family, kind, name)
-
-    def get_element(self, family: str, container: str, key: Key) -> str | None:
-        return self.inner.get_element(family, container, key)
 
     def list_names(self, family: str) -> tuple[list[str], list[str]]:
         return self.inner.list_names(family)

@@ -5,10 +5,11 @@ staging, the applier, the tracer and the connection counters consume them. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from ipaddress import ip_address
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 TABLE = "pyproxy"
 # The ruleset's layout, recorded in the table's comment. Raise it whenever a release names,
@@ -228,15 +229,185 @@ def _format(key_fields: int, data_fields: int) -> str:
     return found
 
 
+# ---------------------------------------------------------------------------------------------
+# A chain's rules: typed statements, written as nft text by `Rule.text` alone. What a reader
+# needs of a rule (the sets and chains it uses, how it picks an endpoint, whom it applies to)
+# it reads from the statements, never from the text (as knftables' objects are read).
+
+
+class SetRef(NamedTuple):
+    """`@NAME`: a set or map a rule matches against, looks up in or updates."""
+
+    name: str
+
+    def text(self) -> str:
+        return f"@{self.name}"
+
+
+class Source(StrEnum):
+    """Whom a rule's leading match selects, as far as the tracer must know it."""
+
+    LOCAL_POD = "a local pod"
+    NOT_LOCAL_POD = "not a local pod"
+    NODE = "the node itself"
+
+
+class SourceMatch(NamedTuple):
+    """A match on where the packet comes from: `expr` is nft's (`ip saddr 10.0.0.0/8`,
+    `iifname "cbr0"`, `fib saddr type local`)."""
+
+    source: Source
+    expr: str
+
+    def text(self) -> str:
+        return self.expr
+
+
+FROM_NODE = SourceMatch(Source.NODE, "fib saddr type local")
+
+
+class Masquerade(NamedTuple):
+    """`meta mark set meta mark | MARK`: the connection is masqueraded on its way out."""
+
+    mark: str
+
+    def text(self) -> str:
+        return f"meta mark set meta mark | {self.mark}"
+
+
+class Draw(StrEnum):
+    """How a pick draws its index: numgen's, or jhash's over the source (and port)."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "inc"
+    HASH = "jhash"
+
+
+class PickDnat(NamedTuple):
+    """`dnat IP to KEY . INDEX map @MAP`: DNAT to the endpoint in slot INDEX of the service's
+    slots in MAP, INDEX drawn over `slots` slots from `offset` on."""
+
+    ip: str  # ip or ip6
+    key: str  # the map key's service part: `ip daddr . tcp dport`, `tcp dport`
+    draw: Draw
+    slots: int
+    map: str
+    offset: int = 0
+    hashed: str = ""  # for Draw.HASH: what is hashed (`ip saddr`, `ip saddr . tcp sport`)
+    seed: int = 0
+
+    def drawn(self) -> str:
+        """How the index is drawn, as nft writes it."""
+        off = f" offset {self.offset}" if self.offset else ""
+        if self.draw is Draw.HASH:
+            return f"jhash {self.hashed} mod {self.slots} seed 0x{self.seed:08x}{off}"
+        return f"numgen {self.draw.value} mod {self.slots}{off}"
+
+    def text(self) -> str:
+        return f"dnat {self.ip} to {self.key} . {self.drawn()} map @{self.map}"
+
+
+class DnatTo(NamedTuple):
+    """`meta l4proto PROTO dnat IP to ADDRESS:PORT`: DNAT to one endpoint."""
+
+    ip: str
+    proto: str
+    address: str
+    port: int
+
+    def text(self) -> str:
+        target = f"[{self.address}]" if ":" in self.address else self.address
+        return f"meta l4proto {self.proto} dnat {self.ip} to {target}:{self.port}"
+
+
+class ClientOf(NamedTuple):
+    """`IP saddr @SET`: a client the affinity set remembers."""
+
+    ip: str
+    set: str
+
+    def text(self) -> str:
+        return f"{self.ip} saddr @{self.set}"
+
+
+class Remember(NamedTuple):
+    """`update @SET { IP saddr }`: the affinity set remembers (or renews) this client."""
+
+    ip: str
+    set: str
+
+    def text(self) -> str:
+        return f"update @{self.set} {{ {self.ip} saddr }}"
+
+
+# One statement of a rule; a plain string is nft text that names no object of ours.
+Statement = str | SetRef | Verdict | SourceMatch | Masquerade | PickDnat | DnatTo | ClientOf \
+    | Remember
+
+
+class Rule(NamedTuple):
+    """A chain's rule: its statements in order."""
+
+    statements: tuple[Statement, ...]
+
+    def text(self) -> str:
+        """The rule as nft writes it."""
+        return " ".join(s if isinstance(s, str) else s.text() for s in self.statements)
+
+    def sets(self) -> tuple[str, ...]:
+        """The sets and maps the rule uses."""
+        return tuple(_set_of(s) for s in self.statements if _set_of(s))
+
+    def chains(self) -> tuple[str, ...]:
+        """The chains it jumps or goes to."""
+        return tuple(s.chain for s in self.statements if isinstance(s, Verdict) and s.chain)
+
+    def renamed(self, names: Mapping[str, str]) -> Rule:
+        """The same rule using other sets and maps (`names`: old → new; others stay)."""
+        return Rule(tuple(_renamed(s, names) for s in self.statements))
+
+    def of(self, kind: type[_S]) -> _S | None:
+        """The rule's first statement of that kind."""
+        return next((s for s in self.statements if isinstance(s, kind)), None)
+
+
+_S = TypeVar("_S")
+
+
+def rule(*statements: Statement) -> Rule:
+    return Rule(statements)
+
+
+def _set_of(statement: Statement) -> str:
+    if isinstance(statement, SetRef):
+        return statement.name
+    if isinstance(statement, PickDnat):
+        return statement.map
+    if isinstance(statement, ClientOf | Remember):
+        return statement.set
+    return ""
+
+
+def _renamed(statement: Statement, names: Mapping[str, str]) -> Statement:
+    name = _set_of(statement)
+    if name not in names:
+        return statement
+    if isinstance(statement, PickDnat):
+        return statement._replace(map=names[name])
+    if isinstance(statement, SetRef):
+        return SetRef(names[name])
+    assert isinstance(statement, ClientOf | Remember)
+    return statement._replace(set=names[name])
+
+
 class Kind(StrEnum):
     SET = "set"  # a set or map declaration; value = its SetDecl
     CHAIN = "chain"  # value = its Rules
     ELEMENT = "element"  # container = set/map name, key = its Key, value = its ElementValue
 
 
-# A chain's rules, in order, each nft's own syntax (written by the renderer and passed through
-# as it is, as knftables keeps them).
-Rules = tuple[str, ...]
+# A chain's rules, in order.
+Rules = tuple[Rule, ...]
 # A slot's value: what `Item.value` holds for its kind.
 Value = Rules | SetDecl | ElementValue
 
@@ -286,18 +457,19 @@ BASE_CHAINS: dict[str, tuple[str, str, int]] = {
 # a UDP flow until its first reply, but only the first packet passes before the conntrack entry
 # is confirmed (at the end of postrouting/input). Another table's DNAT reaches the chain too;
 # its keys belong to no service, are not exported and are garbage-collected.
-_COUNT_NEW_CONNECTIONS = f"ct status & (dnat | confirmed) == dnat jump {COUNT_CONNECTIONS_CHAIN}"
+_COUNT_NEW_CONNECTIONS = rule("ct status & (dnat | confirmed) == dnat",
+                              Verdict("jump", COUNT_CONNECTIONS_CHAIN))
 
-BASE_CHAIN_RULES: dict[str, tuple[str, ...]] = {
-    "filter-prerouting": (f"ct state new jump {FIREWALL_CHECK}",),
+BASE_CHAIN_RULES: dict[str, Rules] = {
+    "filter-prerouting": (rule("ct state new", Verdict("jump", FIREWALL_CHECK)),),
     "filter-input": (
-        f"ct state new jump {NODEPORT_ENDPOINTS_CHECK}",
-        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
+        rule("ct state new", Verdict("jump", NODEPORT_ENDPOINTS_CHECK)),
+        rule("ct state new", Verdict("jump", SERVICE_ENDPOINTS_CHECK)),
         _COUNT_NEW_CONNECTIONS,
     ),
     "filter-forward": (
-        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
-        f"ct state new jump {CLUSTER_IPS_CHECK}",
+        rule("ct state new", Verdict("jump", SERVICE_ENDPOINTS_CHECK)),
+        rule("ct state new", Verdict("jump", CLUSTER_IPS_CHECK)),
         _COUNT_NEW_CONNECTIONS,
     ),
     # Source ranges are checked against the destination before DNAT; the endpoints check
@@ -305,15 +477,15 @@ BASE_CHAIN_RULES: dict[str, tuple[str, ...]] = {
     # DNATed to the cluster endpoints, and the `drop` this node has for that address (no
     # local endpoint) is meant for traffic from outside only (kubernetes#131765). What is
     # still un-DNATed after nat-output found no endpoint, exactly as in input and forward.
-    "filter-output": (f"ct state new jump {FIREWALL_CHECK}",),
+    "filter-output": (rule("ct state new", Verdict("jump", FIREWALL_CHECK)),),
     "filter-output-post-dnat": (
-        f"ct state new jump {SERVICE_ENDPOINTS_CHECK}",
-        f"ct state new jump {CLUSTER_IPS_CHECK}",
+        rule("ct state new", Verdict("jump", SERVICE_ENDPOINTS_CHECK)),
+        rule("ct state new", Verdict("jump", CLUSTER_IPS_CHECK)),
         _COUNT_NEW_CONNECTIONS,
     ),
-    "nat-prerouting": (f"jump {SERVICES_CHAIN}",),
-    "nat-output": (f"jump {SERVICES_CHAIN}",),
-    "nat-postrouting": (f"jump {MASQUERADING_CHAIN}",),
+    "nat-prerouting": (rule(Verdict("jump", SERVICES_CHAIN)),),
+    "nat-output": (rule(Verdict("jump", SERVICES_CHAIN)),),
+    "nat-postrouting": (rule(Verdict("jump", MASQUERADING_CHAIN)),),
 }
 
 

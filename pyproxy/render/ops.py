@@ -3,9 +3,9 @@ text. Pure: the kernel shell (kernel/libnftables.py) sends the text, the fake ke
 (testkit/fakes.py) applies the operations themselves, so nothing reads back the text
 pyproxy wrote.
 
-As knftables does, an operation is a verb and an object: the table, a chain, a rule, a set
-or map (with its declaration), or some elements of one set or map. A rule's text is nft's
-own syntax, written by the renderer and passed through as it is."""
+As knftables does, an operation is a verb and an object: the table, a chain, a rule (its
+typed statements, objects.Rule), a set or map (with its declaration), or some elements of one
+set or map."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from enum import StrEnum
 from typing import NamedTuple
 
+from pyproxy.render import objects
 from pyproxy.render.objects import TABLE, ElementValue, Key, SetDecl, element_text, key_text
 
 
@@ -36,8 +37,10 @@ class Chain(NamedTuple):
 
 
 class Rule(NamedTuple):
+    """A rule appended to its chain."""
+
     chain: str
-    text: str
+    rule: objects.Rule
 
 
 class Set(NamedTuple):
@@ -89,7 +92,7 @@ def line(family: str, op: Op) -> str:
                     f"{priority}; policy accept; }}")
         return f"{verb} chain {where} {obj.name}"
     if isinstance(obj, Rule):
-        return f"{verb} rule {where} {obj.chain} {obj.text}"
+        return f"{verb} rule {where} {obj.chain} {obj.rule.text()}"
     if isinstance(obj, Set):
         declaration = obj.declaration
         kind = "set" if declaration is None else declaration.kind

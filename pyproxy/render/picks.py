@@ -13,9 +13,13 @@ from pyproxy.core.model import (
     ServicePort,
 )
 from pyproxy.render.objects import (
+    FROM_NODE,
+    Draw,
     Item,
+    PickDnat,
     endpoints_map,
     nodeport_endpoints_map,
+    rule,
 )
 from pyproxy.render.skeleton import (
     RenderConfig,
@@ -35,27 +39,23 @@ class Picker:
     # Round robin's chains are per service (named after it); the others ignore the port.
     port: ServicePort | None
 
-    def index(self, count: int, offset: int) -> str:
-        """An index in offset..offset+count-1, per the algorithm."""
-        ip, alg, off = self.cfg.ip, self.balancing.algorithm, f" offset {offset}" if offset else ""
-        seed = f" seed 0x{self.balancing.seed:08x}"
-        if alg is Algorithm.ROUND_ROBIN:
-            return f"numgen inc mod {count}{off}"
-        if alg is Algorithm.SOURCE_HASH:
-            return f"jhash {ip} saddr mod {count}{seed}{off}"
-        if alg is Algorithm.MAGLEV:
-            return f"jhash {ip} saddr . {self.proto} sport mod {count}{seed}{off}"
-        return f"numgen random mod {count}{off}"
-
-    def dnat(self, count: int, offset: int, nodeport: bool, suffix: str = "") -> str:
-        """`suffix`: that of the service's own endpoints map (OWN_MAP_SLOTS)."""
-        ip, proto = self.cfg.ip, self.proto
+    def dnat(self, count: int, offset: int, nodeport: bool, suffix: str = "") -> PickDnat:
+        """DNAT to one of `count` slots from `offset` on, the index drawn per the algorithm.
+        `suffix`: that of the service's own endpoints map (OWN_MAP_SLOTS)."""
+        ip, proto, alg = self.cfg.ip, self.proto, self.balancing.algorithm
         if nodeport:
             key, container = f"{proto} dport", nodeport_endpoints_map(proto)
         else:
             key, container = f"{ip} daddr . {proto} dport", endpoints_map(proto)
-        container = own_name(container, suffix)
-        return f"dnat {ip} to {key} . {self.index(count, offset)} map @{container}"
+        pick = PickDnat(ip, key, Draw.RANDOM, count, own_name(container, suffix), offset)
+        if alg is Algorithm.ROUND_ROBIN:
+            return pick._replace(draw=Draw.ROUND_ROBIN)
+        if alg is Algorithm.SOURCE_HASH:
+            return pick._replace(draw=Draw.HASH, hashed=f"{ip} saddr", seed=self.balancing.seed)
+        if alg is Algorithm.MAGLEV:
+            return pick._replace(draw=Draw.HASH, hashed=f"{ip} saddr . {proto} sport",
+                                 seed=self.balancing.seed)
+        return pick
 
     def chain_name(self, base: str) -> str:
         """Random keeps the plain shared name; hashing shares chains per seed; round robin's
@@ -90,14 +90,14 @@ def build_cluster_pick_chain(picker: Picker, count: int, suffix: str = "") -> It
     name = picker.chain_name(own_name(f"cluster-{proto}-{count}", suffix))
     rules = []
     if cfg.masquerade_all:
-        rules.append(masquerade(cfg))
+        rules.append(rule(masquerade(cfg)))
     else:
         # Sources outside the cluster (a static route to the service CIDR, the node itself)
         # are masqueraded so that replies come back through this node.
         not_local = cfg.local_match(negate=True)
         if not_local:
-            rules.append(f"{not_local} {masquerade(cfg)}")
-    rules.append(picker.dnat(count, 0, nodeport=False, suffix=suffix))
+            rules.append(rule(not_local, masquerade(cfg)))
+    rules.append(rule(picker.dnat(count, 0, nodeport=False, suffix=suffix)))
     return chain_item(name, rules)
 
 
@@ -114,7 +114,7 @@ def external_pick_chain(picker: Picker, cluster: int, local: int, is_local: bool
     if not is_local:
         # externalTrafficPolicy: Cluster: always masqueraded (the endpoint may be elsewhere).
         return chain_item(picker.chain_name(own_name(f"{kind}-{proto}-{cluster}", suffix)),
-                      (masquerade(cfg), picker.dnat(cluster, 0, nodeport, suffix)))
+                          (rule(masquerade(cfg)), rule(picker.dnat(cluster, 0, nodeport, suffix))))
     rules = []
     if cluster:
         to_cluster = picker.dnat(cluster, local, nodeport, suffix)
@@ -122,10 +122,10 @@ def external_pick_chain(picker: Picker, cluster: int, local: int, is_local: bool
         if local_pods:
             # Pod traffic to an external address behaves as if it left and came back:
             # short-circuit it to the cluster list, unmasqueraded.
-            rules.append(f"{local_pods} {to_cluster}")
+            rules.append(rule(local_pods, to_cluster))
         # Host processes would otherwise use the VIP as source: masquerade, then cluster list.
-        rules.append(f"fib saddr type local {masquerade(cfg)} {to_cluster}")
+        rules.append(rule(FROM_NODE, masquerade(cfg), to_cluster))
     if local:
-        rules.append(picker.dnat(local, 0, nodeport, suffix))
+        rules.append(rule(picker.dnat(local, 0, nodeport, suffix)))
     name = own_name(f"{kind}-local-{proto}-{local}-{cluster}", suffix)
     return chain_item(picker.chain_name(name), rules)

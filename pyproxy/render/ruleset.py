@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain, groupby
-from typing import cast
+from typing import Any, cast
 
 from pyproxy.render import ops
 from pyproxy.render.objects import (
@@ -25,6 +25,7 @@ from pyproxy.render.objects import (
     Item,
     Key,
     Kind,
+    Rule,
     Rules,
     SetDecl,
     Value,
@@ -76,7 +77,7 @@ class DesiredState:
         current = inner.get(key) if inner is not None else None
         if current is None or not isinstance(current, dict):
             return current
-        return min(current)
+        return _first(current)
 
     def rules(self, chain: str) -> Rules | None:
         """The rules of `chain`, None when no owner wants it."""
@@ -193,7 +194,7 @@ class DesiredState:
                 if slot in disputed:
                     owners.setdefault((slot, cast(Value, flat[i + 3])), []).append(owner)
         return [Dispute(slot, tuple((value, tuple(owners.get((slot, value), ())))
-                                    for value in sorted(values)))
+                                    for value in sorted(values, key=_order)))
                 for slot, values in sorted(disputed.items())]
 
 
@@ -216,7 +217,19 @@ class Dispute:
 
 def _resolved(inner: dict[SlotKey, _Value]) -> Iterator[tuple[SlotKey, Value]]:
     for key, current in inner.items():
-        yield key, min(current) if isinstance(current, dict) else current
+        yield key, _first(current) if isinstance(current, dict) else current
+
+
+def _first(values: Iterable[Value]) -> Value:
+    """The value a disputed slot holds: the smallest, so that the outcome does not depend on
+    the order of events."""
+    return min(values, key=_order)
+
+
+def _order(value: Value) -> Any:
+    """What values are ordered by: their own order, a chain's rules by their text (a rule's
+    statements are of several types, which do not order among each other)."""
+    return tuple(r.text() for r in cast(Rules, value)) if _is_rules(value) else value
 
 
 _Value = Value | dict[Value, int]
@@ -391,24 +404,29 @@ class Commands:
 
 
 def _rules(value: Value) -> Rules:
-    """A chain's slot holds its Rules: rule texts."""
-    if isinstance(value, SetDecl | Verdict) or not all(isinstance(r, str) for r in value):
+    """A chain's slot holds its Rules."""
+    if isinstance(value, SetDecl | Verdict) or not all(isinstance(r, Rule) for r in value):
         raise TypeError(f"not a chain's rules: {value!r}")
     return cast(Rules, value)
 
 
 def _element_value(value: Value) -> ElementValue:
-    if isinstance(value, SetDecl):
+    if isinstance(value, SetDecl) or _is_rules(value):
         raise TypeError(f"not an element's value: {value!r}")
-    return value
+    return cast(ElementValue, value)
 
 
 def _slot_key(field: _Field) -> SlotKey:
     if isinstance(field, str):
         return field
-    if isinstance(field, SetDecl):
+    if isinstance(field, SetDecl) or _is_rules(field):
         raise TypeError(f"not a slot's key: {field!r}")
-    return field
+    return cast(Key, field)
+
+
+def _is_rules(value: Value) -> bool:
+    """A chain's rules (an element's value or key holds fields, not rules)."""
+    return bool(value) and isinstance(value[0], Rule)
 
 
 def _key(key: SlotKey) -> Key:

@@ -39,7 +39,6 @@ from pyproxy.core.balancing import balancing_of, effective_weights, slots, weigh
 from pyproxy.core.model import (
     Algorithm,
     Endpoint,
-    IPFamily,
     ServicePort,
     TrafficPolicy,
 )
@@ -48,6 +47,7 @@ from pyproxy.render.objects import (
     CLUSTER_IPS_SET,
     FIREWALL_ALLOW_SET,
     FIREWALL_IPS_SET,
+    FROM_NODE,
     HAIRPIN_SET,
     LOCALHOST_NODEPORT_REJECT_MAP,
     NO_ENDPOINT_NODEPORTS_MAP,
@@ -55,15 +55,20 @@ from pyproxy.render.objects import (
     REJECT_CHAIN,
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
+    ClientOf,
+    DnatTo,
     Fragment,
     Item,
     Key,
+    Remember,
+    Rule,
     SetDecl,
     Verdict,
     element_comment,
     endpoints_map,
     localhost_nodeport_reject_chain,
     nodeport_endpoints_map,
+    rule,
 )
 from pyproxy.render.picks import (
     Picker,
@@ -408,19 +413,19 @@ class _AffinityRender:
             if svc.external_is_local() and not svc.sel.local:
                 yield element_item(NO_ENDPOINT_NODEPORTS_MAP, key, svc.drop())
 
-    def external_rules(self) -> list[str]:
+    def external_rules(self) -> list[Rule]:
         svc, cfg = self.svc, self.svc.cfg
-        to_cluster = f"goto {self.chain('service')}"
+        to_cluster = Verdict("goto", self.chain("service"))
         if not svc.external_is_local():
-            return [masquerade(cfg), to_cluster]
+            return [rule(masquerade(cfg)), rule(to_cluster)]
         rules = []
         local_pods = cfg.local_match()
         if local_pods:
-            rules.append(f"{local_pods} {to_cluster}")
-        rules.append(f"fib saddr type local {masquerade(cfg)}")
-        rules.append(f"fib saddr type local {to_cluster}")
+            rules.append(rule(local_pods, to_cluster))
+        rules.append(rule(FROM_NODE, masquerade(cfg)))
+        rules.append(rule(FROM_NODE, to_cluster))
         if svc.sel.local:
-            rules.append(f"goto {self.chain('local')}")
+            rules.append(rule(Verdict("goto", self.chain("local"))))
         return rules
 
     def policy_chain(self, name: str, endpoints: Sequence[Endpoint],
@@ -430,10 +435,11 @@ class _AffinityRender:
         rules = []
         if internal:
             entry = f"{ip} daddr {svc.cip} {proto} dport {svc.port.port}"
+            not_local = cfg.local_match(negate=True)
             if cfg.masquerade_all:
-                rules.append(f"{entry} {masquerade(cfg)}")
-            elif cfg.local_match(negate=True):
-                rules.append(f"{entry} {cfg.local_match(negate=True)} {masquerade(cfg)}")
+                rules.append(rule(entry, masquerade(cfg)))
+            elif not_local:
+                rules.append(rule(entry, not_local, masquerade(cfg)))
         sets: dict[str, str] = {}
         for ep in endpoints:
             aff = affinity_set_name(svc.port, ep)
@@ -443,20 +449,17 @@ class _AffinityRender:
             # Every endpoint, drained ones too: a returning client keeps its endpoint, and
             # renews its element, so the timeout is the time it may stay away (kube-proxy's
             # endpoint chains `update` on every connection, new or returning).
-            rules.append(f"{ip} saddr @{aff} update @{aff} {{ {ip} saddr }} "
-                         f"{_dnat_to(cfg, proto, ep)}")
+            rules.append(rule(ClientOf(ip, aff), Remember(ip, aff), _dnat_to(cfg, proto, ep)))
         # New clients: a cascade over the weighted slots (hashing algorithms would fight the
         # affinity sets, so with affinity only the weights apply).
         weights, _ = effective_weights(svc.port, endpoints, svc.sel.outliers)
         choices = weighted_slots(endpoints, weights)
         n = len(choices)
         for j, ep in enumerate(choices):
-            choose = f"numgen random mod {n - j} == 0 " if j < n - 1 else ""
-            rules.append(f"{choose}update @{sets[ep.key]} {{ {ip} saddr }} "
-                         f"{_dnat_to(cfg, proto, ep)}")
+            choose = (f"numgen random mod {n - j} == 0",) if j < n - 1 else ()
+            rules.append(rule(*choose, Remember(ip, sets[ep.key]), _dnat_to(cfg, proto, ep)))
         yield chain_item(name, rules)
 
 
-def _dnat_to(cfg: RenderConfig, proto: str, ep: Endpoint) -> str:
-    target = f"[{ep.ip}]:{ep.port}" if cfg.family is IPFamily.IPv6 else f"{ep.ip}:{ep.port}"
-    return f"meta l4proto {proto} dnat {cfg.ip} to {target}"
+def _dnat_to(cfg: RenderConfig, proto: str, ep: Endpoint) -> DnatTo:
+    return DnatTo(cfg.ip, proto, ep.ip, ep.port)

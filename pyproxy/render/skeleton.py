@@ -50,12 +50,20 @@ from pyproxy.render.objects import (
     Item,
     Key,
     Kind,
+    Masquerade,
+    Rule,
+    Rules,
     SetDecl,
+    SetRef,
+    Source,
+    SourceMatch,
+    Statement,
     Verdict,
     connections_set,
     endpoints_map,
     localhost_nodeport_reject_chain,
     nodeport_endpoints_map,
+    rule,
 )
 
 
@@ -111,17 +119,17 @@ class RenderConfig:
     def loopback(self) -> str:
         return "127.0.0.0/8" if self.family is IPFamily.IPv4 else "::1"
 
-    def local_match(self, negate: bool = False) -> str | None:
+    def local_match(self, negate: bool = False) -> SourceMatch | None:
         """The nft match for "comes from a local pod" (or its negation), or None when no
         detector is configured. Interface modes use iifname: `iif` resolves names at load
         time and fails for absent interfaces and wildcards (kubernetes#134024)."""
-        op = "!= " if negate else ""
+        op, source = ("!= ", Source.NOT_LOCAL_POD) if negate else ("", Source.LOCAL_POD)
         if self.local_mode in (LocalMode.CLUSTER_CIDR, LocalMode.NODE_CIDR) and self.local_value:
-            return f"{self.ip} saddr {op}{self.local_value}"
+            return SourceMatch(source, f"{self.ip} saddr {op}{self.local_value}")
         if self.local_mode is LocalMode.BRIDGE_INTERFACE and self.local_value:
-            return f'iifname {op}"{self.local_value}"'
+            return SourceMatch(source, f'iifname {op}"{self.local_value}"')
         if self.local_mode is LocalMode.INTERFACE_NAME_PREFIX and self.local_value:
-            return f'iifname {op}"{self.local_value}*"'
+            return SourceMatch(source, f'iifname {op}"{self.local_value}*"')
         return None
 
 
@@ -160,7 +168,7 @@ def set_item(name: str, declaration: SetDecl) -> Item:
     return Item(Kind.SET, name, "", declaration)
 
 
-def chain_item(name: str, rules: Sequence[str]) -> Item:
+def chain_item(name: str, rules: Sequence[Rule]) -> Item:
     return Item(Kind.CHAIN, name, "", tuple(rules))
 
 
@@ -208,43 +216,46 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
         items.append(set_item(NODEPORT_IPS_SET, SetDecl((addr,),
                                                     comment="IPs that accept NodePort traffic")))
         items.extend(element_item(NODEPORT_IPS_SET, (ip_,)) for ip_ in cfg.nodeport_ips)
-        nodeport_match = f"{ip} daddr @{NODEPORT_IPS_SET}"
+        nodeport_match: tuple[Statement, ...] = (f"{ip} daddr", SetRef(NODEPORT_IPS_SET))
     else:
-        nodeport_match = f"fib daddr type local {ip} daddr != {cfg.loopback}"
+        nodeport_match = (f"fib daddr type local {ip} daddr != {cfg.loopback}",)
+    by_destination = f"{ip} daddr . meta l4proto . th dport"
     items += [
         chain_item(SERVICES_CHAIN, (
-            f"{ip} daddr . meta l4proto . th dport vmap @{SERVICE_IPS_MAP}",
-            f"{nodeport_match} meta l4proto . th dport vmap @{SERVICE_NODEPORTS_MAP}",
+            rule(by_destination, "vmap", SetRef(SERVICE_IPS_MAP)),
+            rule(*nodeport_match, "meta l4proto . th dport vmap", SetRef(SERVICE_NODEPORTS_MAP)),
         )),
         chain_item(SERVICE_ENDPOINTS_CHECK, (
-            f"{ip} daddr . meta l4proto . th dport vmap @{NO_ENDPOINT_SERVICES_MAP}",)),
+            rule(by_destination, "vmap", SetRef(NO_ENDPOINT_SERVICES_MAP)),)),
         chain_item(NODEPORT_ENDPOINTS_CHECK, (
-            f"{nodeport_match} meta l4proto . th dport vmap @{NO_ENDPOINT_NODEPORTS_MAP}",
+            rule(*nodeport_match, "meta l4proto . th dport vmap",
+                 SetRef(NO_ENDPOINT_NODEPORTS_MAP)),
             *_localhost_nodeport_check(cfg))),
         chain_item(FIREWALL_CHECK, (
-            f"{ip} daddr . meta l4proto . th dport @{FIREWALL_IPS_SET} "
-            f"{ip} daddr . meta l4proto . th dport . {ip} saddr != @{FIREWALL_ALLOW_SET} drop",)),
+            rule(by_destination, SetRef(FIREWALL_IPS_SET), f"{by_destination} . {ip} saddr !=",
+                 SetRef(FIREWALL_ALLOW_SET), "drop"),)),
         # Only traffic that no service DNATed gets here (forward, and output after nat).
         chain_item(CLUSTER_IPS_CHECK, (
-            f'{ip} daddr @{CLUSTER_IPS_SET} reject comment "invalid port of a ClusterIP"',
+            rule(f"{ip} daddr", SetRef(CLUSTER_IPS_SET),
+                 'reject comment "invalid port of a ClusterIP"'),
             # An address of a ServiceCIDR that is no ClusterIP would otherwise be routed on
             # (often out of the default route). Empty set (no ServiceCIDR known): no match.
-            f'{ip} daddr @{SERVICE_CIDRS_SET} drop comment "unallocated ClusterIP"',
+            rule(f"{ip} daddr", SetRef(SERVICE_CIDRS_SET), 'drop comment "unallocated ClusterIP"'),
         )),
         # Only a connection's first packet gets here (`ct state new`). A TCP one without SYN
         # is a connection conntrack lost, its endpoint gone (fast failure deleted the
         # entry, core/departed.py) and none left: an ICMP error would be a soft error to
         # an established socket, which retransmits until TCP gives up; a reset ends it.
-        chain_item(REJECT_CHAIN, ("tcp flags & syn == 0 reject with tcp reset", "reject")),
+        chain_item(REJECT_CHAIN, (rule("tcp flags & syn == 0 reject with tcp reset"),
+                                  rule("reject"))),
         chain_item(MASQUERADING_CHAIN, (
             # Hairpin: an endpoint reaching itself through its service must be masqueraded,
             # or it would answer itself directly and the connection would not match.
-            f"ct status dnat {ip} saddr . {ip} daddr @{HAIRPIN_SET} "
-            f"meta mark set meta mark | {cfg.mark}",
-            f"meta mark & {cfg.mark} == 0 return",
+            rule(f"ct status dnat {ip} saddr . {ip} daddr", SetRef(HAIRPIN_SET), masquerade(cfg)),
+            rule(f"meta mark & {cfg.mark} == 0 return"),
             # Clear the bit so it does not leak into later processing.
-            f"meta mark set meta mark ^ {cfg.mark}",
-            "masquerade fully-random",
+            rule(f"meta mark set meta mark ^ {cfg.mark}"),
+            rule("masquerade fully-random"),
         )),
         *_connection_counting(cfg),
         *_localhost_nodeport_rejects(cfg),
@@ -252,14 +263,14 @@ def skeleton(cfg: RenderConfig, service_cidrs: Sequence[str] = ()) -> Fragment:
     return Fragment(tuple(items))
 
 
-def _localhost_nodeport_check(cfg: RenderConfig) -> tuple[str, ...]:
+def _localhost_nodeport_check(cfg: RenderConfig) -> Rules:
     """In nodeport-endpoints-check (filter input: a connection from this node to itself
     passes there, DNATed by nobody since loopback is never a NodePort address): a localhost
     NodePort of a rejected protocol goes to that protocol's reject chain."""
     if not cfg.localhost_rejected:
         return ()
-    return (f"{cfg.ip} daddr {cfg.loopback} meta l4proto . th dport "
-            f"vmap @{LOCALHOST_NODEPORT_REJECT_MAP}",)
+    return (rule(f"{cfg.ip} daddr {cfg.loopback} meta l4proto . th dport vmap",
+                 SetRef(LOCALHOST_NODEPORT_REJECT_MAP)),)
 
 
 def _localhost_nodeport_rejects(cfg: RenderConfig) -> tuple[Item, ...]:
@@ -272,7 +283,7 @@ def _localhost_nodeport_rejects(cfg: RenderConfig) -> tuple[Item, ...]:
         set_item(LOCALHOST_NODEPORT_REJECT_MAP, SetDecl(("inet_proto", "inet_service"), VERDICT,
                                                     comment="localhost NodePorts rejected by "
                                                     "pyproxy")),
-        *(chain_item(localhost_nodeport_reject_chain(proto), ("counter reject",))
+        *(chain_item(localhost_nodeport_reject_chain(proto), (rule("counter reject"),))
           for proto in cfg.localhost_rejected),
     )
 
@@ -297,8 +308,9 @@ def _connection_counting(cfg: RenderConfig) -> tuple[Item, ...]:
            "th dport")
     # nft 1.0.6 types `ct original proto-dst` only when the rule names the protocol: one
     # rule per protocol and shard.
-    rules = [f"meta l4proto {proto} {ip} daddr & {mask.format(CONNECTION_SHARDS - 1)} == "
-             f"{mask.format(shard)} update @{connections_set(shard)} {{ {key} counter }}"
+    rules = [rule(f"meta l4proto {proto} {ip} daddr & {mask.format(CONNECTION_SHARDS - 1)} == "
+                  f"{mask.format(shard)} update", SetRef(connections_set(shard)),
+                  f"{{ {key} counter }}")
              for proto in PROTOCOLS for shard in range(CONNECTION_SHARDS)]
     return (*items, chain_item(COUNT_CONNECTIONS_CHAIN, rules))
 
@@ -311,8 +323,8 @@ def collapsed(ranges: Sequence[str]) -> tuple[str, ...]:
                  for n in collapse_addresses(nets))
 
 
-def masquerade(cfg: RenderConfig) -> str:
-    return f"meta mark set meta mark | {cfg.mark}"
+def masquerade(cfg: RenderConfig) -> Masquerade:
+    return Masquerade(cfg.mark)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ netlink where it can (pyproxy/kernel/nlelements.py; libnftables' parser cost 1.2
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -48,7 +47,6 @@ DEFAULT_CHUNK = 20_000
 # A full sync into a fresh table is staged from this many slots on (sync/applier.py's
 # `Applier.stage_fresh` says why); below it, one transaction is cheaper than three.
 FRESH_TABLE_MIN = 1_000
-_REFERENCE = re.compile(r"@([A-Za-z0-9_./-]+)")
 
 
 @dataclass(frozen=True)
@@ -140,12 +138,11 @@ def _on_base(op: Op) -> bool:
 
 
 def _renamed(op: Op, renamed: dict[str, str]) -> Op:
-    """A rule using the copies: its text is nft's own syntax, where a set is `@NAME`."""
-    rule = op.obj
-    if not isinstance(rule, ops.Rule):
+    """A rule using the copies of the sets and maps it uses."""
+    added = op.obj
+    if not isinstance(added, ops.Rule):
         return op
-    text = _REFERENCE.sub(lambda m: "@" + renamed.get(m[1], m[1]), rule.text)
-    return op._replace(obj=rule._replace(text=text))
+    return op._replace(obj=added._replace(rule=added.rule.renamed(renamed)))
 
 
 def _chunks(state: DesiredState, chunk: int, sets: dict[str, SetDecl],

@@ -7,7 +7,6 @@ change together (tests compare its answers with real packets).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from ipaddress import ip_address, ip_network
@@ -27,21 +26,24 @@ from pyproxy.render.objects import (
     SERVICE_CIDRS_SET,
     SERVICE_IPS_MAP,
     SERVICE_NODEPORTS_MAP,
+    ClientOf,
+    DnatTo,
+    Draw,
     ElementValue,
     Key,
+    Masquerade,
+    PickDnat,
+    Remember,
+    Rule,
     Rules,
+    Source,
+    SourceMatch,
     Verdict,
     key_text,
     value_text,
 )
 from pyproxy.render.ruleset import DesiredState
 from pyproxy.render.skeleton import RenderConfig
-
-_INDEX = re.compile(
-    r"dnat ip6? to .+? \. (?:numgen (?P<ng>random|inc) mod (?P<n1>\d+)"
-    r"|jhash (?P<hk>.+?) mod (?P<n2>\d+) seed (?P<seed>0x[0-9a-f]+))"
-    r"(?: offset (?P<off>\d+))? map @(?P<map>\S+)$")
-_DNAT = re.compile(r"dnat ip6? to \[?([0-9a-fA-F.:]+?)\]?:(\d+)$")
 
 
 @dataclass
@@ -172,45 +174,42 @@ class _Walker:
         if rules is None:
             self.note(f"{chain}: chain not found")
             return False
-        if any("update @" in rule or "goto " in rule for rule in rules):
+        if any(r.of(Remember) or r.of(Verdict) for r in rules):
             return self.per_service_chain(chain, rules)
         return self.pick_chain(chain, rules)
 
     def pick_chain(self, chain: str, rules: Rules) -> bool:
         """A shared pick chain: optional masquerade rules, then DNATs through the endpoints
         map, each guarded by the source kind it applies to (pyproxy.render's shapes)."""
-        mark = f"meta mark set meta mark | {self.cfg.mark}"
         for rule in rules:
-            applies, rest, why = self.condition(rule)
+            applies, why = self.condition(rule)
             if not applies:
                 continue
-            if rest.startswith(mark):
+            if rule.of(Masquerade) is not None:
                 self.out.masquerade = True
                 self.note(f"{chain}: masquerade ({why})")
-                rest = rest[len(mark):].strip()
-            if rest.startswith("dnat "):
+            pick = rule.of(PickDnat)
+            if pick is not None:
                 if why == "always" and "-local-" in chain:
                     why = "externalTrafficPolicy: Local: local endpoints, client IP preserved"
                 if why != "always":
                     self.note(f"{chain}: {why}")
-                return self.pick(chain, rest)
+                return self.pick(chain, pick)
         self.note(f"{chain}: no rule DNATs this connection")
         return False
 
-    def condition(self, rule: str) -> tuple[bool, str, str]:
-        """(does the rule apply to this source, the rest of the rule, why)."""
-        not_pods, pods = self.cfg.local_match(negate=True), self.cfg.local_match()
-        if not_pods and rule.startswith(not_pods + " "):
-            return not self.from_pod(), rule[len(not_pods) + 1:], "source is not a local pod"
-        if pods and rule.startswith(pods + " "):
-            return (self.from_pod(), rule[len(pods) + 1:],
-                    "pod traffic short-circuits to the cluster list")
-        if rule.startswith("fib saddr type local "):
-            return (self.from_node, rule[len("fib saddr type local "):],
-                    "traffic from the node itself uses the cluster list")
-        if rule.startswith("meta mark set"):
-            return True, rule, "external traffic under externalTrafficPolicy: Cluster"
-        return True, rule, "always"
+    def condition(self, rule: Rule) -> tuple[bool, str]:
+        """(does the rule apply to this source, why)."""
+        match = rule.of(SourceMatch)
+        if match is None:
+            if rule.statements and isinstance(rule.statements[0], Masquerade):
+                return True, "external traffic under externalTrafficPolicy: Cluster"
+            return True, "always"
+        if match.source is Source.NOT_LOCAL_POD:
+            return not self.from_pod(), "source is not a local pod"
+        if match.source is Source.LOCAL_POD:
+            return self.from_pod(), "pod traffic short-circuits to the cluster list"
+        return self.from_node, "traffic from the node itself uses the cluster list"
 
     def from_pod(self) -> bool:
         value = self.cfg.local_value
@@ -235,79 +234,75 @@ class _Walker:
     def hairpin(self, address: str) -> bool:
         return self.desired.element(HAIRPIN_SET, (address, address)) is not None
 
-    def pick(self, chain: str, rule: str) -> bool:
-        match = _INDEX.search(rule)
-        if match is None:
-            self.note(f"{chain}: unrecognised rule {rule!r}")
-            return False
-        count = int(match["n1"] or match["n2"])
-        offset = int(match["off"] or 0)
-        container = match["map"]
+    def pick(self, chain: str, pick: PickDnat) -> bool:
         prefix: Key
-        if container.startswith("nodeport-"):
+        if pick.map.startswith("nodeport-"):
             prefix = (self.out.port,)
         else:
             prefix = (self.out.dst, self.out.port)
         slots = []
-        for i in range(offset, offset + count):
-            value = self.element(container, (*prefix, i))
+        for i in range(pick.offset, pick.offset + pick.slots):
+            value = self.element(pick.map, (*prefix, i))
             if value is not None:
                 address, target_port = value
                 slots.append(_endpoint(str(address), str(target_port)))
-        if match["ng"]:
-            how = "at random" if match["ng"] == "random" else "in turn (round robin)"
-            self.note(f"{chain}: one of {count} slots of @{container} {how}")
+        if pick.draw is not Draw.HASH:
+            how = "at random" if pick.draw is Draw.RANDOM else "in turn (round robin)"
+            self.note(f"{chain}: one of {pick.slots} slots of @{pick.map} {how}")
             return self.dnat(slots)
-        return self.hashed(chain, match, slots, offset, container)
+        return self.hashed(chain, pick, slots)
 
-    def hashed(self, chain: str, match: re.Match[str], slots: list[str], offset: int,
-               container: str) -> bool:
-        count, seed = len(slots), int(match["seed"], 16)
-        with_port = " sport" in match["hk"]
+    def hashed(self, chain: str, pick: PickDnat, slots: list[str]) -> bool:
+        count = len(slots)
+        with_port = " sport" in pick.hashed
         algorithm = "Maglev" if with_port else "source hash"
         if with_port and self.sport is None:
-            self.note(f"{chain}: {algorithm} over {count} slots of @{container}; give "
+            self.note(f"{chain}: {algorithm} over {count} slots of @{pick.map}; give "
                       "--sport to see where this flow goes")
             return self.dnat(slots)
         key = flow_key(ip_address(self.out.src).packed, self.sport if with_port else None)
-        slot = hash_index(key, seed, count)
-        self.note(f"{chain}: {algorithm}: jhash({match['hk']}) mod {count} seed "
-                  f"0x{seed:08x} = slot {offset + slot} of @{container}")
+        slot = hash_index(key, pick.seed, count)
+        self.note(f"{chain}: {algorithm}: jhash({pick.hashed}) mod {count} seed "
+                  f"0x{pick.seed:08x} = slot {pick.offset + slot} of @{pick.map}")
         return self.dnat([slots[slot]])
 
     def per_service_chain(self, chain: str, rules: Rules) -> bool:
         """Upstream-shaped chains (session affinity services): `external-…` decides the
         masquerade and goes on to `service-…`/`local-…`, which pick an endpoint."""
-        mark = f"meta mark set meta mark | {self.cfg.mark}"
-        local_pods = self.cfg.local_match()
         targets: list[str] = []
         for rule in rules:
-            if rule == mark:
-                self.out.masquerade = True
-                self.note(f"{chain}: external traffic: masquerade")
-            elif rule.startswith("goto "):
-                self.note(f"{chain}: {rule}")
-                return self.follow(rule.split(" ", 1)[1])
-            elif local_pods and rule.startswith(f"{local_pods} goto ") and self.from_pod():
+            match, goto, dnat = rule.of(SourceMatch), rule.of(Verdict), rule.of(DnatTo)
+            source = None if match is None else match.source
+            if goto is not None and source is None:
+                self.note(f"{chain}: {rule.text()}")
+                return self.follow(goto.chain)
+            if goto is not None and source is Source.LOCAL_POD and self.from_pod():
                 self.note(f"{chain}: pod traffic short-circuits to the cluster chain")
-                return self.follow(rule[len(local_pods) + 1:].split(" ", 1)[1])
-            elif rule.startswith("fib saddr type local") and self.from_node:
-                if mark in rule:
+                return self.follow(goto.chain)
+            if source is Source.NODE and self.from_node:
+                if rule.of(Masquerade) is not None:
                     self.out.masquerade = True
-                if " goto " in rule:
-                    self.note(f"{chain}: traffic from the node: {rule}")
-                    return self.follow(rule.split(" goto ", 1)[1])
-            elif " daddr " in rule and mark in rule:
-                if "saddr !=" not in rule or not self.from_pod():
-                    self.out.masquerade = True
-                    self.note(f"{chain}: masquerade ({rule.split(mark)[0].strip()})")
-            elif "update @" in rule and not rule.startswith(f"{self.cfg.ip} saddr @"):
+                if goto is not None:
+                    self.note(f"{chain}: traffic from the node: {rule.text()}")
+                    return self.follow(goto.chain)
+            elif source is not Source.NODE and rule.of(Masquerade) is not None:
+                self.masquerade_rule(chain, rule, source)
+            elif dnat is not None and not rule.of(ClientOf):
                 # A new client's pick (a returning client's rule renews its own element).
-                match = _DNAT.search(rule)
-                if match:
-                    targets.append(_endpoint(match.group(1), match.group(2)))
+                targets.append(_endpoint(dnat.address, str(dnat.port)))
         self.note(f"{chain}: session affinity: a returning client keeps its endpoint")
         return self.dnat(targets)
+
+    def masquerade_rule(self, chain: str, rule: Rule, source: Source | None) -> None:
+        """The external chain's mark (every external connection), or the service chain's
+        own (a ClusterIP's connection from outside the pods, or every one)."""
+        if len(rule.statements) == 1:
+            self.out.masquerade = True
+            self.note(f"{chain}: external traffic: masquerade")
+        elif source is not Source.NOT_LOCAL_POD or not self.from_pod():
+            self.out.masquerade = True
+            mark = next(i for i, s in enumerate(rule.statements) if isinstance(s, Masquerade))
+            self.note(f"{chain}: masquerade ({Rule(rule.statements[:mark]).text()})")
 
     # -- filter: no endpoints, invalid ports ------------------------------------------------------
 

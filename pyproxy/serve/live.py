@@ -20,7 +20,7 @@ from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.inflight import InFlight, exported
 from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePortName, ip_family
 from pyproxy.kernel.nlsets import KernelCounters
-from pyproxy.render.objects import ElementValue, Key, element_text
+from pyproxy.render.objects import Element, ElementValue, Key, element_text
 from pyproxy.render.skeleton import render_config
 from pyproxy.render.trace import trace
 from pyproxy.serve.connections import (
@@ -141,14 +141,27 @@ def trace_in(proxiers: list[FamilyProxier], query: Mapping[str, str]) -> dict[st
 def verify(proxier: FamilyProxier, consulted: list[tuple[str, Key, ElementValue]],
            ) -> list[str]:
     """Check every element the trace relied on against the kernel: the answer holds for
-    the kernel only if each is there with the same value. Returns the mismatches."""
+    the kernel only if each is there with the same value. Each set or map is read once, as
+    nft's JSON listing. Returns the mismatches."""
     problems = []
+    held: dict[str, dict[Key, ElementValue]] = {}
     for container, key, value in consulted:
-        element = element_text(key, value)
-        found = proxier.applier.nft.get_element(proxier.applier.family, container, key)
-        if found != element:
-            problems.append(f"{container}: expected {element!r}, kernel has {found!r}")
+        if container not in held:
+            held[container] = dict(kernel_elements(proxier, container))
+        found = held[container].get(key)
+        if found != value:
+            has = None if found is None else element_text(key, found)
+            problems.append(f"{container}: expected {element_text(key, value)!r}, kernel "
+                            f"has {has!r}")
     return problems
+
+
+def kernel_elements(proxier: FamilyProxier, container: str) -> list[Element]:
+    """The elements the kernel holds in one of the table's sets or maps (none: no such)."""
+    declaration = proxier.desired.declaration(container)
+    kind = "set" if declaration is None else declaration.kind
+    applier = proxier.applier
+    return applier.nft.list_elements(applier.family, kind, container) or []
 
 
 def with_other_tables(report: dict[str, Any], found: tuple[Finding, ...]) -> dict[str, Any]:
