@@ -42,7 +42,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -449,18 +448,8 @@ def deploy_pyproxy_kubeadm(cluster: RealCluster, image: str) -> None:
     manifests/00-serviceaccount.yaml -f manifests/01-rbac.yaml -f manifests/kubeadm/`, kube-proxy's
     own ConfigMap read as it is, with the image filled in (a kustomize overlay, as
     RealCluster.deploy_pyproxy does for manifests/)."""
-    overlay = cluster.lab.workdir / "pyproxy-kubeadm-overlay"
-    overlay.mkdir(exist_ok=True)
-    name, _, tag = image.rpartition(":")
-
-    shutil.copytree(REPO / "manifests", overlay / "base", dirs_exist_ok=True)
-    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": ["base/00-serviceaccount.yaml", "base/01-rbac.yaml",
-                      "base/kubeadm/03-daemonset.yaml"],
-        "images": [{"name": "ghcr.io/pyproxy/pyproxy", "newName": name, "newTag": tag}]}))
-    cluster.kubectl("apply", "-f", "-", input=cluster.kubectl("kustomize", str(overlay)).stdout)
-    cluster.pyproxy_image = image
+    cluster.deploy_manifests("pyproxy-kubeadm-overlay", image, [
+        "base/00-serviceaccount.yaml", "base/01-rbac.yaml", "base/kubeadm/03-daemonset.yaml"])
 
 
 def check_kubeadm_config(cluster: RealCluster) -> str:

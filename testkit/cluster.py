@@ -751,20 +751,25 @@ class RealCluster:
     def deploy_pyproxy(self, image: str, extra_config: dict[str, Any] | None = None) -> None:
         """manifests/ as shipped, through a kustomize overlay that fills in the image and the
         API server's real address (the ConfigMap's placeholders), as docs/deploying.md says."""
-        overlay = self.lab.workdir / "pyproxy-overlay"
+        self.deploy_manifests("pyproxy-overlay", image, ["base"], [  # manifests/kustomization
+            {"target": {"kind": "ConfigMap", "name": "pyproxy"},
+             "patch": yaml.safe_dump([
+                 {"op": "replace", "path": "/data/apiServerHost", "value": API_IP},
+                 {"op": "replace", "path": "/data/apiServerPort", "value": "6443"}])}])
+
+    def deploy_manifests(self, overlay_name: str, image: str, resources: list[str],
+                        patches: list[dict[str, Any]] | None = None) -> None:
+        """`resources` of manifests/ (as base/...) applied through a kustomize overlay that
+        fills in pyproxy's image (and applies `patches`): the image becomes the deployed one."""
+        overlay = self.lab.workdir / overlay_name
         overlay.mkdir(exist_ok=True)
         name, _, tag = image.rpartition(":")
         shutil.copytree(REPO / "manifests", overlay / "base", dirs_exist_ok=True)
         (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
             "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": ["base"],  # manifests/kustomization.yaml
+            "resources": resources,
             "images": [{"name": "ghcr.io/pyproxy/pyproxy", "newName": name, "newTag": tag}],
-            "patches": [{"target": {"kind": "ConfigMap", "name": "pyproxy"},
-                         "patch": yaml.safe_dump([
-                             {"op": "replace", "path": "/data/apiServerHost", "value": API_IP},
-                             {"op": "replace", "path": "/data/apiServerPort",
-                              "value": "6443"}])}],
-        }))
+            **({"patches": patches} if patches else {})}))
         rendered = self.kubectl("kustomize", str(overlay)).stdout
         self.kubectl("apply", "-f", "-", input=rendered)
         self.pyproxy_image = image
