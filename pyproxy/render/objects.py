@@ -235,6 +235,22 @@ def _format(key_fields: int, data_fields: int) -> str:
 # it reads from the statements, never from the text (as knftables' objects are read).
 
 
+class Source(StrEnum):
+    """Whom a rule's leading match selects, as far as the tracer must know it."""
+
+    LOCAL_POD = "a local pod"
+    NOT_LOCAL_POD = "not a local pod"
+    NODE = "the node itself"
+
+
+class Draw(StrEnum):
+    """How a pick draws its index: numgen's, or jhash's over the source (and port)."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "inc"
+    HASH = "jhash"
+
+
 class SetRef(NamedTuple):
     """`@NAME`: a set or map a rule matches against, looks up in or updates."""
 
@@ -242,14 +258,6 @@ class SetRef(NamedTuple):
 
     def text(self) -> str:
         return f"@{self.name}"
-
-
-class Source(StrEnum):
-    """Whom a rule's leading match selects, as far as the tracer must know it."""
-
-    LOCAL_POD = "a local pod"
-    NOT_LOCAL_POD = "not a local pod"
-    NODE = "the node itself"
 
 
 class SourceMatch(NamedTuple):
@@ -273,14 +281,6 @@ class Masquerade(NamedTuple):
 
     def text(self) -> str:
         return f"meta mark set meta mark | {self.mark}"
-
-
-class Draw(StrEnum):
-    """How a pick draws its index: numgen's, or jhash's over the source (and port)."""
-
-    RANDOM = "random"
-    ROUND_ROBIN = "inc"
-    HASH = "jhash"
 
 
 class PickDnat(NamedTuple):
