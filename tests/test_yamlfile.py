@@ -95,12 +95,7 @@ class TestSameAsPyYAML:
         pytest.param("a: 1\nb: 2\na: 3\n", id="a duplicate key: the last value, first place"),
         pytest.param("{1: a, true: b, 1.0: c}\n", id="keys equal in Python"),
         pytest.param("[[], {}, [[{}]]]\n", id="empty collections"),
-    ])
-    def test_plain_documents(self, text: str) -> None:
-        """Plain collections and untagged scalars, built from the events: what PyYAML builds."""
-        assert standard(text) == yamlfile.load_all(text)
-
-    @pytest.mark.parametrize("text", [
+        # what the events path leaves to PyYAML's constructor
         pytest.param("a: &x [1, 2]\nb: *x\n", id="anchor and alias"),
         pytest.param("base: &b {x: 1}\nderived:\n  <<: *b\n  y: 2\n", id="merge key"),
         pytest.param("a: !!str 5\nb: !!float 1\n", id="explicit scalar tags"),
@@ -110,8 +105,9 @@ class TestSameAsPyYAML:
         pytest.param("= : value\n", id="the value key"),
         pytest.param("a: &s text\n", id="an anchor without alias"),
     ])
-    def test_the_rest_goes_the_standard_way(self, text: str) -> None:
-        """What the events path leaves to PyYAML's constructor comes out as PyYAML has it."""
+    def test_documents(self, text: str) -> None:
+        """Plain collections and untagged scalars, built from the events, and what the events
+        path leaves to PyYAML's constructor: what PyYAML builds."""
         assert standard(text) == yamlfile.load_all(text)
 
     def test_aliases_stay_one_object(self) -> None:
