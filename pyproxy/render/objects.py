@@ -235,22 +235,6 @@ def _format(key_fields: int, data_fields: int) -> str:
 # it reads from the statements, never from the text (as knftables' objects are read).
 
 
-class Source(StrEnum):
-    """Whom a rule's leading match selects, as far as the tracer must know it."""
-
-    LOCAL_POD = "a local pod"
-    NOT_LOCAL_POD = "not a local pod"
-    NODE = "the node itself"
-
-
-class Draw(StrEnum):
-    """How a pick draws its index: numgen's, or jhash's over the source (and port)."""
-
-    RANDOM = "random"
-    ROUND_ROBIN = "inc"
-    HASH = "jhash"
-
-
 class SetRef(NamedTuple):
     """`@NAME`: a set or map a rule matches against, looks up in or updates."""
 
@@ -269,6 +253,14 @@ class SourceMatch(NamedTuple):
 
     def text(self) -> str:
         return self.expr
+
+
+class Source(StrEnum):
+    """Whom a rule's leading match selects, as far as the tracer must know it."""
+
+    LOCAL_POD = "a local pod"
+    NOT_LOCAL_POD = "not a local pod"
+    NODE = "the node itself"
 
 
 FROM_NODE = SourceMatch(Source.NODE, "fib saddr type local")
@@ -305,6 +297,14 @@ class PickDnat(NamedTuple):
 
     def text(self) -> str:
         return f"dnat {self.ip} to {self.key} . {self.drawn()} map @{self.map}"
+
+
+class Draw(StrEnum):
+    """How a pick draws its index: numgen's, or jhash's over the source (and port)."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "inc"
+    HASH = "jhash"
 
 
 class DnatTo(NamedTuple):
