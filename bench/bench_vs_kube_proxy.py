@@ -56,17 +56,7 @@ from bench.bytecode import compile_pyproxy
 from bench.kernel_floor import kernel_floor
 from bench.synth import Cluster as Synth
 from bench.synth import ip4
-from testkit.controlplane import (
-    ControlPlane,
-    Kube,
-    apply_manifests,
-    binaries_dir,
-    kube_proxy_config,
-    kube_proxy_token,
-    missing_binaries,
-    running_control_plane,
-    service_account_token,
-)
+from testkit import controlplane
 from testkit.daemonargs import PYPROXY, DaemonArgs
 from testkit.inproc import call_in_netns
 from testkit.netlab import Cluster, Lab
@@ -108,8 +98,8 @@ def slice_body(obj: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def load(kube: Kube, synth: Synth, node_ip: str, workers: int = 8,
-         etcd: ControlPlane | None = None) -> float:
+def load(kube: controlplane.Kube, synth: Synth, node_ip: str, workers: int = 8,
+         etcd: controlplane.ControlPlane | None = None) -> float:
     """Creates the synthetic cluster through the API, `workers` requests at a time; the
     answers are read, not decoded (at 44k Services decoding them was most of the client's
     CPU). `etcd`: the Services and EndpointSlices written into that control plane's etcd
@@ -307,7 +297,7 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 class Churn:
     """Endpoint changes on the synthetic Services at a steady rate, in the background."""
 
-    def __init__(self, kube: Kube, synth: Synth, rate: float, generation: int) -> None:
+    def __init__(self, kube: controlplane.Kube, synth: Synth, rate: float, generation: int) -> None:
         from kubernetes import client
 
         self.discovery = client.DiscoveryV1Api(kube.api)
@@ -360,8 +350,9 @@ class Churn:
         self.thread.join(30)
 
 
-def cold_start(name: str, start: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
-               cluster: Cluster, timeout: float = 600) -> tuple[Any, float]:
+def cold_start(name: str, start: Callable[[], Any], stop: Callable[[Any], None],
+               kube: controlplane.Kube, cluster: Cluster,
+               timeout: float = 600) -> tuple[Any, float]:
     """Starts a proxy; returns its handle and the seconds from its start until a connection
     through the probe Service (created after every synthetic one) lands on pod-a. Raises
     Capped (the proxy left running) when none did within `timeout`."""
@@ -400,7 +391,7 @@ class Plan:
     flip_timeout_s: float = 120.0
 
 
-def flip_series(name: str, kube: Kube, cluster: Cluster, count: int, spacing: float,
+def flip_series(name: str, kube: controlplane.Kube, cluster: Cluster, count: int, spacing: float,
                 timeout: float) -> dict[str, Any]:
     """The last Service's one endpoint moved between pod-a and pod-b `count` times: API
     write → the first connection landing on the new backend. A change that has not landed
@@ -426,9 +417,9 @@ def flip_series(name: str, kube: Kube, cluster: Cluster, count: int, spacing: fl
     return {**percentiles(samples), "since": since, "until": time.time()}
 
 
-def measure(name: str, start: Callable[[], Any], stop: Callable[[Any], None], kube: Kube,
-            synth: Synth, cluster: Cluster, plan: Plan, plane: ControlPlane,
-            log: Path | None = None) -> Run:
+def measure(name: str, start: Callable[[], Any], stop: Callable[[Any], None],
+            kube: controlplane.Kube, synth: Synth, cluster: Cluster, plan: Plan,
+            plane: controlplane.ControlPlane, log: Path | None = None) -> Run:
     run = Run(name)
     wall_started = time.time()
     link = vs_sizes.node_link(plane, cluster.node)
@@ -496,13 +487,13 @@ def service_ports(synth: Synth) -> int:
 
 
 @contextmanager
-def loaded_cluster(plane: ControlPlane, services: int, endpoints: int,
+def loaded_cluster(plane: controlplane.ControlPlane, services: int, endpoints: int,
                    cost: dict[str, Any] | None = None, workers: int = 8,
                    via_etcd: bool = False) -> Iterator[
-        tuple[Kube, Synth, Cluster, Lab, float]]:
+        tuple[controlplane.Kube, Synth, Cluster, Lab, float]]:
     """`cost`, when given, receives what loading the objects cost the control plane."""
-    kube = Kube(plane.admin_client())
-    apply_manifests(kube)
+    kube = controlplane.Kube(plane.admin_client())
+    controlplane.apply_manifests(kube)
     synth = Synth(services, endpoints)
     with Lab() as lab:
         cluster = lab.standard_topology(backends=2)
@@ -522,11 +513,11 @@ def loaded_cluster(plane: ControlPlane, services: int, endpoints: int,
         yield kube, synth, cluster, lab, load_s
 
 
-def kube_proxy_starter(plane: ControlPlane, lab: Lab, cluster: Cluster,
-                       kube: Kube) -> Callable[[], Any]:
+def kube_proxy_starter(plane: controlplane.ControlPlane, lab: Lab, cluster: Cluster,
+                       kube: controlplane.Kube) -> Callable[[], Any]:
     kubeconfig = plane.node_kubeconfig(lab.workdir / "kube-proxy.kubeconfig",
-                                       kube_proxy_token(kube))
-    config = kube_proxy_config(lab.workdir / "kube-proxy.yaml", kubeconfig, NODE,
+                                       controlplane.kube_proxy_token(kube))
+    config = controlplane.kube_proxy_config(lab.workdir / "kube-proxy.yaml", kubeconfig, NODE,
                                CLUSTER_CIDRS, MIN_SYNC, "30s")
 
     def start() -> Any:
@@ -553,8 +544,8 @@ def pyproxy_starter(lab: Lab, cluster: Cluster, kubeconfig: Path, binary: str = 
     return start
 
 
-def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.Namespace,
-             theirs: str | None = None) -> dict[str, Any]:
+def run_size(plane: controlplane.ControlPlane, services: int, endpoints: int,
+             args: argparse.Namespace, theirs: str | None = None) -> dict[str, Any]:
     """One loaded cluster: `theirs` (--against's pyproxy) and this checkout's started
     alternately first when given, then each proxy of --order measured."""
     cost: dict[str, Any] = {}
@@ -569,7 +560,7 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
               flush=True)
         runs = {}
         kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
-                                           service_account_token(kube))
+                                           controlplane.service_account_token(kube))
         starters = {"kube-proxy": kube_proxy_starter(plane, lab, cluster, kube),
                     "pyproxy": pyproxy_starter(lab, cluster, kubeconfig)}
 
@@ -628,7 +619,8 @@ def run_size(plane: ControlPlane, services: int, endpoints: int, args: argparse.
 
 
 def alternate(ours: Callable[[], Any], theirs: Callable[[], Any], stop: Callable[[Any], None],
-              kube: Kube, cluster: Cluster, args: argparse.Namespace) -> dict[str, Any]:
+              kube: controlplane.Kube, cluster: Cluster,
+              args: argparse.Namespace) -> dict[str, Any]:
     """--pairs cold starts of this checkout's pyproxy and of --against's on the loaded
     cluster, alternated (ours first in each pair): start → first complete ruleset only."""
     ours_s: list[float] = []
@@ -735,8 +727,8 @@ def main() -> int:
         parser.error(f"--order: unknown {', '.join(sorted(unknown))} (known: {', '.join(PROXIES)})")
     if not args.order and not args.against:
         parser.error("nothing to measure: --order is empty and no --against")
-    bin_dir = binaries_dir()
-    if missing_binaries(bin_dir):
+    bin_dir = controlplane.binaries_dir()
+    if controlplane.missing_binaries(bin_dir):
         print(f"run `make k8s` first ({bin_dir})", file=sys.stderr)
         return 2
     compile_pyproxy()  # start pyproxy as installed
@@ -748,7 +740,7 @@ def main() -> int:
         for size in args.sizes.split(","):
             services, endpoints = (int(x) for x in size.split("x"))
             # A fresh control plane per size: the previous size's objects would add up.
-            with running_control_plane(bin_dir) as plane:
+            with controlplane.running_control_plane(bin_dir) as plane:
                 results.append(run_size(plane, services, endpoints, args, theirs))
             if set(results[-1]["runs"]) == set(PROXIES):
                 print("\n" + table(results[-1]), flush=True)

@@ -39,17 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from drills.harness import NODE, PYPROXY, Daemon, DrillError, Env, Result, until
-from testkit.controlplane import (
-    ControlPlane,
-    Kube,
-    apply_manifests,
-    binaries_dir,
-    kube_proxy_config,
-    kube_proxy_token,
-    missing_binaries,
-    running_control_plane,
-    service_account_token,
-)
+from testkit import controlplane
 from testkit.netlab import ConnResult, NetlabError
 
 NAMESPACE = "migration"
@@ -200,8 +190,8 @@ class Node:
     """The node namespace, its two proxies and what the drill measures about them."""
 
     env: Env
-    plane: ControlPlane
-    kube: Kube
+    plane: controlplane.ControlPlane
+    kube: controlplane.Kube
     vips: list[str]
     kube_proxy_config: Path
     pyproxy_kubeconfig: Path
@@ -414,7 +404,7 @@ def switches(steps: Steps, seen: dict[int, dict[str, Counter[str]]]) -> dict[str
 # The drill
 
 
-def migration(env: Env, plane: ControlPlane, round_trips: int = 1, hold_s: float = 2.0,
+def migration(env: Env, plane: controlplane.ControlPlane, round_trips: int = 1, hold_s: float = 2.0,
               clients: int = 6, extra: int = 0) -> Result:
     more = f", {extra} more ClusterIPs" if extra else ""
     r = Result("kube-proxy migration",
@@ -422,7 +412,7 @@ def migration(env: Env, plane: ControlPlane, round_trips: int = 1, hold_s: float
                f"under traffic: ClusterIP (IPv4, IPv6), NodePort, LoadBalancer eTP=Local, "
                f"ClientIP affinity ({clients} clients), one UDP flow{more}; {hold_s:g} s a phase")
     addresses = [AFFINITY_CLIENTS.format(100 + i) for i in range(clients)]
-    kube = Kube(plane.admin_client())
+    kube = controlplane.Kube(plane.admin_client())
     node = _setup(env, plane, kube, extra)
     for address in addresses:
         env.lab.add_addr(env.cluster.client, "eth0", f"{address}/24")
@@ -626,10 +616,10 @@ def _all_answer(env: Env, extra: int) -> bool:
     return all(set(a) <= set(PODS) for a in answers)
 
 
-def _setup(env: Env, plane: ControlPlane, kube: Kube, extra: int) -> Node:
+def _setup(env: Env, plane: controlplane.ControlPlane, kube: controlplane.Kube, extra: int) -> Node:
     cluster = env.cluster
     plane.attach(cluster.node)
-    apply_manifests(kube)
+    controlplane.apply_manifests(kube)
     kube.namespace(NAMESPACE)
     kube.node(NODE, (cluster.node_ip4, cluster.node_ip6), zone="zone-1")
     kube.node("node-b", ("192.168.50.3",), zone="zone-1")
@@ -643,17 +633,18 @@ def _setup(env: Env, plane: ControlPlane, kube: Kube, extra: int) -> Node:
     kube.core.patch_namespaced_service_status("local", NAMESPACE, {"status": {"loadBalancer": {
         "ingress": [{"ip": LB_IP, "ipMode": "VIP"}]}}})
     workdir = env.workdir
-    kube_proxy = kube_proxy_config(
+    kube_proxy = controlplane.kube_proxy_config(
         workdir / "kube-proxy.yaml",
-        plane.node_kubeconfig(workdir / "kube-proxy.kubeconfig", kube_proxy_token(kube)))
+        plane.node_kubeconfig(workdir / "kube-proxy.kubeconfig",
+                              controlplane.kube_proxy_token(kube)))
     py_kubeconfig = plane.node_kubeconfig(workdir / "pyproxy-migration.kubeconfig",
-                                          service_account_token(kube))
+                                          controlplane.service_account_token(kube))
     vips = [WEB4, NODEPORT_VIP, STICKY, LOCAL_VIP, LB_IP,
             *(f"{EXTRA_NET}{i + 1}" for i in range(extra))]
     return Node(env, plane, kube, vips, kube_proxy, py_kubeconfig)
 
 
-def _teardown(env: Env, node: Node, kube: Kube, addresses: list[str]) -> None:
+def _teardown(env: Env, node: Node, kube: controlplane.Kube, addresses: list[str]) -> None:
     if node.kube_proxy is not None:
         node.stop_kube_proxy()
     if node.pyproxy is not None:
@@ -671,14 +662,14 @@ def _teardown(env: Env, node: Node, kube: Kube, addresses: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def control_plane() -> Iterator[ControlPlane]:
+def control_plane() -> Iterator[controlplane.ControlPlane]:
     """The real control plane, for the long drill (the tests use their session's)."""
-    bin_dir = binaries_dir()
-    missing = missing_binaries(bin_dir)
+    bin_dir = controlplane.binaries_dir()
+    missing = controlplane.missing_binaries(bin_dir)
     if missing:
         raise DrillError(f"the control plane is not built ({', '.join(missing)} missing in "
                          f"{bin_dir}): run `make k8s`")
-    with running_control_plane(bin_dir) as plane:
+    with controlplane.running_control_plane(bin_dir) as plane:
         yield plane
 
 
