@@ -10,7 +10,7 @@ import contextlib
 import copy
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +81,7 @@ class FakeKernel:
         self.tables: dict[str, _Table] = {}  # by family: only our table is kept
         self.fail_next = 0
         self.transactions = 0
+        self.element_transactions = 0  # those of them through apply_elements
 
     # --- what the applier calls (pyproxy.kernel.nft.Kernel) -------------------------------
 
@@ -98,6 +99,18 @@ class FakeKernel:
         self.tables = tables
         self.transactions += 1
         return ops.script(family, transaction)
+
+    def apply_elements(self, family: str, transaction: Sequence[Op],
+                       declarations: Mapping[str, SetDecl]) -> str:
+        """As `apply`; counted in `element_transactions`. Only element edits of declared
+        sets, as the real kernel shell requires."""
+        for verb, obj in transaction:
+            if not isinstance(obj, ops.Elements) or verb is Verb.FLUSH \
+                    or obj.set not in declarations:
+                raise ValueError(f"not an element edit of a declared set: {verb} {obj}")
+        script = self.apply(family, transaction)
+        self.element_transactions += 1
+        return script
 
     def add_elements(self, family: str, chunk: ElementChunk) -> None:
         self.apply(family, chunk.ops())

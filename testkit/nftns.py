@@ -24,10 +24,10 @@ from testkit.netlab import Netns
 
 
 def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS,
-              raw_elements: bool = True) -> LibNftables:
-    """A LibNftables whose contexts' sockets, and the raw netlink socket its staged element
-    loads use (unless `raw_elements` is false: then libnftables adds them), live in the
-    named namespace."""
+              raw_elements: bool = True, kind: type[LibNftables] = LibNftables) -> LibNftables:
+    """A LibNftables (or `kind` of it) whose contexts' sockets, and the raw netlink socket
+    its element edits use (unless `raw_elements` is false: then libnftables makes them),
+    live in the named namespace."""
     import nftables
 
     def context() -> Any:
@@ -38,8 +38,8 @@ def libnft_in(netns: str, sockets: OwnSockets = OWN_SOCKETS,
     def socket_in_netns() -> Any:
         return call_in_netns(netns, netlink_socket)
 
-    return LibNftables(context, sockets, netlink=socket_in_netns if raw_elements else None,
-                       queries=socket_in_netns)
+    return kind(context, sockets, netlink=socket_in_netns if raw_elements else None,
+                queries=socket_in_netns)
 
 
 class NodeProxy:

@@ -17,7 +17,7 @@ from pyproxy.kernel.nft import FaultyKernel
 from pyproxy.render import ops
 from pyproxy.render.objects import VERDICT, Element, SetDecl, Verdict, rule
 from pyproxy.serve.live import trace_in
-from pyproxy.sync.applier import Applier, inject_faults, pending_faults
+from pyproxy.sync.applier import Applier, element_edits, inject_faults, pending_faults
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_service, make_slice
@@ -209,3 +209,32 @@ def test_the_slot_store_is_the_proxiers_and_cleanup_empties_it_in_place() -> Non
     family.applier.cleanup()
     assert family.applier.desired is family.desired and len(family.desired) == 0
     assert nft.list_names("ip") == ([], [])
+
+
+def test_a_partial_sync_of_element_edits_only_goes_to_apply_elements() -> None:
+    """The endpoint replaced (a pod restarted): only the endpoints map's slot changes, and
+    the transaction goes to the kernel's element path (raw netlink, in production) with the
+    sets' declarations; one that flushes a chain goes to `apply`."""
+    nft = FakeNft()
+    proxier, _ = synced(nft)
+    proxier.on_slice(("ns", "web-1"), make_slice("ns", "web", [ep("10.244.1.2", "node-b")],
+                                                 name="web-1"))
+    proxier.sync()
+    assert nft.element_transactions == 1
+    assert all(" element " in line for line in nft.last.splitlines()), nft.last
+    assert nft.list_elements("ip", "map", "endpoints-tcp") == [
+        (("10.96.0.10", 80, 0), ("10.244.1.2", 8080))]
+    proxier.on_service(("ns", "web"), None)  # its pick chain, now unused, is flushed
+    proxier.sync()
+    assert nft.element_transactions == 1 and "flush chain" in nft.last
+
+
+def test_element_edits_are_only_additions_and_deletions_of_declared_sets() -> None:
+    proxier, _ = synced()
+    desired = applier(proxier).desired
+    edit = ops.delete(ops.Elements("endpoints-tcp", ((("10.96.0.10", 80, 0), ()),)))
+    assert element_edits([edit], desired) == {
+        "endpoints-tcp": desired.declaration("endpoints-tcp")}
+    assert element_edits([edit, ops.flush(ops.Chain("services"))], desired) is None
+    assert element_edits([ops.add(ops.Elements("nowhere", ()))], desired) is None
+    assert element_edits([], desired) is None

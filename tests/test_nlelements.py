@@ -131,3 +131,33 @@ def test_messages_hold_whole_elements_within_the_16_bit_length() -> None:
         kinds.append(kind)
         offset += length
     assert kinds == [0x10, *[(10 << 8) | 12] * len(payloads), 0x11]
+
+
+def test_a_deletion_names_the_key_an_addition_wrote() -> None:
+    """A deletion's element is the addition's without its data (libnftables sends no data
+    with `delete element`), as DELSETELEM messages without NLM_F_CREATE, in the edits'
+    order."""
+    encoder = Layout.of(SERVICE_IPS).encoder()
+    element = (("10.96.0.1", "tcp", 80), Verdict("goto", "cluster-tcp-1", "ns/web:http"))
+    added, deleted = encoder(element), encoder.key(element[0])
+    # the same key attribute after the element's header; the addition's data follows it
+    assert added[4:len(deleted)] == deleted[4:] and len(added) > len(deleted)
+    assert struct.unpack_from("=H", deleted)[0] == len(deleted)
+    edits = nle.encode_edits([(True, "service-ips", SERVICE_IPS, [element]),
+                              (False, "service-ips", SERVICE_IPS, [element])])
+    assert edits == [(True, "service-ips", [deleted]), (False, "service-ips", [added])]
+    batch = nle.build_edits("ip", "pyproxy", edits)
+    headers, offset = [], 0
+    while offset < len(batch.data):
+        length, kind, flags = struct.unpack_from("=IHH", batch.data, offset)
+        headers.append((kind, flags))
+        offset += length
+    assert headers == [(0x10, 0x1), ((10 << 8) | 14, 0x1 | 0x4),
+                       ((10 << 8) | 12, 0x1 | 0x4 | 0x400), (0x11, 0x1)]
+    assert list(batch.sets.values()) == ["deleting elements from service-ips",
+                                         "adding elements to service-ips"]
+    with pytest.raises(Unencodable):  # one set libnftables must write: all of them go there
+        nle.encode_edits([(True, "service-ips", SERVICE_IPS, [element]),
+                          (False, "cidrs", SetDecl(("ipv4_addr",), flags=("interval",)),
+                           [(("10.0.0.0/8",), ())])])
+

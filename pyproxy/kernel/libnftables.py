@@ -11,14 +11,14 @@ import os
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from pyproxy.kernel import nlelements, nltable
 from pyproxy.render import ops, staging
-from pyproxy.render.objects import TABLE, Element, Field, Key, Verdict
+from pyproxy.render.objects import TABLE, Element, Field, Key, SetDecl, Verdict
 from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import Structure
 
@@ -220,6 +220,40 @@ class LibNftables:
         self.run(script)
         return script
 
+    def apply_elements(self, family: str, transaction: Sequence[Op],
+                       declarations: Mapping[str, SetDecl]) -> str:
+        """Commit a transaction of element additions and deletions only (the applier made
+        sure), in sets with these declarations: over raw netlink as one batch, all or
+        nothing, where nlelements understands every set and element. That skips
+        libnftables' reload of its view of every set in the table (4 ms of CPU per call at
+        5k services x 50 endpoints, 1,326 sets). Otherwise through libnftables, as `apply`.
+        NftError if the kernel refused it (nothing applied). Returns the nft script the
+        operations are (for `last_script`)."""
+        if self._netlink is None:
+            return self.apply(family, transaction)
+        try:
+            edits = nlelements.encode_edits(_changes(transaction, declarations))
+        except nlelements.Unencodable:
+            return self.apply(family, transaction)
+        self._settle()  # after any batch in flight, in order
+        try:
+            nlelements.commit(self._netlink, nlelements.build_edits(family, TABLE, edits))
+        except nlelements.BatchRefused as err:
+            raise NftError(str(err)) from err
+        except OSError as err:
+            # The socket failed (no answer: applied or not, unknown). libnftables from now
+            # on; it commits the same transaction, or refuses it (a deletion applied
+            # meanwhile), which a full sync then mends.
+            self._netlink_off(err)
+            return self.apply(family, transaction)
+        return ops.script(family, transaction)
+
+    def _netlink_off(self, error: OSError) -> None:
+        log.warning("raw_netlink_elements_off", error=str(error))
+        if self._netlink is not None:
+            self._netlink.close()
+        self._netlink = None
+
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
         """Over raw netlink the sets whose declaration and elements nlelements understands
         (all of a table pyproxy renders, but for its interval sets), through libnftables the
@@ -264,10 +298,7 @@ class LibNftables:
         elif isinstance(error, OSError):
             # The socket itself failed (a send buffer it may not raise, no answer):
             # libnftables adds every element from now on, as before this path existed.
-            log.warning("raw_netlink_elements_off", error=str(error))
-            if self._netlink is not None:
-                self._netlink.close()
-            self._netlink = None
+            self._netlink_off(error)
             self.run(staging.ElementChunk(commit.loads).script(commit.family))
         elif error is not None:
             raise error
@@ -328,6 +359,17 @@ class LibNftables:
         if structure is None:
             return [], []  # no table yet
         return list(structure.chains), list(structure.sets)
+
+
+def _changes(transaction: Sequence[Op],
+             declarations: Mapping[str, SetDecl]) -> Iterator[nlelements.Change]:
+    for verb, obj in transaction:
+        if not isinstance(obj, ops.Elements) or verb not in (ops.Verb.ADD, ops.Verb.DELETE):
+            raise nlelements.Unencodable(f"{verb} {type(obj).__name__}: not an element edit")
+        declaration = declarations.get(obj.set)
+        if declaration is None:
+            raise nlelements.Unencodable(f"{obj.set}: no declaration")
+        yield verb is ops.Verb.DELETE, obj.set, declaration, obj.elements
 
 
 def structure_of(listing: Any, family: str) -> Structure | None:

@@ -5,7 +5,7 @@ would, for the drills' /fault. I/O only: what to write and when is decided in sy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -15,6 +15,7 @@ from pyproxy.kernel.libnftables import NftError
 from pyproxy.render import ops, staging
 from pyproxy.render.objects import (
     Element,
+    SetDecl,
 )
 from pyproxy.render.ops import Op
 from pyproxy.render.ruleset import (
@@ -35,6 +36,12 @@ class Kernel(Protocol):
     def apply(self, family: str, transaction: Sequence[Op]) -> str:
         """Commit the operations on our table as one transaction (all or nothing);
         NftError if refused. Returns them as the nft script they are (for `last_script`)."""
+        ...
+
+    def apply_elements(self, family: str, transaction: Sequence[Op],
+                       declarations: Mapping[str, SetDecl]) -> str:
+        """Commit a transaction of element additions and deletions only, in sets with
+        these declarations, as `apply` does (all or nothing; NftError if refused)."""
         ...
 
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
@@ -84,6 +91,12 @@ class FaultyKernel:
         if self.fail_next > 0 and transaction and not _only_chain_deletions(transaction):
             self._fail()
         return self.inner.apply(family, transaction)
+
+    def apply_elements(self, family: str, transaction: Sequence[Op],
+                       declarations: Mapping[str, SetDecl]) -> str:
+        if self.fail_next > 0 and transaction:
+            self._fail()
+        return self.inner.apply_elements(family, transaction, declarations)
 
     def add_elements(self, family: str, chunk: staging.ElementChunk) -> None:
         if self.fail_next > 0:

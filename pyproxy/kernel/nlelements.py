@@ -1,4 +1,5 @@
-"""Set and map elements added over raw nfnetlink: the bulk of a large full sync.
+"""Set and map elements added and deleted over raw nfnetlink: the bulk of a large full sync,
+and the partial syncs that only edit elements.
 
 Why: libnftables 1.0.6 parses and evaluates every element of a script in user space before it
 sends anything. Loading the 166k elements of a 10k services × 10 endpoints table with `nft -f`
@@ -7,7 +8,10 @@ staged full sync (pyproxy/render/staging.py) go into sets and maps that nothing 
 yet, one transaction per chunk, so nothing about them needs libnftables: they are encoded
 here straight from the store's typed elements (render/objects.py: a Key of fields, a value)
 into NFT_MSG_NEWSETELEM messages, one netlink batch (one transaction, all or nothing) per
-chunk.
+chunk. A partial sync that only adds and deletes elements (`encode_edits`, `build_edits`) is
+one batch too, its deletions NFT_MSG_DELSETELEM messages naming the same key bytes: it skips
+libnftables' reload of its view of every set in the table, which a command costs (4 ms of
+CPU at 5k services × 50 endpoints, 1,326 sets).
 
 Only what pyproxy renders is understood: sets and maps declared with `type` or `typeof` over
 addresses, protocols, ports and `numgen` values, mapping to such values or to a verdict,
@@ -238,6 +242,12 @@ class ElementEncoder:
         payload += comment
         return ATTR.pack(len(payload) + 4, NFTA_LIST_ELEM | NLA_F_NESTED) + payload
 
+    def key(self, key: Key) -> bytes:
+        """The NFTA_LIST_ELEM naming an element to delete: its key alone, as libnftables
+        sends a `delete element` (the same key bytes as an addition's)."""
+        payload = self._key_head + self._fields(self._key, key, self._key_size)
+        return ATTR.pack(len(payload) + 4, NFTA_LIST_ELEM | NLA_F_NESTED) + payload
+
     def encode(self, elements: Sequence[tuple[Key, ElementValue]]) -> list[bytes]:
         """Every element, grouped into message payloads (whole elements, at most
         MESSAGE_PAYLOAD bytes each)."""
@@ -246,19 +256,11 @@ class ElementEncoder:
             whole, size = fixed
             step = max(1, MESSAGE_PAYLOAD // size) * size
             return [whole[i:i + step] for i in range(0, len(whole), step)]
-        payloads: list[bytes] = []
-        pending: list[bytes] = []
-        length = 0
-        for element in elements:
-            encoded = self(element)
-            if length + len(encoded) > MESSAGE_PAYLOAD and pending:
-                payloads.append(b"".join(pending))
-                pending, length = [], 0
-            pending.append(encoded)
-            length += len(encoded)
-        if pending:
-            payloads.append(b"".join(pending))
-        return payloads
+        return _grouped(map(self, elements))
+
+    def encode_keys(self, keys: Iterable[Key]) -> list[bytes]:
+        """The keys of elements to delete, grouped into message payloads."""
+        return _grouped(map(self.key, keys))
 
     def _column_wise(self, elements: Sequence[tuple[Key, ElementValue]],
                      ) -> tuple[bytes, int] | None:
@@ -317,6 +319,22 @@ class ElementEncoder:
         return cached
 
 
+def _grouped(encoded: Iterable[bytes]) -> list[bytes]:
+    """Encoded elements grouped into message payloads of at most MESSAGE_PAYLOAD bytes."""
+    payloads: list[bytes] = []
+    pending: list[bytes] = []
+    length = 0
+    for element in encoded:
+        if length + len(element) > MESSAGE_PAYLOAD and pending:
+            payloads.append(b"".join(pending))
+            pending, length = [], 0
+        pending.append(element)
+        length += len(element)
+    if pending:
+        payloads.append(b"".join(pending))
+    return payloads
+
+
 def _column_encoder(field_type: str, cached: Encoder) -> Encoder:
     if field_type == "ipv4_addr":
         return functools.partial(socket.inet_pton, socket.AF_INET)
@@ -358,11 +376,15 @@ def _verdict(code: str, chain: str) -> bytes:
 
 @dataclass(frozen=True)
 class Batch:
-    """One transaction's datagram, and which set each message's sequence number adds to."""
+    """One transaction's datagram, and what each of its messages does (for the errors)."""
 
     data: bytes
     begin: int  # the batch header's sequence number
-    sets: dict[int, str]  # message sequence number → set name
+    sets: dict[int, str]  # message sequence number → "adding elements to SET" or so
+
+
+# One message kind's elements for one set: (deletion?, set name, payloads).
+Edit = tuple[bool, str, Iterable[bytes]]
 
 
 def _message(kind: int, flags: int, seq: int, family: int, res_id: int, body: bytes) -> bytes:
@@ -375,18 +397,27 @@ def build_batch(family: str, table: str, loads: Iterable[tuple[str, Iterable[byt
     """The batch adding, to each named set, its elements: one NEWSETELEM message for each
     payload (`ElementEncoder.encode`: whole elements, within the 16-bit length of the
     attribute that holds them)."""
+    return build_edits(family, table, ((False, name, payloads) for name, payloads in loads),
+                       seq)
+
+
+def build_edits(family: str, table: str, edits: Iterable[Edit], seq: int = 1) -> Batch:
+    """The batch making these edits in their order: NEWSETELEM messages (the flags of nft's
+    `add element`) or DELSETELEM ones (its `delete element`), one for each payload."""
     nfproto = NFPROTO[family]
     prefix = attribute(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
-    kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM
-    flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK
     begin = seq
     parts = [_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, begin, 0, NFNL_SUBSYS_NFTABLES, b"")]
     sets: dict[int, str] = {}
 
-    for name, payloads in loads:
+    for delete, name, payloads in edits:
+        kind = (NFNL_SUBSYS_NFTABLES << 8) | (NFT_MSG_DELSETELEM if delete
+                                             else NFT_MSG_NEWSETELEM)
+        flags = NLM_F_REQUEST | NLM_F_ACK | (0 if delete else NLM_F_CREATE)
+        what = f"deleting elements from {name}" if delete else f"adding elements to {name}"
         for payload in payloads:
             seq += 1
-            sets[seq] = name
+            sets[seq] = what
             body = (prefix + attribute(NFTA_SET_ELEM_LIST_SET, name.encode() + b"\0")
                     + _nest(NFTA_SET_ELEM_LIST_ELEMENTS, payload))
             parts.append(_message(kind, flags, seq, nfproto, 0, body))
@@ -430,9 +461,9 @@ def commit(sock: socket.socket, batch: Batch, timeout: float = ACK_TIMEOUT) -> N
                 if kind == NLMSG_ERROR:
                     (code,) = struct.unpack_from("=i", data, offset + HEADER.size)
                     if code:
-                        name = batch.sets.get(seq, "the batch")
+                        what = batch.sets.get(seq, "the batch")
                         detail = _error_text(data, offset, length)
-                        errors.append(f"adding elements to {name}: "
+                        errors.append(f"{what}: "
                                       f"{errno.errorcode.get(-code, str(-code))}"
                                       + (f" ({detail})" if detail else ""))
                         if seq == batch.begin:
@@ -464,3 +495,23 @@ def encode_loads(loads: Sequence[Load]) -> tuple[list[tuple[str, list[bytes]]], 
         except Unencodable:
             left.append((name, declaration, elements))
     return encoded, left
+
+
+# An edit to encode: (deletion?, set name, its declaration, the elements; a deletion's values
+# are not sent).
+Change = tuple[bool, str, SetDecl, Sequence[tuple[Key, ElementValue]]]
+
+
+def encode_edits(changes: Iterable[Change]) -> list[Edit]:
+    """Element additions and deletions, encoded in their order; Unencodable when any one is
+    not understood (then all of them go through libnftables: they are one transaction)."""
+    edits: list[Edit] = []
+    encoders: dict[SetDecl, ElementEncoder] = {}
+    for delete, name, declaration, elements in changes:
+        encoder = encoders.get(declaration)
+        if encoder is None:
+            encoder = encoders[declaration] = Layout.of(declaration).encoder()
+        payloads = (encoder.encode_keys(key for key, _ in elements) if delete
+                    else encoder.encode(elements))
+        edits.append((delete, name, payloads))
+    return edits

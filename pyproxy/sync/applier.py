@@ -71,6 +71,22 @@ def pending_faults(applier: Applier) -> int:
     return applier.nft.fail_next if isinstance(applier.nft, FaultyKernel) else 0
 
 
+def element_edits(transaction: Iterable[ops.Op],
+                  desired: DesiredState) -> dict[str, SetDecl] | None:
+    """The declarations of the sets a transaction edits, when all it does is add and delete
+    elements of sets the store declares; None otherwise."""
+    declarations: dict[str, SetDecl] = {}
+    for verb, obj in transaction:
+        if not isinstance(obj, ops.Elements) or verb is ops.Verb.FLUSH:
+            return None
+        if obj.set not in declarations:
+            declaration = desired.declaration(obj.set)
+            if declaration is None:
+                return None
+            declarations[obj.set] = declaration
+    return declarations or None
+
+
 @dataclass
 class SyncResult:
     plan: SyncPlan
@@ -182,7 +198,7 @@ class Applier:
                     assert names is not None
                     script = self._run_staged(cmds, table_exists=not fresh)
                 elif cmds:
-                    script = self.nft.apply(self.family, cmds.ops())
+                    script = self._commit(cmds.ops(), change is not None)
             except NftError as err:
                 if not plan.full or replaced is not None:
                     raise
@@ -217,6 +233,15 @@ class Applier:
         touched = len(self.desired) if change is None else change.touched()
         return SyncResult(plan, script.count("\n"), touched, t1 - t0, t2 - t1, len(script),
                           replaced=replaced)
+
+    def _commit(self, transaction: list[ops.Op], partial: bool) -> str:
+        """One transaction. A partial sync's that only adds and deletes elements (an
+        endpoint come or gone: the endpoints map's slots, a few verdict-map elements) goes
+        to `apply_elements`, which can send it without libnftables."""
+        declarations = element_edits(transaction, self.desired) if partial else None
+        if declarations is not None:
+            return self.nft.apply_elements(self.family, transaction, declarations)
+        return self.nft.apply(self.family, transaction)
 
     def _foreign_layout(self) -> str | None:
         """Why our table must be replaced rather than patched: it records another layout
