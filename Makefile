@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure bench-inflight soak demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure bench-inflight bench-least soak demo clean \
 	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
@@ -190,6 +190,14 @@ soak: venv k8s
 # pure count at 1k and 10k services (bench/bench_inflight.py; root; ~8 min, most of it pyroute2).
 bench-inflight: venv
 	$(BIN)/python -m bench.bench_inflight
+
+# Least connections against random (issue 38, point 2): three endpoints on real packets, one
+# holding its connections 10x longer, the held connections per endpoint under random and lc;
+# the feedback's CPU at 1,000 lc Services with real map writes (bench/bench_least.py; root,
+# ~5 min). LEAST_FLAGS e.g. --duration 60 --services 2000.
+LEAST_FLAGS ?=
+bench-least: venv
+	$(BIN)/python -m bench.bench_least $(LEAST_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

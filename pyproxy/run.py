@@ -39,6 +39,7 @@ from pyproxy.serve.localhost import LocalhostProxies, rejected_reader
 from pyproxy.serve.metrics import Metrics, RejectedPackets
 from pyproxy.serve.reporting import HealthCheckNodePorts, SyncReporting
 from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker
+from pyproxy.sync.least import LeastConnections
 from pyproxy.sync.node import AfterSync, FirstSync, NodeProxier, SyncObserver
 from pyproxy.sync.outliers import OutlierEjection
 from pyproxy.sync.proxier import FamilyProxier
@@ -183,7 +184,8 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
         api_client, node_name, stop, service_cidrs=config.watches_service_cidrs,
         content_type=config.content_type)
     outliers = OutlierEjection.of(config, api_client, node_name, stop, metrics)  # ejection
-    observers: list[SyncObserver] = [reporting, hcnp,
+    least = LeastConnections(config.least_connections_interval, outliers.adjust, stop)
+    observers: list[SyncObserver] = [reporting, hcnp, least,
                                      ConntrackCleanup(conntrack, config.fast_failure), outliers,
                                      FirstSync(lambda: serving.sd_notify("READY=1")),
                                      *([localhost] if config.localhost_nodeports_gate else [])]
@@ -197,7 +199,7 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
             lambda proxier: api.watch_all_nodes() if proxier.cache.uses_node_labels() else None))
 
     def make_family(family: IPFamily, node: NodeConfig) -> FamilyProxier:
-        return FamilyProxier(family, node, kernel(family) if kernel else None, outliers.adjust)
+        return FamilyProxier(family, node, kernel(family) if kernel else None, least.adjust)
 
     proxier = NodeProxier(
         cache, [make_family(f, node_config) for f in families],
@@ -213,8 +215,7 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
         metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
     metrics.watch_selections(proxier.current_selections)
     connections = connection_views(proxier, metrics, config.in_flight_interval)
-    # Other tables' base chains that drop what we accept: checked at start and after every
-    # change to another table's chains or rules.
+    # Other tables' base chains dropping what we accept: checked at start and on their changes.
     coexistence = CoexistenceCheck(
         tuple(families), lambda found: metrics.other_table_drops.set(len(found)))
     return Daemon(config, stop, cache, proxier, runner, health, metrics, hcnp, localhost,

@@ -20,6 +20,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +44,18 @@ from pyproxy.core.model import IPFamily, LocalMode, Node
 from pyproxy.core.outliers import Failure, OutlierPolicy
 from pyproxy.kernel.host import apply_host_settings
 from pyproxy.logs import setup_logging
+from pyproxy.run import build_daemon
 from pyproxy.serve import servers as serve
 from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.live import connection_views
 from pyproxy.serve.metrics import Metrics
 from pyproxy.sync import settings
+from pyproxy.sync.least import LeastConnections
 from pyproxy.sync.node import NodeProxier
 from pyproxy.sync.outliers import OutlierEjection
 from pyproxy.sync.runner import BoundedFrequencyRunner
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import FakeNft
 from testkit.nftns import render_script
 
 Configs = Callable[[Path], tuple[ProxyConfig, ProxyConfig]]
@@ -280,6 +284,14 @@ def in_flight(config: ProxyConfig, tmp: Path) -> tuple[bool, float]:
     return views.in_flight is not None, views.interval
 
 
+def least_connections(config: ProxyConfig, tmp: Path) -> float:
+    """How often the daemon's least-connection feedback steps."""
+    daemon = build_daemon(replace(config, snapshot="unused.yaml", hostname_override="node-a"),
+                          interface_ips=("10.0.0.1",), kernel=lambda family: FakeNft())
+    least = next(o for o in daemon.proxier.observers if isinstance(o, LeastConnections))
+    return least.interval
+
+
 def with_kubeconfig(attr: str, value: Any) -> Configs:
     def configs(tmp: Path) -> tuple[ProxyConfig, ProxyConfig]:
         first = ProxyConfig(kubeconfig=kubeconfig(tmp, "https://a.example:6443"))
@@ -362,6 +374,8 @@ APPLIED: dict[str, tuple[Configs, Probe]] = {
     "outlier_ejection_policy": (change("outlier_ejection_policy", OutlierPolicy(
         failures=2, base_ejection=60.0)), first_ejection),
     "in_flight_interval": (change("in_flight_interval", 0.0), in_flight),
+    "least_connections_interval": (change("least_connections_interval", 1.0),
+                                   least_connections),
 }
 # Applied settings whose effect only a running daemon shows: the test that shows it.
 SHOWN_END_TO_END = {

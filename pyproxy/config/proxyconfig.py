@@ -66,6 +66,7 @@ class ProxyConfig:
     sync_period: float = 30.0
     min_sync_period: float = 1.0
     full_sync_period: float = 3600.0
+    least_connections_interval: float = 2.0
     in_flight_interval: float = 10.0
     config_sync_period: float = 900.0
 

@@ -370,6 +370,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("full_sync_period", ValueType.DURATION, _positive_duration,
             applied_by="run.py: sync timing (sync/node.py)",
             flag="full-sync-period", flag_help="full resync at least this often", own=True),
+    Setting("least_connections_interval", ValueType.DURATION, _positive_duration,
+            applied_by="run.py: least-connection balancing's feedback (sync/least.py)",
+            flag="least-connections-interval",
+            flag_help="how often the slots of Services balanced by lc, wlc, sed or nq "
+            "follow their connections in flight (conntrack is read then, within 5 % of a "
+            "CPU; nothing is read while no Service uses them)", own=True),
     Setting("in_flight_interval", ValueType.DURATION, _not_negative_duration,
             applied_by="run.py: the connections in flight (sync/inflight.py, serve/live.py)",
             flag="in-flight-interval",

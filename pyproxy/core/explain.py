@@ -29,6 +29,7 @@ from typing import Any
 
 from pyproxy.core.balancing import MAGLEV_TABLE_SIZE, effective_weights
 from pyproxy.core.inflight import endpoint_lines
+from pyproxy.core.least import LEAST, least_reason
 from pyproxy.core.model import (
     Algorithm,
     ClusterState,
@@ -159,6 +160,8 @@ def _balancing_reasons(port: ServicePort, sel: Selection) -> list[str]:
                    f"0x{port.hash_seed:08x})")
     elif algorithm is Algorithm.ROUND_ROBIN:
         out.append("balancing: round robin (per node)")
+    elif algorithm in LEAST:
+        out.append(least_reason(algorithm, sel.least))
     endpoints = [*(sel.cluster or ()), *(sel.local or ())]
     _, weight_note = effective_weights(port, endpoints)  # the weights' own, not ejections
     if weight_note:

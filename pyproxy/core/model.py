@@ -41,6 +41,11 @@ class Algorithm(StrEnum):
     ROUND_ROBIN = "round-robin"
     SOURCE_HASH = "source-hash"
     MAGLEV = "maglev"
+    # IPVS's least-connection schedulers, by feedback from conntrack (core/least.py)
+    LEAST_CONNECTIONS = "lc"
+    WEIGHTED_LEAST_CONNECTIONS = "wlc"
+    SHORTEST_EXPECTED_DELAY = "sed"
+    NEVER_QUEUE = "nq"
 
 
 # Well-known label and annotation keys.

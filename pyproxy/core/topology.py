@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from pyproxy.core.least import LeastSlots
 from pyproxy.core.model import (
     ANNOTATION_TOPOLOGY_MIN_ENDPOINTS,
     LABEL_HOSTNAME,
@@ -70,6 +71,9 @@ class Selection:
     # Outlier ejection's verdict on these endpoints (core/outliers.py), set by the daemon
     # after selection: the ejected get no slot for new connections. None: not used.
     outliers: PortOutliers | None = None
+    # Least-connection balancing's slot table (core/least.py), set by the daemon's feedback
+    # from the connections in flight. None: not used, or no feedback yet.
+    least: LeastSlots | None = None
 
 
 def select_endpoints(

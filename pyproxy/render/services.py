@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from ipaddress import ip_address, ip_network
 
 from pyproxy.core.balancing import balancing_of, effective_weights, slots, weighted_slots
+from pyproxy.core.least import LEAST, least_slots
 from pyproxy.core.model import (
     Algorithm,
     Endpoint,
@@ -206,11 +207,15 @@ class _ServiceRender:
     def weighted(self, endpoints: Sequence[Endpoint]) -> tuple[Endpoint, ...]:
         """The endpoints map's slots for a list: weights and the algorithm decide how often
         each endpoint appears (Maglev: its consistent-hashing table)."""
-        if (self.port.balancing is not Algorithm.MAGLEV and not self.port.endpoint_weights
-                and not self.sel.outliers and all(ep.weight is None for ep in endpoints)):
+        algorithm = self.port.balancing
+        if (algorithm is Algorithm.RANDOM or algorithm is Algorithm.ROUND_ROBIN
+                or algorithm is Algorithm.SOURCE_HASH) and not self.port.endpoint_weights \
+                and not self.sel.outliers and all(ep.weight is None for ep in endpoints):
             return tuple(endpoints)  # the common case: one slot per endpoint
         weights, _ = effective_weights(self.port, endpoints, self.sel.outliers)
-        return slots(endpoints, weights, self.port.balancing)
+        if algorithm in LEAST:  # the slot table the connections in flight last set
+            return least_slots(endpoints, weights, algorithm, self.sel.least)
+        return slots(endpoints, weights, algorithm)
 
     def cluster_ip(self) -> list[Item]:
         endpoints = self.weighted(self.internal_list())
