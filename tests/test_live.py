@@ -321,3 +321,55 @@ def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
         snapshot.write_text(original)
         until(lambda: cli_json(sock, "status")["services"] == 4, 20, "ns/held gone",
               interval=0.3)
+
+
+def test_least_connections_in_the_daemon(env: tuple[Cluster, str, Path]) -> None:
+    """A Service balanced by lc: the daemon's feedback (every 2 s, the default) reads the
+    connections held open through it and moves the slots away from the endpoint holding
+    them; a live explain shows the shares in force."""
+    c, sock, snapshot = env
+    held, vip = 9091, "10.96.0.31"
+    servers = [HoldingServer(c.pods[p].ns.full, c.pods[p].ip4, held, p) for p in c.pods]
+    original = snapshot.read_text()
+
+    def objects(pods: list[str]) -> list[dict[str, Any]]:
+        def lc(svc: dict[str, Any]) -> None:
+            svc["metadata"]["annotations"] = {"service.pyproxy.io/balancing": "lc"}
+            svc["spec"]["ports"][0]["targetPort"] = held
+
+        def ports(s: dict[str, Any]) -> None:
+            s["ports"] = [{"name": "http", "port": held, "protocol": "TCP"}]
+
+        return [make_service("ns", "lc", lc, ip=vip),
+                make_slice("ns", "lc", [ep(c.pods[p].ip4, "node-a") for p in pods], ports)]
+
+    def shares() -> dict[str, float]:
+        reasons = cli_json(sock, "explain", "ns/lc")["services"][0]["reasons"]
+        line = next(r for r in reasons if "least connections (lc), by feedback" in r)
+        if "; now " not in line:
+            return {}
+        return {part.split()[0]: float(part.split()[1].rstrip("%")) / 100
+                for part in line.split("; now ")[1].split(", ")}
+
+    clients = HeldClients(c.client.full, vip, 80)
+    busy, idle = f"{c.pods['pod-a'].ip4}:{held}", f"{c.pods['pod-b'].ip4}:{held}"
+    try:
+        # pod-a alone first: it takes 20 connections; then pod-b joins
+        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects(["pod-a"])))
+        until(lambda: cli(sock, "services", "ns/lc")[0] == 0 and cli_json(
+            sock, "services", "ns/lc"), 20, "ns/lc programmed", interval=0.3)
+        assert clients.open(20) == {"pod-a": 20}
+        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(
+            objects(["pod-a", "pod-b"])))
+        until(lambda: shares().get(idle, 0) > 0.8, 30, "the idle endpoint's share above 80 %",
+              interval=0.5)
+        assert shares()[busy] < 0.2
+        landed = clients.open(20)
+        assert landed.get("pod-b", 0) >= 12, landed  # ~17 expected
+    finally:
+        clients.close()
+        for server in servers:
+            server.close()
+        snapshot.write_text(original)
+        until(lambda: cli_json(sock, "status")["services"] == 4, 20, "ns/lc gone",
+              interval=0.3)

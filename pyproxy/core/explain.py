@@ -29,7 +29,7 @@ from typing import Any
 
 from pyproxy.core.balancing import MAGLEV_TABLE_SIZE, effective_weights
 from pyproxy.core.inflight import endpoint_lines
-from pyproxy.core.least import LEAST, least_reason
+from pyproxy.core.least import LEAST, LeastSlots, least_reason
 from pyproxy.core.model import (
     Algorithm,
     ClusterState,
@@ -45,14 +45,14 @@ from pyproxy.core.topology import TOPOLOGY_NONE, PortSelection, Selection, selec
 def explain_report(
     state: ClusterState, node_name: str, service: ServiceKey | None = None,
     outliers: Callable[[PortSelection], PortOutliers | None] | None = None,
+    least: Callable[[PortSelection], LeastSlots | None] | None = None,
 ) -> dict[str, Any]:
-    """`outliers`: outlier ejection's verdict in force for a port (the daemon's; None
-    offline, where there is none)."""
+    """`outliers`: outlier ejection's verdict in force for a port; `least`: the slot table
+    least-connection balancing's feedback set for it (the daemon's; None offline, where there
+    is neither)."""
     node = state.node(node_name)
     entries = [
-        port_entry(ps if outliers is None else
-                   replace(ps, selection=replace(ps.selection, outliers=outliers(ps))))
-        for ps in select_all(state, node_name)
+        port_entry(_in_force(ps, outliers, least)) for ps in select_all(state, node_name)
         if service is None or ps.port.name.service == service
     ]
     skipped = [
@@ -72,6 +72,16 @@ def explain_report(
             "topology keys other than the hostname cannot match"
         ]
     return report
+
+
+def _in_force(ps: PortSelection,
+              outliers: Callable[[PortSelection], PortOutliers | None] | None,
+              least: Callable[[PortSelection], LeastSlots | None] | None) -> PortSelection:
+    if outliers is not None:
+        ps = replace(ps, selection=replace(ps.selection, outliers=outliers(ps)))
+    if least is not None:
+        ps = replace(ps, selection=replace(ps.selection, least=least(ps)))
+    return ps
 
 
 def _endpoint_list(endpoints: tuple[Endpoint, ...] | None) -> list[str] | None:

@@ -18,7 +18,10 @@ from prometheus_client.registry import Collector
 from pyproxy.core.coexistence import Finding
 from pyproxy.core.explain import explain_report, port_entry
 from pyproxy.core.inflight import InFlight, exported
+from pyproxy.core.least import LeastSlots
 from pyproxy.core.model import IPFamily, Protocol, ServiceKey, ServicePortName, ip_family
+from pyproxy.core.outliers import PortOutliers
+from pyproxy.core.topology import PortSelection
 from pyproxy.kernel.nlsets import KernelCounters
 from pyproxy.render.objects import Element, ElementValue, Key, element_text
 from pyproxy.render.skeleton import render_config
@@ -329,10 +332,19 @@ def handlers(proxier: NodeProxier, health: ProxyHealth, runner: BoundedFrequency
 
     def explain(query: Mapping[str, str]) -> Any:
         wanted = service_key(query["service"]) if query.get("service") else None
-        in_force = {(ps.port.name, ps.family): ps.selection.outliers
+        in_force = {(ps.port.name, ps.family): ps.selection
                     for p in proxier.proxiers for ps in p.selections.values()}
+
+        def outliers(ps: PortSelection) -> PortOutliers | None:
+            sel = in_force.get((ps.port.name, ps.family))
+            return None if sel is None else sel.outliers
+
+        def least(ps: PortSelection) -> LeastSlots | None:
+            sel = in_force.get((ps.port.name, ps.family))
+            return None if sel is None else sel.least
+
         report = explain_report(proxier.cache.state(), proxier.cache.node_name, wanted,
-                                lambda ps: in_force.get((ps.port.name, ps.family)))
+                                outliers, least)
         report["conflicts"] = disputes_report(((p.family, p.desired) for p in proxier.proxiers),
                                               wanted)
         return with_other_tables(report, other_tables())
