@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,7 @@ def figures(attempts: list[Attempt], fault: float, end: float, last: float) -> d
     last_early = max((a.started - fault for a in during if not a.ok
                       and a.started < fault + 3 * DETECTION_WINDOW), default=None)
     return {
+        "fault_started": fault,
         "attempts_before": sum(a.started < fault for a in attempts),
         "failed_before": sum(not a.ok for a in attempts if a.started < fault),
         "attempts_during": len(during), "failed_during": sum(not a.ok for a in during),
@@ -206,6 +208,12 @@ def ejections(lab: Lab) -> list[str]:
         if log.exists() else []
 
 
+def logged_at(line: str) -> float:
+    """The wall-clock time of a pyproxy text log line (its `timestamp=` field, UTC)."""
+    stamp = line.split("timestamp=", 1)[1].split()[0]
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     rows = ["| proxy | attempts during the fault | failed | in the first 5 s | after 5 s "
             "| after 5 s, share | last failure of the first 15 s |",
@@ -257,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
                 print("failures per second of the fault:",
                       results[name]["failures_per_second"], flush=True)
             logged = ejections(lab)
+            if "pyproxy" in results and logged:
+                results["pyproxy"]["ejected_after_s"] = round(
+                    logged_at(logged[0]) - results["pyproxy"]["fault_started"], 2)
     print("\n" + table(results))
     for line in logged:
         print("pyproxy:", line[:300])
