@@ -10,7 +10,7 @@ APT_PACKAGES := nftables libnftables1 python3-nftables iproute2 conntrack python
 APT_PACKAGES += runc containernetworking-plugins util-linux
 DEBIAN_NFT := /usr/lib/python3/dist-packages/nftables
 
-.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure bench-inflight bench-least soak demo clean \
+.PHONY: all deps venv test unit lint bench bench-daemon bench-vs-kube-proxy bench-fleet bench-wire bench-yaml bench-npl bench-fast-failure bench-inflight bench-least bench-nl-partial soak demo clean \
 	k8s k8s-path kube-proxy-next tools test-tools \
 	images
 
@@ -198,6 +198,12 @@ bench-inflight: venv
 LEAST_FLAGS ?=
 bench-least: venv
 	$(BIN)/python -m bench.bench_least $(LEAST_FLAGS)
+
+# One-endpoint changes at 5k x 50 with ClientIP affinity (issue 37): each partial sync's
+# element edits through libnftables and over raw netlink, alternately, on one table in a
+# throwaway namespace; CPU, wall, the paired ratio (bench/bench_nl_partial.py; root; ~3 min).
+bench-nl-partial: venv
+	$(BIN)/python -m bench.bench_nl_partial $(BENCH_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -16,7 +16,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 MAKE = re.compile(r"`make (?:-s )?([a-z][\w-]*)")
 COMMIT = re.compile(r"\b[0-9a-f]{7}\b")
 PERFORMANCE = ROOT / "docs" / "performance.md"
-PERFORMANCE_MAX_LINES = 120
+PERFORMANCE_MAX_LINES = 132  # the soak's table, then the element-only changes'
 PERFORMANCE_MAX_COMMITS = 6  # a table per benchmark; the soak's is the sixth
 
 
