@@ -25,6 +25,7 @@ from pyproxy.core.outliers import (
     endpoint_key,
 )
 from pyproxy.core.topology import PortSelection, Selection, select_all
+from pyproxy.render.objects import ClientOf, DnatTo, Kind, Rule
 from pyproxy.render.services import render_service
 from pyproxy.render.skeleton import render_config
 from testkit.builders import ep, make_node, make_service, make_slice
@@ -213,8 +214,12 @@ def test_the_annotation_turns_it_on_or_off_and_a_bad_value_leaves_it_to_the_sett
                                   "false: the node's setting outlierEjection decides")
 
 
-def selection_with(outliers: PortOutliers) -> tuple[ServicePort, Selection]:
-    state = build_state([make_service("ns", "web"), make_node("node-a"),
+def selection_with(outliers: PortOutliers,
+                   affinity: bool = False) -> tuple[ServicePort, Selection]:
+    service = make_service("ns", "web")
+    if affinity:
+        service["spec"]["sessionAffinity"] = "ClientIP"
+    state = build_state([service, make_node("node-a"),
                          make_slice("ns", "web", [ep(f"10.0.0.{i}", "node-b")
                                                   for i in (1, 2, 3, 4)])])
     ps = next(select_all(state, "node-a"))
@@ -265,3 +270,19 @@ def test_the_policy_setting_replaces_the_fields_given() -> None:
                       ("retries=3", "unknown field 'retries'")):
         with pytest.raises(ConfigError, match=re.escape(says)):
             setting_value("outlier_ejection_policy", bad, "--outlier-ejection-policy")
+
+
+def test_with_session_affinity_an_ejected_endpoint_keeps_no_returning_client() -> None:
+    ejection = Ejection("failing", 0.0, 1_800_000_000.0, 1)
+    for outliers, returning in ((PortOutliers(), {1, 2, 3, 4}),
+                                (PortOutliers({"10.0.0.1:8080": ejection}), {2, 3, 4})):
+        port, sel = selection_with(outliers, affinity=True)
+        cfg = render_config(NodeConfig(node_name="node-a", node_ips=("192.168.0.1",)),
+                            IPFamily.IPv4)
+        rules = [r for item in render_service(port, sel, cfg).items
+                 if item.kind is Kind.CHAIN for r in item.value if isinstance(r, Rule)]
+        # A returning client's rule: the client in the endpoint's set, then its DNAT.
+        back = {int(d.text().rsplit(".", 1)[1].split(":")[0])
+                for r in rules if any(isinstance(s, ClientOf) for s in r.statements)
+                for d in r.statements if isinstance(d, DnatTo)}
+        assert back == returning, rules

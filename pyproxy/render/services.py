@@ -453,8 +453,12 @@ class _AffinityRender:
                                     timeout=svc.port.affinity_timeout))
             # Every endpoint, drained ones too: a returning client keeps its endpoint, and
             # renews its element, so the timeout is the time it may stay away (kube-proxy's
-            # endpoint chains `update` on every connection, new or returning).
-            rules.append(rule(ClientOf(ip, aff), Remember(ip, aff), _dnat_to(cfg, proto, ep)))
+            # endpoint chains `update` on every connection, new or returning). Not one
+            # outlier ejection took out: it fails its connections, so its clients are placed
+            # anew (and remembered for the endpoint they get).
+            if not (svc.sel.outliers and ep.key in svc.sel.outliers.ejected):
+                rules.append(rule(ClientOf(ip, aff), Remember(ip, aff),
+                                  _dnat_to(cfg, proto, ep)))
         # New clients: a cascade over the weighted slots (hashing algorithms would fight the
         # affinity sets, so with affinity only the weights apply).
         weights, _ = effective_weights(svc.port, endpoints, svc.sel.outliers)
