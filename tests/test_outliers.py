@@ -28,7 +28,9 @@ from pyproxy.core.topology import PortSelection, Selection, select_all
 from pyproxy.render.objects import ClientOf, DnatTo, Kind, Rule
 from pyproxy.render.services import render_service
 from pyproxy.render.skeleton import render_config
+from pyproxy.sync.outliers import OutlierEjection
 from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.fakes import fake_node_proxier
 
 POLICY = OutlierPolicy(failures=3, window=10.0, base_ejection=30.0, max_ejection=100.0)
 KEYS = ("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.0.4:80")
@@ -286,3 +288,51 @@ def test_with_session_affinity_an_ejected_endpoint_keeps_no_returning_client() -
                 for r in rules if any(isinstance(s, ClientOf) for s in r.statements)
                 for d in r.statements if isinstance(d, DnatTo)}
         assert back == returning, rules
+
+
+def test_the_ports_taking_part_follow_partial_updates() -> None:
+    t = OutlierTracker(POLICY)
+    t.set_ports({"web": (A, B), "api": (B,)})
+    assert t.ports_of(B) == ("web", "api") and t.has_ports
+    t.update_ports(["api"], {"web": (A, C)})  # api gone, web's endpoints changed
+    assert (t.ports_of(A), t.ports_of(B), t.ports_of(C)) == (("web",), (), ("web",))
+    assert t.watched(C) and not t.watched(B)
+    t.set_ports({})
+    assert not t.has_ports and not t.watched(A)
+
+
+def test_the_daemon_follows_the_ports_taking_part_and_renders_an_ejection() -> None:
+    now = [1000.0]
+    outliers = OutlierEjection(OutlierPolicy(failures=2), enabled=False, clock=lambda: now[0])
+    outliers.reader = outliers.events()  # as if started: no socket in this test
+    proxier, _, _ = fake_node_proxier(observers=[outliers])
+    proxier.proxiers[0].adjust = outliers.adjust
+    on = make_service("ns", "web", lambda s: s["metadata"].update(
+        annotations={ANNOTATION_OUTLIER_EJECTION: "true"}))
+    off = make_service("ns", "api", ip="10.96.0.11")
+    proxier.on_service(("ns", "web"), on)
+    proxier.on_service(("ns", "api"), off)
+    ips = [f"10.0.0.{i}" for i in (1, 2, 3, 4)]
+    proxier.on_slice(("ns", "web"), make_slice("ns", "web", [ep(ip, "node-b") for ip in ips]))
+    proxier.on_slice(("ns", "api"), make_slice("ns", "api", [ep("10.0.1.1", "node-b")]))
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.sync()
+    assert all(outliers.watched(f"{ip}:8080") for ip in ips)
+    assert not outliers.watched("10.0.1.1:8080")  # api did not opt in
+    # Two failures in a row eject 10.0.0.1; the tick renders ns/web again.
+    for _ in range(2):
+        outliers.failure("10.0.0.1:8080", Failure.NO_REPLY, now[0])
+    outliers.tick(now[0])
+    proxier.sync()
+    [web] = [ps for ps in proxier.current_selections() if ps.port.name.name == "web"]
+    assert web.selection.outliers is not None
+    assert list(web.selection.outliers.ejected) == ["10.0.0.1:8080"]
+    # A partial sync: 10.0.0.4 leaves the Service, no longer watched; then the Service goes.
+    proxier.on_slice(("ns", "web"), make_slice("ns", "web", [ep(ip, "node-b")
+                                                             for ip in ips[:3]]))
+    proxier.sync()
+    assert outliers.watched("10.0.0.3:8080") and not outliers.watched("10.0.0.4:8080")
+    proxier.on_service(("ns", "web"), None)
+    proxier.sync()
+    assert not outliers.watched("10.0.0.1:8080")

@@ -160,11 +160,33 @@ class OutlierTracker:
     # -- what the shell feeds in ---------------------------------------------------------------
 
     def set_ports(self, ports: Mapping[Any, Sequence[str]]) -> None:
-        self._ports = {name: tuple(keys) for name, keys in ports.items()}
-        self._ports_of = {}
-        for name, keys in self._ports.items():
-            for key in keys:
+        """Every port taking part, with its endpoint keys (after a full sync)."""
+        self._ports, self._ports_of = {}, {}
+        self.update_ports((), ports)
+
+    def update_ports(self, gone: Iterable[Any], ports: Mapping[Any, Sequence[str]]) -> None:
+        """Ports no longer taking part (`gone`), and those whose endpoints are now these
+        (after a partial sync: the changed services' only, so its cost does not grow with
+        the cluster)."""
+        for name in (*gone, *ports):
+            for key in self._ports.pop(name, ()):
+                names = self._ports_of.get(key)
+                if names is not None and name in names:
+                    names.remove(name)
+                    if not names:
+                        del self._ports_of[key]
+        for name, keys in ports.items():
+            self._ports[name] = tuple(dict.fromkeys(keys))
+            for key in self._ports[name]:
                 self._ports_of.setdefault(key, []).append(name)
+
+    @property
+    def has_ports(self) -> bool:
+        return bool(self._ports)
+
+    def ports_of(self, key: str) -> tuple[Any, ...]:
+        """The ports taking part that `key` is an endpoint of."""
+        return tuple(self._ports_of.get(key, ()))
 
     def watched(self, key: str) -> bool:
         """An endpoint of a port with outlier ejection on (what the events are filtered by)."""

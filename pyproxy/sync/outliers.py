@@ -67,8 +67,8 @@ class OutlierEjection(SyncedOnly):
     lock: threading.Lock = field(default_factory=threading.Lock)
     tracker: OutlierTracker = field(init=False)
     reader: ConntrackEvents | None = None
-    _ports: dict[PortId, tuple[str, ...]] = field(default_factory=dict)
-    _services_of: dict[str, set[ServiceKey]] = field(default_factory=dict)
+    # The ports taking part per Service (a partial sync replaces the changed services').
+    _port_ids: dict[ServiceKey, set[PortId]] = field(default_factory=dict)
     _changed: set[str] = field(default_factory=set)
     _ejected: list[str] = field(default_factory=list)
     _next_tick: float = 0.0
@@ -116,24 +116,23 @@ class OutlierEjection(SyncedOnly):
                     found[(name, ps.family)] = tuple(ep.key for ep in ps.selection.all_reachable)
         with self.lock:
             if full:
-                self._ports = found
+                self.tracker.set_ports(found)
+                self._port_ids = {}
             else:
-                for port_id in [p for p in self._ports if p[0].service in checkout.services]:
-                    del self._ports[port_id]
-                self._ports.update(found)
-            self.tracker.set_ports(self._ports)
-            services: dict[str, set[ServiceKey]] = {}
-            for (name, _), keys in self._ports.items():
-                for key in keys:
-                    services.setdefault(key, set()).add(name.service)
-            self._services_of = services
-            start = bool(self._ports) and self.reader is None
+                gone = [p for key in checkout.services for p in self._port_ids.pop(key, ())]
+                self.tracker.update_ports(gone, found)
+            for port_id in found:
+                self._port_ids.setdefault(port_id[0].service, set()).add(port_id)
+            start = self.tracker.has_ports and self.reader is None
             if start:
                 self.reader = self.events()
         if start and self.reader is not None:
             self.reader.start(self.stop)  # in the sync thread: the daemon's namespace
 
     # -- the event thread's side -----------------------------------------------------------
+
+    def _services_of(self, key: str) -> set[ServiceKey]:
+        return {name.service for name, _ in self.tracker.ports_of(key)}
 
     def watched(self, key: str) -> bool:
         return self.tracker.watched(key)  # called under the lock (ConnectAttempts.feed)
@@ -158,8 +157,8 @@ class OutlierEjection(SyncedOnly):
             if not self._changed:
                 return
             changed, self._changed = self._changed, set()
-            services = {s for key in changed for s in self._services_of.get(key, ())}
-            ejected = [Ejected(key, ej, tuple(sorted(self._services_of.get(key, ()))))
+            services = {s for key in changed for s in self._services_of(key)}
+            ejected = [Ejected(key, ej, tuple(sorted(self._services_of(key))))
                        for key in self._ejected
                        if (ej := self.tracker.ejected(now).get(key)) is not None]
             self._ejected = []
