@@ -35,15 +35,11 @@ from pyproxy.config import LogFormat
 from pyproxy.core.inflight import FlowIndex, count
 from pyproxy.core.model import IPFamily
 from pyproxy.core.nodeconfig import NodeConfig
-from pyproxy.kernel.nlconntrack import KernelFlows
-from pyproxy.kernel.nlelements import netlink_socket
 from pyproxy.logs import setup_logging
-from pyproxy.sync.inflight import InFlightReader
 from pyproxy.sync.least import LeastConnections
 from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_node, make_service, make_slice
-from testkit.held import HeldClients, HoldingServer
-from testkit.inproc import call_in_netns
+from testkit.held import HeldClients, HoldingServer, least_feedback
 from testkit.netlab import Cluster, Lab
 from testkit.nftns import libnft_in
 
@@ -65,14 +61,7 @@ def objects(c: Cluster, algorithm: str) -> list[dict[str, Any]]:
 
 def spread_run(c: Cluster, algorithm: str, args: argparse.Namespace) -> dict[str, Any]:
     """One run of the workload under `algorithm`; held connections per endpoint per second."""
-    config = NodeConfig("node-a", node_ips=(c.node_ip4,), cluster_cidrs=(c.cluster_cidr4,))
-    least = LeastConnections(interval=args.interval)
-    proxier = FamilyProxier(IPFamily.IPv4, config, libnft_in(c.node.full), least.adjust)
-    netns = c.node.full
-    reader = InFlightReader([IPFamily.IPv4],
-                            KernelFlows(lambda: call_in_netns(netns, netlink_socket)).read,
-                            lambda: [(ps, [*(ps.selection.cluster or ())])
-                                     for ps in proxier.selections.values()], duty=1e9)
+    least, proxier, reader = least_feedback(c, interval=args.interval)
     state = build_state(objects(c, algorithm))
     proxier.sync(state)
     slow = sorted(c.pods)[0]

@@ -11,7 +11,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from testkit.inproc import call_in_netns
+from pyproxy.core.model import IPFamily
+from pyproxy.core.nodeconfig import NodeConfig
+from pyproxy.kernel.nlconntrack import KernelFlows
+from pyproxy.kernel.nlelements import netlink_socket
+from pyproxy.sync.inflight import InFlightReader
+from pyproxy.sync.least import LeastConnections
+from pyproxy.sync.proxier import FamilyProxier
+from testkit.inproc import call_in_netns, listen_in
+from testkit.netlab import Cluster
+from testkit.nftns import libnft_in
 
 
 class HoldingServer:
@@ -26,15 +35,7 @@ class HoldingServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-        def listen() -> socket.socket:
-            sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((ip, port))
-            sock.listen(1024)
-            sock.settimeout(0.2)
-            return sock
-
-        self._listener = call_in_netns(netns, listen)
+        self._listener = listen_in(netns, ip, port, backlog=1024)
         threading.Thread(target=self._accept, daemon=True, name=f"hold-{name}").start()
 
     def _accept(self) -> None:
@@ -111,3 +112,19 @@ class HeldClients:
             for sock in self.where.pop(key, []):
                 with contextlib.suppress(OSError):
                     sock.close()
+
+
+def least_feedback(c: Cluster, interval: float,
+                   ) -> tuple[LeastConnections, FamilyProxier, InFlightReader]:
+    """Least-connection balancing on `c`'s node in this process, IPv4: the feedback, the
+    proxier it adjusts (writing to the node's kernel) and the conntrack reader it is fed
+    from. `duty` is lifted: a test or bench reads whenever it steps."""
+    config = NodeConfig("node-a", node_ips=(c.node_ip4,), cluster_cidrs=(c.cluster_cidr4,))
+    least = LeastConnections(interval=interval)
+    proxier = FamilyProxier(IPFamily.IPv4, config, libnft_in(c.node.full), least.adjust)
+    netns = c.node.full
+    reader = InFlightReader([IPFamily.IPv4],
+                            KernelFlows(lambda: call_in_netns(netns, netlink_socket)).read,
+                            lambda: [(ps, [*(ps.selection.cluster or ())])
+                                     for ps in proxier.selections.values()], duty=1e9)
+    return least, proxier, reader

@@ -63,6 +63,21 @@ def call_in_netns(netns: str, fn: Callable[[], T], timeout: float = 30.0) -> T:
 # Backends
 
 
+def listen_in(netns: str, ip: str, port: int, backlog: int) -> socket.socket:
+    """A TCP listener on ip:port inside `netns`. Its accept times out every 0.2 s, so the
+    thread serving it notices a stop."""
+
+    def listen() -> socket.socket:
+        sock = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, port))
+        sock.listen(backlog)
+        sock.settimeout(0.2)
+        return sock
+
+    return call_in_netns(netns, listen)
+
+
 class HttpBackend:
     """Answers each TCP connection on ip:port inside a namespace with an HTTP response whose
     body starts with `answer`, until stop() (threads of this process; no child process)."""
@@ -71,16 +86,7 @@ class HttpBackend:
         self.answer = answer
         self._stop = threading.Event()
 
-        def listen() -> socket.socket:
-            family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((ip, port))
-            sock.listen(256)
-            sock.settimeout(0.2)
-            return sock
-
-        self._listener = call_in_netns(netns, listen)
+        self._listener = listen_in(netns, ip, port, backlog=256)
         threading.Thread(target=self._accept_loop, name=f"backend-{netns}-{answer}",
                          daemon=True).start()
 

@@ -11,19 +11,10 @@ import pytest
 
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.core.least import slot_count
-from pyproxy.core.model import IPFamily
-from pyproxy.core.nodeconfig import NodeConfig
-from pyproxy.kernel.nlconntrack import KernelFlows
-from pyproxy.kernel.nlelements import netlink_socket
-from pyproxy.sync.inflight import InFlightReader
-from pyproxy.sync.least import LeastConnections
-from pyproxy.sync.proxier import FamilyProxier
 from testkit.builders import ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
-from testkit.held import HeldClients, HoldingServer
-from testkit.inproc import call_in_netns
+from testkit.held import HeldClients, HoldingServer, least_feedback
 from testkit.netlab import Cluster, Lab
-from testkit.nftns import libnft_in
 
 pytestmark = [pytest.mark.netns, requires_netns]
 
@@ -54,14 +45,7 @@ def objects(c: Cluster, pods: list[str]) -> list[dict[str, Any]]:
 
 def test_new_connections_go_to_the_endpoint_with_fewer_in_flight(cluster: Cluster) -> None:
     c = cluster
-    config = NodeConfig("node-a", node_ips=(c.node_ip4,), cluster_cidrs=(c.cluster_cidr4,))
-    least = LeastConnections(interval=0.0)
-    proxier = FamilyProxier(IPFamily.IPv4, config, libnft_in(c.node.full), least.adjust)
-    netns = c.node.full
-    reader = InFlightReader([IPFamily.IPv4],
-                            KernelFlows(lambda: call_in_netns(netns, netlink_socket)).read,
-                            lambda: [(ps, [*(ps.selection.cluster or ())])
-                                     for ps in proxier.selections.values()], duty=1e9)
+    least, proxier, reader = least_feedback(c, interval=0.0)
     clients = HeldClients(c.client.full, VIP, 80)
     try:
         proxier.sync(build_state(objects(c, ["pod-a"])))
