@@ -28,7 +28,9 @@ def demo_namespaces() -> list[str]:
 
 
 def processes_using(path: str) -> list[int]:
-    """Pids whose command line names `path` (the daemons name their snapshot file)."""
+    """Pids whose command line names `path` (the daemons name their snapshot file, as
+    `--snapshot=PATH` since DaemonArgs spells their command lines, or as an argument)."""
+    wanted = {path.encode(), b"--snapshot=" + path.encode()}
     found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
@@ -36,7 +38,7 @@ def processes_using(path: str) -> list[int]:
                 argv = (proc / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue  # gone meanwhile
-            if path.encode() in argv:
+            if wanted & set(argv):
                 found.append(int(proc.name))
     return found
 
