@@ -51,6 +51,18 @@ def test_udp_client_to_pod(lab: Lab, cluster: Cluster) -> None:
     assert all_from(results, "pod-b", cluster.client_ip4), results
 
 
+@pytest.mark.parametrize("v6", [False, True], ids=["ipv4", "ipv6"])
+def test_udp_attempts_of_a_batch_are_flows_of_their_own(lab: Lab, cluster: Cluster,
+                                                          v6: bool) -> None:
+    # drawn at random, 300 ephemeral ports repeat one with a chance near 80 %; a repeated one
+    # would ride the earlier attempt's conntrack entry instead of being a new flow
+    pod = cluster.pods["pod-b"]
+    results = lab.connect(cluster.client, pod.addr(v6), 5353, proto="udp", count=300,
+                          parallel=8)
+    assert tally(results) == {"pod-b": 300}
+    assert len({r.local_port for r in results}) == 300
+
+
 @pytest.mark.parametrize("proto,port", [("tcp", 8080), ("udp", 5353)])
 def test_ipv6(lab: Lab, cluster: Cluster, proto: Proto, port: int) -> None:
     pod = cluster.pods["pod-a"]
