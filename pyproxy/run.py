@@ -214,7 +214,7 @@ def build_daemon(config: ProxyConfig, *, interface_ips: tuple[str, ...],
     if config.localhost_nodeports_gate:
         metrics.watch_localhost_nodeports(RejectedPackets(rejected_reader(proxier)))
     metrics.watch_selections(proxier.current_selections)
-    connections = connection_views(proxier, metrics, config.in_flight_interval)
+    connections = connection_views(proxier, metrics, config.in_flight_interval, least)
     # Other tables' base chains dropping what we accept: checked at start and on their changes.
     coexistence = CoexistenceCheck(
         tuple(families), lambda found: metrics.other_table_drops.set(len(found)))

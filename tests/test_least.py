@@ -6,11 +6,13 @@ the spread and the cost."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from pyproxy.cluster.snapshot import build_state
+from pyproxy.config import ProxyConfig
 from pyproxy.core.explain import explain_report
 from pyproxy.core.inflight import FlowIndex, InFlight, count
 from pyproxy.core.least import (
@@ -26,6 +28,9 @@ from pyproxy.core.model import Algorithm, IPFamily, ServiceKey
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.topology import select_all
 from pyproxy.kernel.nlconntrack import FlowCounts
+from pyproxy.run import build_daemon
+from pyproxy.serve.live import connection_views
+from pyproxy.serve.metrics import Metrics
 from pyproxy.sync.inflight import InFlightReader
 from pyproxy.sync.least import LeastConnections, next_slots
 from pyproxy.sync.proxier import fragments
@@ -207,12 +212,7 @@ def test_in_the_daemon_a_step_renders_the_service_again_with_its_moved_slots() -
                                    for ip, n in loads.items()}, sum(loads.values())),
         least.ports_with_endpoints, duty=1e9)
     try:
-        for obj in objects("lc")[1:]:
-            (proxier.on_service if obj["kind"] == "Service" else proxier.on_slice)(
-                (obj["metadata"]["namespace"], obj["metadata"]["name"]), obj)
-        for source in ("Service", "EndpointSlice"):
-            proxier.source_synced(source)
-        proxier.sync()
+        load(proxier, objects("lc")[1:])
         assert least._thread is not None and least._thread.is_alive()
         before = len(requests)
         assert least.tick() == {ServiceKey("ns", "web")}
@@ -226,6 +226,58 @@ def test_in_the_daemon_a_step_renders_the_service_again_with_its_moved_slots() -
         assert table is not None and table.table.count("10.244.1.3:8080") > 32
     finally:
         stop.set()
+
+
+def load(proxier: Any, objs: list[dict[str, Any]]) -> None:
+    """The objects through the proxier's watch handlers, then its first sync."""
+    for obj in objs:
+        (proxier.on_service if obj["kind"] == "Service" else proxier.on_slice)(
+            (obj["metadata"]["namespace"], obj["metadata"]["name"]), obj)
+    for source in ("Service", "EndpointSlice"):
+        proxier.source_synced(source)
+    proxier.sync()
+
+
+def test_one_conntrack_read_serves_the_feedback_and_the_in_flight_view() -> None:
+    """The feedback reads through the in-flight view's reader: a tick's dump is what a scrape
+    within inFlightInterval shows, and both share one duty cycle."""
+    stop = threading.Event()
+    least = LeastConnections(interval=3600.0, stop=stop)
+    proxier, _nft, _requests = fake_node_proxier(FakeNft(), observers=[least])
+    proxier.proxiers[0].adjust = least.adjust
+    views = connection_views(proxier, Metrics(), 10.0, least)
+    reader = views.in_flight
+    assert reader is not None and least.reader is reader
+    reads: list[IPFamily] = []
+
+    def read(family: IPFamily) -> FlowCounts:
+        reads.append(family)
+        return FlowCounts({("10.96.0.10", 80, "10.244.1.2", 8080): [40, 0]}, 40)
+
+    reader.families, reader.read, reader.clock = [IPFamily.IPv4], read, lambda: 0.0
+    try:
+        load(proxier, objects("lc")[1:])
+        assert least.tick() == {ServiceKey("ns", "web")}
+        shown = views.in_flight_now()
+        assert reads == [IPFamily.IPv4]  # one dump for both
+        assert shown is not None and [p.established for p in shown.ports.values()] == [40]
+    finally:
+        stop.set()
+
+
+def test_the_daemon_shares_the_read_unless_the_in_flight_view_is_off() -> None:
+    def least_of(config: ProxyConfig) -> tuple[LeastConnections, InFlightReader | None]:
+        daemon = build_daemon(config, interface_ips=("10.0.0.1",),
+                              kernel=lambda family: FakeNft())
+        found = next(o for o in daemon.proxier.observers if isinstance(o, LeastConnections))
+        return found, daemon.connections.in_flight
+
+    config = ProxyConfig(snapshot="unused.yaml", hostname_override="node-a")
+    least, view = least_of(config)
+    assert view is not None and least.reader is view
+    # inFlightInterval 0: no view; the feedback makes a reader of its own at its first sync
+    least, view = least_of(replace(config, in_flight_interval=0.0))
+    assert view is None and least.reader is None
 
 
 def test_a_table_within_one_slot_of_its_targets_is_not_rewritten() -> None:

@@ -38,6 +38,7 @@ from pyproxy.serve.health import ProxyHealth
 from pyproxy.serve.metrics import Metrics, gauge_family
 from pyproxy.sync.applier import inject_faults, pending_faults
 from pyproxy.sync.inflight import InFlightReader, kernel_reader
+from pyproxy.sync.least import LeastConnections
 from pyproxy.sync.proxier import FamilyProxier, disputes_report
 from pyproxy.sync.runner import BoundedFrequencyRunner
 
@@ -231,15 +232,19 @@ class InFlightCollector(Collector):
         yield from (per_endpoint, omitted, seconds, entries)
 
 
-def connection_views(proxier: NodeProxier, metrics: Metrics,
-                     in_flight_interval: float) -> ConnectionViews:
-    """Both views of the daemon's proxier, their metrics registered."""
+def connection_views(proxier: NodeProxier, metrics: Metrics, in_flight_interval: float,
+                     least: LeastConnections | None = None) -> ConnectionViews:
+    """Both views of the daemon's proxier, their metrics registered. Least-connection
+    balancing (`least`) reads the same dumps as the view: one conntrack read serves both,
+    within one duty cycle (with inFlightInterval 0 it keeps a reader of its own)."""
     views = ConnectionViews(connection_counters(proxier),
                             kernel_reader(proxier) if in_flight_interval else None,
                             in_flight_interval)
     metrics.watch_connections(views.new.totals)
     if views.in_flight is not None:
         metrics.registry.register(InFlightCollector(views.in_flight_now))
+        if least is not None:
+            least.reader = views.in_flight
     return views
 
 

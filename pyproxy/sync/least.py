@@ -5,8 +5,10 @@ changed rendered again (NodeProxier.rerender): their next sync writes only the e
 map elements whose endpoint changed.
 
 Nothing runs while no Service asks for it: the thread starts at the first sync that finds
-such a port, and a tick that finds none reads nothing. The conntrack read is bounded by the
-reader's duty cycle as well (5 % of a CPU: at 100k entries, every 6 s at most).
+such a port, and a tick that finds none reads nothing. The conntrack read is the in-flight
+view's (serve/live.py's connection_views gives this its reader): one dump serves a tick and a
+scrape, and both together stay within the reader's duty cycle (5 % of a CPU: at 100k entries,
+every 6 s at most). With the view off (inFlightInterval 0) a reader of its own is made.
 
 Locks: a tick reads the selections under the proxier's lock, then computes under its own;
 `adjust` (during a sync, under the proxier's lock) takes only its own: never both at once
