@@ -193,6 +193,17 @@ class TestKubeconfig:
             apiconnection.load(ProxyConfig(kubeconfig=path))
         assert str(raised.value).startswith(f"{tmp_path}/" + message.format(tmp=tmp_path))
 
+    def test_a_kubeconfig_beyond_the_limits_is_refused_before_it_is_read_whole(
+            self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        deep = write(tmp_path, "deep", "a: " + "[" * 150 + "]" * 150 + "\n")
+        with pytest.raises(ConfigError, match=r"deep: nested deeper than 100 levels"):
+            apiconnection.load(ProxyConfig(kubeconfig=deep))
+        path = write(tmp_path, "kc", kubeconfig(token="t"))
+        monkeypatch.setattr(apiconnection, "MAX_KUBECONFIG_BYTES", 64)
+        with pytest.raises(ConfigError, match=r"kc .*larger than 64 bytes, the limit for a "
+                                               r"kubeconfig"):
+            apiconnection.load(ProxyConfig(kubeconfig=path))
+
     @pytest.mark.parametrize(("ca", "cert", "key", "message"), [
         pytest.param("not-a-cert", None, None, "certificate-authority {tmp}/not-a-cert: not "
                      "usable for TLS", id="CA not a certificate"),

@@ -28,8 +28,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import structlog
-import yaml
 
+from pyproxy import yamlfile
 from pyproxy.config import ConfigError, ProxyConfig
 from pyproxy.core.model import ClusterState, ServiceKey
 from pyproxy.lazy import submodule
@@ -37,6 +37,9 @@ from pyproxy.lazy import submodule
 log = structlog.get_logger(__name__)
 
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+# A kubeconfig is a few KiB, a few hundred with many clusters' certificates inlined; what is
+# far beyond is not one, and is refused before it is read whole.
+MAX_KUBECONFIG_BYTES = 16 << 20
 # client-go's cachingTokenSource over a fileTokenSource: a token file is read again once the
 # copy in hand is a minute old, so a rotated bound token is picked up.
 TOKEN_REREAD_SECONDS = 60.0
@@ -157,9 +160,9 @@ def parse_kubeconfig(text: str, path: str) -> ApiConnection:
     """The current context's cluster and user. Raises ConfigError naming the file and the
     field at fault."""
     try:
-        config = yaml.safe_load(text)
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        config = yamlfile.load(text)
+    except yamlfile.DocumentError as err:
+        raise ConfigError(f"{path}: {err}") from None
     if not isinstance(config, dict) or not config.get("clusters"):
         raise ConfigError(f"{path}: not a kubeconfig (no clusters)")
     base = os.path.dirname(os.path.abspath(path))
@@ -231,8 +234,9 @@ def load(config: ProxyConfig, environ: Mapping[str, str] = os.environ,
     naming the setting or the file: `pyproxy run` calls this before it changes anything."""
     if config.kubeconfig:
         try:
-            text = Path(config.kubeconfig).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as err:
+            text = yamlfile.read_limited(config.kubeconfig, MAX_KUBECONFIG_BYTES,
+                                         "a kubeconfig").decode()
+        except (OSError, UnicodeDecodeError, yamlfile.TooLargeError) as err:
             raise ConfigError(f"kubeconfig {config.kubeconfig} (clientConnection.kubeconfig, "
                               f"--kubeconfig): {getattr(err, 'strerror', None) or err}") from None
         connection = parse_kubeconfig(text, config.kubeconfig)
