@@ -117,8 +117,9 @@ def reflecting(plane: ControlPlane, resource: Resource,
         wait_for(lambda: reflector.status.watches >= 1, 30, f"the {resource.kind} watch")
         yield Recorded(reflector, objects)
     finally:
-        stop.set()
+        reflector.close()
         thread.join(40)
+        assert not thread.is_alive()
 
 
 def get(plane: ControlPlane, path: str, accept: str) -> bytes:

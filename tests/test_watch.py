@@ -411,6 +411,25 @@ def test_every_watch_connection_of_the_daemons_client_has_tcp_keepalive() -> Non
             api.close()
 
 
+@pytest.mark.parametrize("content_type", [JSON_MEDIA_TYPE, PROTOBUF_MEDIA_TYPE],
+                         ids=["json", "protobuf"])
+def test_close_ends_a_quiet_watch_at_once(content_type: str) -> None:
+    """A watch with nothing to say (no event, no bookmark for an hour) ends at close(): not at
+    its next event or the server's timeout, and not as a failure of the API."""
+    with ApiEmulator(bookmark_interval=3600) as emu:
+        rec = Recorder()
+        refl = Reflector(emu.api_client(), services_resource(), rec.handle, rec.synced.set,
+                         threading.Event(), watch_timeout=300, content_type=content_type)
+        thread = threading.Thread(target=refl.run, daemon=True)
+        thread.start()
+        assert rec.synced.wait(5)
+        emu.wait_for_watches(1, "services")
+        refl.close()
+        thread.join(10)  # without the shutdown: until the server ends it, 5 to 10 min
+        assert not thread.is_alive()
+        assert (refl.status.errors, refl.status.last_error) == (0, "")
+
+
 def test_field_selector_limits_to_one_node(emu: ApiEmulator) -> None:
     from pyproxy.cluster.resources import nodes_resource
 

@@ -45,6 +45,7 @@ Behaviour, as a Kubernetes informer's:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -147,6 +148,16 @@ class Reflector:
         self._position = ""
         # A streamed list's stream after its initial events: the next watch reads it on.
         self._held: tuple[Any, Codec, Iterator[bytes]] | None = None
+        # The stream being read (a watch's or a streamed list's): what close() wakes.
+        self._streaming: Any = None
+
+    def close(self) -> None:
+        """Stop now. `stop` alone is seen between two reads, and a quiet watch's read lasts
+        until the next event or bookmark, or the server's timeout (minutes): its socket is
+        shut down as well, so the thread ends at once (three reflectors waiting out a quiet
+        watch made 114 s of one test's teardown)."""
+        self.stop.set()
+        _shut_down(self._streaming)
 
     def run(self) -> None:
         """The reflector's thread: until stop is set. Lists once, then watches from the last
@@ -174,6 +185,8 @@ class Reflector:
                 version = None
                 self.stop.wait(delay)
             except Exception as err:  # connection refused, timeouts, HTTP errors…
+                if self.stop.is_set():
+                    break  # close() shut the stream down: not the API's failure
                 if version is not None:  # resume after the last event the stream delivered
                     version = self._position or version
                 status = getattr(err, "status", None)
@@ -265,6 +278,7 @@ class Reflector:
         version: str | None = None
         handling = 0.0
         codec, lines = self._reading(response)
+        self._streaming = response
         try:
             # as for a page: conversion makes many objects without cycles, kept in the cache
             with gc_paused(keep=True):
@@ -297,6 +311,7 @@ class Reflector:
                 self._held = (response, codec, lines)
         finally:
             if self._held is None:
+                self._streaming = None
                 response.close()  # not drained: the connection cannot go back to the pool
                 response.release_conn()
         if version is None:
@@ -412,6 +427,9 @@ class Reflector:
                     raise Expired(describe_error(err)) from err
                 raise
             codec, lines = self._reading(response)
+        self._streaming = response
+        if self.stop.is_set():  # close() came before the stream was known
+            _shut_down(response)
         self.status.watches += 1
         self.status.set_connected(True)
         drained = False
@@ -430,6 +448,7 @@ class Reflector:
                 # relist again on another connection: the server served two lists (a test
                 # counting relists saw three lists instead of two).
                 response.close()
+            self._streaming = None
             response.release_conn()
         return version
 
@@ -453,6 +472,13 @@ class Reflector:
             self.handler(key, obj)
         self.status.resource_version = new_version
         return new_version
+
+
+def _shut_down(response: Any) -> None:
+    """Wake a read blocked on the response (urllib3's shutdown: the socket, not the pool's
+    connection object); nothing when there is none or it has ended meanwhile."""
+    with contextlib.suppress(Exception):
+        getattr(response, "shutdown", lambda: None)()
 
 
 def _unchanged(first_page: Mapping[ObjectKey, str], key: ObjectKey,
