@@ -35,14 +35,11 @@ from dataclasses import dataclass, field
 
 from testkit.controlplane import (
     ControlPlane,
+    ControlPlaneError,
     Kube,
-    apply_manifests,
-    binaries_dir,
     kube_proxy_config,
-    kube_proxy_token,
-    missing_binaries,
-    running_control_plane,
-    service_account_token,
+    plane_for_proxies,
+    proxy_kubeconfigs,
     start_pyproxy,
     wait_for,
 )
@@ -162,14 +159,11 @@ def side_by_side(plane: ControlPlane, kube: Kube) -> Iterator[list[Island]]:
             "spec": {"clusterIP": VIP, "selector": {"app": "web"},
                      "ports": [{"name": "http", "port": 80, "protocol": "TCP",
                                 "targetPort": 8080}]}})
-        kp_kubeconfig = plane.node_kubeconfig(kp_lab.workdir / "kube-proxy.kubeconfig",
-                                              kube_proxy_token(kube))
+        kp_kubeconfig, py_kubeconfig = proxy_kubeconfigs(plane, kube, kp_lab.workdir)
         config = kube_proxy_config(kp_lab.workdir / "kube-proxy.yaml", kp_kubeconfig)
         proc = kp_lab.popen(kp.cluster.node, [plane.bin / "kube-proxy", f"--config={config}",
                                               "-v=1"], log_name="kube-proxy.log")
         stack.callback(kp_lab.stop_process, proc)
-        py_kubeconfig = plane.node_kubeconfig(py_lab.workdir / "pyproxy.kubeconfig",
-                                              service_account_token(kube))
         daemon = start_pyproxy(py_lab, py.cluster.node, py_kubeconfig, "node-a")
         stack.callback(py_lab.stop_process, daemon.proc)
         for each in (kp, py):
@@ -208,20 +202,18 @@ def main() -> int:
                         help="seconds a request is waited on")
     parser.add_argument("--json", help="write every sample here")
     args = parser.parse_args()
-    bin_dir = binaries_dir()
-    if missing_binaries(bin_dir):
-        print(f"the control plane is not built in {bin_dir}: run `make k8s`", file=sys.stderr)
-        return 2
     samples: list[Sample] = []
     started = time.time()
-    with running_control_plane(bin_dir) as plane:
-        kube = Kube(plane.admin_client())
-        apply_manifests(kube)
-        kube.namespace(NS)
-        with side_by_side(plane, kube) as islands:
-            for round_ in range(args.rounds):
-                one_round(kube, islands, round_, args, samples)
-                print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
+    try:
+        with plane_for_proxies() as (plane, kube):
+            kube.namespace(NS)
+            with side_by_side(plane, kube) as islands:
+                for round_ in range(args.rounds):
+                    one_round(kube, islands, round_, args, samples)
+                    print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
+    except ControlPlaneError as err:
+        print(err, file=sys.stderr)
+        return 2
     print(summary(samples, args.cap))
     if args.json:
         with open(args.json, "w") as out:

@@ -36,13 +36,11 @@ from typing import Any
 from testkit.controlplane import (
     ControlPlane,
     Kube,
-    apply_manifests,
     binaries_dir,
     kube_proxy_config,
-    kube_proxy_token,
     missing_binaries,
-    running_control_plane,
-    service_account_token,
+    plane_for_proxies,
+    proxy_kubeconfigs,
 )
 from testkit.daemonargs import DaemonArgs
 from testkit.netlab import NETNS_USABLE, Cluster, Lab, tally
@@ -184,12 +182,9 @@ def proxy_running(name: str, start: Callable[[], Any], cluster: Cluster,
 
 def starters(plane: ControlPlane, lab: Lab, cluster: Cluster,
              kube: Kube) -> dict[str, tuple[Callable[[], Any], str]]:
-    kp_kubeconfig = plane.node_kubeconfig(lab.workdir / "kube-proxy.kubeconfig",
-                                          kube_proxy_token(kube))
+    kp_kubeconfig, py_kubeconfig = proxy_kubeconfigs(plane, kube, lab.workdir)
     kp_config = kube_proxy_config(lab.workdir / "kube-proxy.yaml", kp_kubeconfig, NODE,
                                   CLUSTER_CIDRS, "1s", "30s")
-    py_kubeconfig = plane.node_kubeconfig(lab.workdir / "pyproxy.kubeconfig",
-                                          service_account_token(kube))
     py_args = DaemonArgs(kubeconfig=py_kubeconfig, cluster_cidr=CLUSTER_CIDRS,
                          min_sync_period="1s", sync_period="30s")
     return {
@@ -240,34 +235,31 @@ def main(argv: list[str] | None = None) -> int:
         print("drill-outliers: needs root, network namespaces and `make k8s`", file=sys.stderr)
         return 2
     results: dict[str, dict[str, Any]] = {}
-    with running_control_plane(binaries_dir()) as plane:
-        kube = Kube(plane.admin_client())
-        apply_manifests(kube)
-        with Lab() as lab:
-            cluster = lab.standard_topology(backends=PODS)
-            for pod in cluster.pods.values():  # as drills/harness.py's Env, same reasons
-                lab.sysctl(pod.ns, {"net.ipv4.tcp_max_tw_buckets": "0"})
-            lab.sysctl(cluster.client, {"net.ipv4.ip_local_port_range": "1024 65535"})
-            plane.attach(cluster.node)
-            kube.node(NODE, (cluster.node_ip4,))
-            kube.namespace(NS)
-            service, piece = service_objects(cluster)
-            kube.core.create_namespaced_service(NS, service)
-            kube.discovery.create_namespaced_endpoint_slice(NS, piece)
-            for name, (start, nft_table) in starters(plane, lab, cluster, kube).items():
-                if args.only and name not in args.only:
-                    continue
-                print(f"== {name}: {args.fault:g} s of pod-a dropping SYNs", flush=True)
-                with proxy_running(name, start, cluster, nft_table):
-                    results[name] = run_fault(cluster, args.before, args.fault, args.after)
-                print(json.dumps({k: v for k, v in results[name].items()
-                                  if k != "failures_per_second"}), flush=True)
-                print("failures per second of the fault:",
-                      results[name]["failures_per_second"], flush=True)
-            logged = ejections(lab)
-            if "pyproxy" in results and logged:
-                results["pyproxy"]["ejected_after_s"] = round(
-                    logged_at(logged[0]) - results["pyproxy"]["fault_started"], 2)
+    with plane_for_proxies() as (plane, kube), Lab() as lab:
+        cluster = lab.standard_topology(backends=PODS)
+        for pod in cluster.pods.values():  # as drills/harness.py's Env, same reasons
+            lab.sysctl(pod.ns, {"net.ipv4.tcp_max_tw_buckets": "0"})
+        lab.sysctl(cluster.client, {"net.ipv4.ip_local_port_range": "1024 65535"})
+        plane.attach(cluster.node)
+        kube.node(NODE, (cluster.node_ip4,))
+        kube.namespace(NS)
+        service, piece = service_objects(cluster)
+        kube.core.create_namespaced_service(NS, service)
+        kube.discovery.create_namespaced_endpoint_slice(NS, piece)
+        for name, (start, nft_table) in starters(plane, lab, cluster, kube).items():
+            if args.only and name not in args.only:
+                continue
+            print(f"== {name}: {args.fault:g} s of pod-a dropping SYNs", flush=True)
+            with proxy_running(name, start, cluster, nft_table):
+                results[name] = run_fault(cluster, args.before, args.fault, args.after)
+            print(json.dumps({k: v for k, v in results[name].items()
+                              if k != "failures_per_second"}), flush=True)
+            print("failures per second of the fault:",
+                  results[name]["failures_per_second"], flush=True)
+        logged = ejections(lab)
+        if "pyproxy" in results and logged:
+            results["pyproxy"]["ejected_after_s"] = round(
+                logged_at(logged[0]) - results["pyproxy"]["fault_started"], 2)
     print("\n" + table(results))
     for line in logged:
         print("pyproxy:", line[:300])

@@ -11,7 +11,10 @@ IP plan used across the tests (keep new tests inside it):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pyproxy.core.model import ServicePort
 
 Obj = dict[str, Any]
 
@@ -33,6 +36,18 @@ def make_service(
     if tweak:
         tweak(svc)
     return svc
+
+
+def annotated_port(annotations: dict[str, str], name: str = "web") -> ServicePort:
+    """The first port of make_service's Service with these annotations, as pyproxy reads it
+    (what a test of an annotation asks)."""
+    from pyproxy.core.convert import convert_service
+    from pyproxy.core.model import Skipped
+
+    result = convert_service(make_service("ns", name, lambda s: s["metadata"].update(
+        annotations=annotations)))
+    assert not isinstance(result, Skipped), result
+    return result[0]
 
 
 def make_slice(

@@ -521,6 +521,23 @@ def running_control_plane(bin_dir: Path,
                                 dirs_exist_ok=True)
 
 
+@contextlib.contextmanager
+def plane_for_proxies(apiserver_args: tuple[str, ...] = ()) -> Iterator[tuple[ControlPlane,
+                                                                              Kube]]:
+    """The control plane `make k8s` built, started, with pyproxy's ServiceAccount and RBAC
+    applied: where the benches and drills that run the proxies begin. ControlPlaneError,
+    saying what to run, when it is not built."""
+    bin_dir = binaries_dir()
+    missing = missing_binaries(bin_dir)
+    if missing:
+        raise ControlPlaneError(f"the control plane is not built in {bin_dir} "
+                                f"({', '.join(missing)} missing): run `make k8s`")
+    with running_control_plane(bin_dir, apiserver_args) as plane:
+        kube = Kube(plane.admin_client())
+        apply_manifests(kube)
+        yield plane, kube
+
+
 # -- the API as the tests use it ---------------------------------------------------------------
 
 
@@ -693,6 +710,13 @@ def kube_proxy_config(path: Path, kubeconfig: Path, node: str = "node-a",
         "nftables": {"minSyncPeriod": min_sync_period, "syncPeriod": sync_period},
     }))
     return path
+
+
+def proxy_kubeconfigs(plane: ControlPlane, kube: Kube, workdir: Path) -> tuple[Path, Path]:
+    """kube-proxy's kubeconfig (kubeadm's identity for it) and pyproxy's (the manifests'
+    ServiceAccount), for processes in attached namespaces, written in `workdir`."""
+    return (plane.node_kubeconfig(workdir / "kube-proxy.kubeconfig", kube_proxy_token(kube)),
+            plane.node_kubeconfig(workdir / "pyproxy.kubeconfig", service_account_token(kube)))
 
 
 def kube_proxy_token(kube: Kube) -> str:

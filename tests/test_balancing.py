@@ -17,12 +17,11 @@ from pyproxy.core.balancing import (
     slots,
     weighted_slots,
 )
-from pyproxy.core.convert import convert_service
-from pyproxy.core.model import Algorithm, Endpoint, IPFamily, ServicePort, Skipped
+from pyproxy.core.model import Algorithm, Endpoint, IPFamily
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.render.skeleton import render_config
 from pyproxy.render.trace import trace
-from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.builders import annotated_port, ep, make_node, make_service, make_slice
 from testkit.fixtures import requires_netns
 from testkit.netlab import Cluster, Lab, tally
 from testkit.nftns import NodeProxy
@@ -60,24 +59,17 @@ def test_weights() -> None:
     assert 0.72 < share < 0.78
 
 
-def port(annotations: dict[str, str]) -> ServicePort:
-    result = convert_service(make_service("ns", "svc", lambda s: s["metadata"].update(
-        annotations=annotations)))
-    assert not isinstance(result, Skipped)
-    return result[0]
-
-
 def test_annotations() -> None:
-    p = port({"service.pyproxy.io/balancing": "maglev",
+    p = annotated_port({"service.pyproxy.io/balancing": "maglev",
               "service.pyproxy.io/endpoint-weights": "10.244.1.2=3, 10.244.2.2=0"})
     assert p.balancing is Algorithm.MAGLEV and p.balancing_note is None
     weights, _ = effective_weights(p, eps(3))
     assert weights == [3, 0, 1]
-    bad = port({"service.pyproxy.io/balancing": "fastest",
+    bad = annotated_port({"service.pyproxy.io/balancing": "fastest",
                 "service.pyproxy.io/endpoint-weights": "nonsense"})
     assert bad.balancing is Algorithm.RANDOM
     assert "fastest" in str(bad.balancing_note) and "IP=WEIGHT" in str(bad.balancing_note)
-    _, note = effective_weights(port({"service.pyproxy.io/endpoint-weights":
+    _, note = effective_weights(annotated_port({"service.pyproxy.io/endpoint-weights":
                                       "10.244.1.2=0"}), eps(1))
     assert note and "weight 0" in note
 

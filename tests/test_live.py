@@ -7,7 +7,7 @@ import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from ipaddress import ip_address
 from pathlib import Path
 from typing import Any, cast
@@ -255,6 +255,34 @@ def test_new_connections_per_endpoint_on_metrics_and_services(
     assert sum(x["count"] for x in entry["newConnections"]) == sum(now.values())
 
 
+@contextlib.contextmanager
+def holding_service(env: tuple[Cluster, str, Path], name: str, port: int,
+                    vip: str) -> Iterator[tuple[HeldClients, Callable[[list[Any]], None]]]:
+    """Servers holding their connections on `port` in every pod, clients of vip:80, and a
+    `serve(objects)` that puts ns/<name>'s objects in the snapshot beside the original ones
+    and waits until they are programmed; at the end everything is closed and the snapshot is
+    what it was, the Service gone."""
+    c, sock, snapshot = env
+    servers = [HoldingServer(c.pods[p].ns.full, c.pods[p].ip4, port, p) for p in c.pods]
+    original = snapshot.read_text()
+    clients = HeldClients(c.client.full, vip, 80)
+
+    def serve(objects: list[Any]) -> None:
+        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects))
+        until(lambda: cli(sock, "services", f"ns/{name}")[0] == 0 and cli_json(
+            sock, "services", f"ns/{name}"), 20, f"ns/{name} programmed", interval=0.3)
+
+    try:
+        yield clients, serve
+    finally:
+        clients.close()
+        for server in servers:
+            server.close()
+        snapshot.write_text(original)
+        until(lambda: cli_json(sock, "status")["services"] == 4, 20, f"ns/{name} gone",
+              interval=0.3)
+
+
 def in_flight_metric(c: Cluster) -> dict[tuple[str, str], float]:
     """ns/held's connections in flight per (endpoint, terminating), from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -271,10 +299,8 @@ def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
         env: tuple[Cluster, str, Path]) -> None:
     """Connections held open through a Service, seen per endpoint; one endpoint
     terminating shows "draining: N left", then 0 once its clients are done."""
-    c, sock, snapshot = env
+    c, sock, _snapshot = env
     held, vip = 9090, "10.96.0.30"
-    servers = [HoldingServer(c.pods[p].ns.full, c.pods[p].ip4, held, p) for p in c.pods]
-    original = snapshot.read_text()
 
     def objects(terminating: str | None = None) -> list[dict[str, Any]]:
         def ports(s: dict[str, Any]) -> None:
@@ -289,11 +315,8 @@ def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
     def entry() -> dict[str, Any]:
         return cast(dict[str, Any], cli_json(sock, "services", "ns/held")[0])
 
-    clients = HeldClients(c.client.full, vip, 80)
-    try:
-        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects()))
-        until(lambda: cli(sock, "services", "ns/held")[0] == 0 and cli_json(
-            sock, "services", "ns/held"), 20, "ns/held programmed", interval=0.3)
+    with holding_service(env, "held", held, vip) as (clients, serve):
+        serve(objects())
         landed = clients.open(20)
         busiest = max(landed, key=lambda p: landed[p])
         ip = {p: f"{c.pods[p].ip4}:{held}" for p in c.pods}
@@ -303,7 +326,7 @@ def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
         assert {e["endpoint"]: e["established"] for e in entry()["inFlight"]["endpoints"]} \
             == {ip[p]: landed.get(p, 0) for p in c.pods}
         assert in_flight_metric(c) == {(ip[p], "false"): n for p, n in landed.items()}
-        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects(busiest)))
+        serve(objects(busiest))
         draining = f"{ip[busiest]} terminating, draining: {landed[busiest]} left"
         until(lambda: draining in cli(sock, "explain", "ns/held")[1], 20, draining,
               interval=0.3)
@@ -314,23 +337,14 @@ def test_connections_in_flight_and_a_drain_in_services_explain_and_metrics(
         until(lambda: done in cli(sock, "explain", "ns/held")[1], 10, done, interval=0.3)
         until(lambda: in_flight_metric(c).get((ip[busiest], "true")) == 0, 10,
               "the metric at 0 for the drained endpoint", interval=0.3)
-    finally:
-        clients.close()
-        for server in servers:
-            server.close()
-        snapshot.write_text(original)
-        until(lambda: cli_json(sock, "status")["services"] == 4, 20, "ns/held gone",
-              interval=0.3)
 
 
 def test_least_connections_in_the_daemon(env: tuple[Cluster, str, Path]) -> None:
     """A Service balanced by lc: the daemon's feedback (every 2 s, the default) reads the
     connections held open through it and moves the slots away from the endpoint holding
     them; a live explain shows the shares in force."""
-    c, sock, snapshot = env
+    c, sock, _snapshot = env
     held, vip = 9091, "10.96.0.31"
-    servers = [HoldingServer(c.pods[p].ns.full, c.pods[p].ip4, held, p) for p in c.pods]
-    original = snapshot.read_text()
 
     def objects(pods: list[str]) -> list[dict[str, Any]]:
         def lc(svc: dict[str, Any]) -> None:
@@ -351,25 +365,14 @@ def test_least_connections_in_the_daemon(env: tuple[Cluster, str, Path]) -> None
         return {part.split()[0]: float(part.split()[1].rstrip("%")) / 100
                 for part in line.split("; now ")[1].split(", ")}
 
-    clients = HeldClients(c.client.full, vip, 80)
     busy, idle = f"{c.pods['pod-a'].ip4}:{held}", f"{c.pods['pod-b'].ip4}:{held}"
-    try:
+    with holding_service(env, "lc", held, vip) as (clients, serve):
         # pod-a alone first: it takes 20 connections; then pod-b joins
-        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(objects(["pod-a"])))
-        until(lambda: cli(sock, "services", "ns/lc")[0] == 0 and cli_json(
-            sock, "services", "ns/lc"), 20, "ns/lc programmed", interval=0.3)
+        serve(objects(["pod-a"]))
         assert clients.open(20) == {"pod-a": 20}
-        snapshot.write_text(original + "---\n" + yaml.safe_dump_all(
-            objects(["pod-a", "pod-b"])))
+        serve(objects(["pod-a", "pod-b"]))
         until(lambda: shares().get(idle, 0) > 0.8, 30, "the idle endpoint's share above 80 %",
               interval=0.5)
         assert shares()[busy] < 0.2
         landed = clients.open(20)
         assert landed.get("pod-b", 0) >= 12, landed  # ~17 expected
-    finally:
-        clients.close()
-        for server in servers:
-            server.close()
-        snapshot.write_text(original)
-        until(lambda: cli_json(sock, "status")["services"] == 4, 20, "ns/lc gone",
-              interval=0.3)

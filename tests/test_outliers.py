@@ -11,9 +11,8 @@ import pytest
 from pyproxy.cluster.snapshot import build_state
 from pyproxy.config.settings import setting_value
 from pyproxy.config.values import ConfigError
-from pyproxy.core.convert import convert_service
 from pyproxy.core.explain import port_entry
-from pyproxy.core.model import ANNOTATION_OUTLIER_EJECTION, IPFamily, ServicePort, Skipped
+from pyproxy.core.model import ANNOTATION_OUTLIER_EJECTION, IPFamily, ServicePort
 from pyproxy.core.nodeconfig import NodeConfig
 from pyproxy.core.outliers import (
     PROBATION_SHARE,
@@ -29,7 +28,7 @@ from pyproxy.render.objects import ClientOf, DnatTo, Kind, Rule
 from pyproxy.render.services import render_service
 from pyproxy.render.skeleton import render_config
 from pyproxy.sync.outliers import OutlierEjection
-from testkit.builders import ep, make_node, make_service, make_slice
+from testkit.builders import annotated_port, ep, make_node, make_service, make_slice
 from testkit.fakes import fake_node_proxier
 
 POLICY = OutlierPolicy(failures=3, window=10.0, base_ejection=30.0, max_ejection=100.0)
@@ -199,18 +198,11 @@ def test_endpoint_keys_spell_addresses_as_the_model_does() -> None:
 # --- the annotation, the slots and explain --------------------------------------------------
 
 
-def service_port(annotations: dict[str, str]) -> ServicePort:
-    result = convert_service(make_service("ns", "web", lambda s: s["metadata"].update(
-        annotations=annotations)))
-    assert not isinstance(result, Skipped)
-    return result[0]
-
-
 def test_the_annotation_turns_it_on_or_off_and_a_bad_value_leaves_it_to_the_setting() -> None:
-    assert service_port({}).outlier_ejection is None
-    assert service_port({ANNOTATION_OUTLIER_EJECTION: "true"}).outlier_ejection is True
-    assert service_port({ANNOTATION_OUTLIER_EJECTION: " False"}).outlier_ejection is False
-    bad = service_port({ANNOTATION_OUTLIER_EJECTION: "sometimes"})
+    assert annotated_port({}).outlier_ejection is None
+    assert annotated_port({ANNOTATION_OUTLIER_EJECTION: "true"}).outlier_ejection is True
+    assert annotated_port({ANNOTATION_OUTLIER_EJECTION: " False"}).outlier_ejection is False
+    bad = annotated_port({ANNOTATION_OUTLIER_EJECTION: "sometimes"})
     assert bad.outlier_ejection is None
     assert bad.balancing_note == (f"{ANNOTATION_OUTLIER_EJECTION}='sometimes' is not true or "
                                   "false: the node's setting outlierEjection decides")
