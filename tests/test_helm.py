@@ -4,7 +4,8 @@ manifests/ and the chart cannot drift: `helm template` with the values' defaults
 server's address, which has none) gives the very objects `kubectl kustomize manifests/` gives,
 compared as parsed YAML (the configuration inside the ConfigMap too), but for what only a
 chart has: its two labels on each object and the configuration's checksum on the pod template.
-With the monitoring values on, it gives manifests/monitoring/'s too. `helm lint --strict`
+With the monitoring values on, it gives manifests/monitoring/'s too; with kubeadm=true, the
+kubeadm variant's (manifests/kubeadm/). `helm lint --strict`
 passes; the bootstrap trap (the API server reached through a Service address) is a chart
 failure, the `kubernetes` Service's ClusterIP looked up on a real API server. What the chart
 renders is accepted by the real API server (`kubectl apply --dry-run=server`).
@@ -92,7 +93,7 @@ def as_manifests_have_it(objects: Objects) -> Objects:
         labels = obj["metadata"]["labels"]
         assert labels.pop("helm.sh/chart") == f"pyproxy-{chart()['version']}", (kind, name)
         assert labels.pop("app.kubernetes.io/managed-by") == "Helm", (kind, name)
-        if kind == "DaemonSet":
+        if kind == "DaemonSet" and ("ConfigMap", "pyproxy") in plain:
             template_meta = obj["spec"]["template"]["metadata"]
             assert len(template_meta.pop("annotations").pop(CHECKSUM)) == 64
     return parsed_config(plain)
@@ -100,8 +101,9 @@ def as_manifests_have_it(objects: Objects) -> Objects:
 
 def parsed_config(objects: Objects) -> Objects:
     plain = copy.deepcopy(objects)
-    data = plain[("ConfigMap", "pyproxy")]["data"]
-    data["config.yaml"] = yaml.safe_load(data["config.yaml"])
+    if ("ConfigMap", "pyproxy") in plain:
+        data = plain[("ConfigMap", "pyproxy")]["data"]
+        data["config.yaml"] = yaml.safe_load(data["config.yaml"])
     return plain
 
 
@@ -138,7 +140,7 @@ def test_helm_lint_strict() -> None:
     monitoring = [f"apiServer.host={API}", "monitoring.serviceMonitor.enabled=true",
                   "monitoring.prometheusRule.enabled=true",
                   "config.metricsBindAddress=0.0.0.0:10249"]
-    for sets in ([], [f"apiServer.host={API}"], monitoring):
+    for sets in ([], [f"apiServer.host={API}"], monitoring, ["kubeadm=true"]):
         out = helm("lint", "--strict", str(CHART), *[a for v in sets for a in ("--set", v)])
         assert out.returncode == 0, out.stdout + out.stderr
         assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout, out.stdout
@@ -149,6 +151,31 @@ def test_the_chart_renders_the_manifests() -> None:
     """manifests/ and the chart cannot drift: the same ServiceAccount, RBAC, ConfigMap and
     DaemonSet, field for field, with the values' defaults."""
     assert as_manifests_have_it(template(f"apiServer.host={API}")) == manifests()
+
+
+def test_with_kubeadm_the_chart_renders_manifests_kubeadm() -> None:
+    """kubeadm=true: the objects of `kubectl apply -f manifests/00-serviceaccount.yaml -f
+    manifests/01-rbac.yaml -f manifests/kubeadm/`, kubeadm's ConfigMap mounted instead of one
+    of the chart's, and no API server address asked for (kubeconfig.conf names it)."""
+    expected = by_kind_and_name("---\n".join(
+        path.read_text() for path in (MANIFESTS / "00-serviceaccount.yaml",
+                                      MANIFESTS / "01-rbac.yaml",
+                                      MANIFESTS / "kubeadm" / "03-daemonset.yaml")))
+    rendered = template("kubeadm=true")
+    assert ("ConfigMap", "pyproxy") not in rendered
+    assert "annotations" not in daemonset(rendered)["spec"]["template"]["metadata"]
+    assert as_manifests_have_it(rendered) == expected
+    # what pyproxy is told: its other values still reach it
+    canary = template("kubeadm=true", "canary=true", "extraArgs={-v=2}")
+    assert container(canary)["args"] == ["run", "--config=/var/lib/kube-proxy/config.conf",
+                                         "--hostname-override=$(NODE_NAME)", "-v=2"]
+
+
+def test_kubeadm_outside_kube_system_is_refused() -> None:
+    out = helm("template", "pyproxy", str(CHART), "--namespace", "pyproxy", "--set",
+               "kubeadm=true")
+    assert out.returncode != 0
+    assert "install the release in kube-system, not pyproxy" in out.stderr
 
 
 def test_with_monitoring_the_chart_renders_manifests_monitoring() -> None:
@@ -295,9 +322,15 @@ def test_the_api_server_accepts_what_the_chart_renders(control_plane: ControlPla
     Prometheus Operator's need its CRDs, which this API server does not have) passes the
     API server's validation and admission without being stored, with other values too."""
     config = admin_kubeconfig(control_plane, tmp_path)
-    for sets in ([f"apiServer.host={API}"],
-                 [f"apiServer.host={API}", "canary=true", "image.digest=sha256:" + "0" * 64,
-                  "config.healthzBindAddress=0.0.0.0:10266", "tolerations=null"]):
+    every = ["clusterrole.rbac.authorization.k8s.io/pyproxy",
+             "clusterrolebinding.rbac.authorization.k8s.io/pyproxy", "daemonset.apps/pyproxy",
+             "serviceaccount/pyproxy"]
+    for sets, names in (
+            ([f"apiServer.host={API}"], [*every, "configmap/pyproxy"]),
+            ([f"apiServer.host={API}", "canary=true", "image.digest=sha256:" + "0" * 64,
+              "config.healthzBindAddress=0.0.0.0:10266", "tolerations=null"],
+             [*every, "configmap/pyproxy"]),
+            (["kubeadm=true"], every)):
         out = helm("template", "pyproxy", str(CHART), "--namespace", NAMESPACE,
                    *[arg for value in sets for arg in ("--set", value)])
         assert out.returncode == 0, out.stderr
@@ -306,10 +339,7 @@ def test_the_api_server_accepts_what_the_chart_renders(control_plane: ControlPla
              "-o", "name", "-f", "-"], input=out.stdout, capture_output=True, text=True,
             timeout=120, check=False)
         assert applied.returncode == 0, applied.stderr
-        assert sorted(applied.stdout.split()) == sorted([
-            "clusterrole.rbac.authorization.k8s.io/pyproxy",
-            "clusterrolebinding.rbac.authorization.k8s.io/pyproxy",
-            "configmap/pyproxy", "daemonset.apps/pyproxy", "serviceaccount/pyproxy"])
+        assert sorted(applied.stdout.split()) == sorted(names)
 
 
 @pytest.mark.netns

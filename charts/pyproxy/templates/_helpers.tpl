@@ -35,6 +35,19 @@ helm install and upgrade (helm template and lint see no cluster).
 {{- $host -}}
 {{- end }}
 
+{{/*
+"true" when pyproxy is to read kubeadm's kube-proxy ConfigMap (the values' `kubeadm`), which is
+in kube-system: a pod mounts ConfigMaps of its own namespace only. Empty otherwise.
+*/}}
+{{- define "pyproxy.kubeadm" -}}
+{{- if .Values.kubeadm -}}
+{{- if ne .Release.Namespace "kube-system" -}}
+{{- fail (printf "kubeadm=true reads kubeadm's ConfigMap kube-system/kube-proxy, which a pod can mount only in its own namespace: install the release in kube-system, not %s" .Release.Namespace) -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end }}
+
 {{/* The port of a host:port bind address (config.healthzBindAddress, metricsBindAddress). */}}
 {{- define "pyproxy.port" -}}
 {{- $port := regexFind "[0-9]+$" (toString .address) -}}
