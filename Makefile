@@ -82,10 +82,11 @@ TOOLS ?=
 tools:
 	@e2e/tools/build.sh $(TOOLS)
 
-# Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests) and
-# helm (tests/test_helm.py, tests/test_helm_cluster.py: the chart).
+# Those the suite runs: promtool (tests/test_metrics_reference.py: the alerts' unit tests),
+# helm (tests/test_helm.py, tests/test_helm_cluster.py: the chart) and the Prometheus
+# Operator's CRDs (tests/test_helm.py: the monitoring objects on the real API server).
 test-tools:
-	@e2e/tools/build.sh promtool helm
+	@e2e/tools/build.sh promtool helm operator-crds
 
 # kube-proxy alone of the release after the pinned one (e2e/k8s-next/go.mod: v1.38.0-beta.0,
 # which needs Go 1.27: the go command fetches that toolchain from the module proxy), for the

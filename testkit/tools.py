@@ -1,6 +1,7 @@
 """The operators' tools the tests run: promtool, helm and syft, built by `make tools`
 (e2e/tools/build.sh) from upstream's Go modules into the cache outside the checkout (as
-`make k8s` builds the control plane, whose kubectl the kustomize tests run)."""
+`make k8s` builds the control plane, whose kubectl the kustomize tests run); and
+operator-crds, the Prometheus Operator's CRDs from its module (a folder, not a binary)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD_SCRIPT = REPO / "e2e" / "tools" / "build.sh"
-TOOLS = ("promtool", "helm", "syft")
+TOOLS = ("promtool", "helm", "syft", "operator-crds")
 
 
 def tool_path(name: str) -> Path:

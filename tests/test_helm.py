@@ -319,8 +319,8 @@ def admin_kubeconfig(plane: ControlPlane, folder: Path) -> Path:
 def test_the_api_server_accepts_what_the_chart_renders(control_plane: ControlPlane,
                                                        tmp_path: Path) -> None:
     """kubeconform's job done by the real thing: every object the chart renders (the
-    Prometheus Operator's need its CRDs, which this API server does not have) passes the
-    API server's validation and admission without being stored, with other values too."""
+    Prometheus Operator's: the next test, with its CRDs) passes the API server's validation
+    and admission without being stored, with other values too, and kubeadm's variant."""
     config = admin_kubeconfig(control_plane, tmp_path)
     every = ["clusterrole.rbac.authorization.k8s.io/pyproxy",
              "clusterrolebinding.rbac.authorization.k8s.io/pyproxy", "daemonset.apps/pyproxy",
@@ -340,6 +340,56 @@ def test_the_api_server_accepts_what_the_chart_renders(control_plane: ControlPla
             timeout=120, check=False)
         assert applied.returncode == 0, applied.stderr
         assert sorted(applied.stdout.split()) == sorted(names)
+
+
+@pytest.mark.netns
+@pytest.mark.k8s
+@requires_netns
+def test_the_api_server_validates_the_monitoring_objects_by_the_operators_crds(
+        control_plane: ControlPlane, tmp_path: Path) -> None:
+    """The ServiceMonitor and the PrometheusRule, the chart's and manifests/monitoring/'s,
+    against the Prometheus Operator's own CRDs (v0.85.0's, `make test-tools`), installed on
+    the real API server for this test and removed after it: their schemas accept both, and
+    refuse what they should (an interval that is no duration)."""
+    config = admin_kubeconfig(control_plane, tmp_path)
+    crds = require_tool("operator-crds")
+
+    def kubectl(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(require_kubectl()), f"--kubeconfig={config}", *args],
+                              input=stdin, capture_output=True, text=True, timeout=120,
+                              check=False)
+
+    def dry_run(text: str) -> subprocess.CompletedProcess[str]:
+        return kubectl("apply", "--dry-run=server", "-o", "name", "-f", "-", stdin=text)
+
+    installed = kubectl("apply", "--server-side", "-f", str(crds))
+    try:
+        assert installed.returncode == 0, installed.stderr
+        established = kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                              "crd/servicemonitors.monitoring.coreos.com",
+                              "crd/prometheusrules.monitoring.coreos.com")
+        assert established.returncode == 0, established.stderr
+        out = helm("template", "pyproxy", str(CHART), "--namespace", NAMESPACE,
+                   "--set", f"apiServer.host={API}",
+                   "--set", "monitoring.serviceMonitor.enabled=true",
+                   "--set", "monitoring.prometheusRule.enabled=true",
+                   "--set", "config.metricsBindAddress=0.0.0.0:10249")
+        assert out.returncode == 0, out.stderr
+        monitoring = {"servicemonitor.monitoring.coreos.com/pyproxy",
+                      "prometheusrule.monitoring.coreos.com/pyproxy"}
+        chart_applied = dry_run(out.stdout)
+        assert chart_applied.returncode == 0, chart_applied.stderr
+        assert monitoring <= set(chart_applied.stdout.split())
+        kustomized = subprocess.run([str(require_kubectl()), "kustomize",
+                                     str(MANIFESTS / "monitoring")], capture_output=True,
+                                    text=True, timeout=60, check=True).stdout
+        manifests_applied = dry_run(kustomized)
+        assert manifests_applied.returncode == 0, manifests_applied.stderr
+        assert monitoring <= set(manifests_applied.stdout.split())
+        broken = dry_run(kustomized.replace("interval: 30s", "interval: half a minute"))
+        assert broken.returncode != 0 and "interval" in broken.stderr, broken.stderr
+    finally:
+        kubectl("delete", "--wait=false", "-f", str(crds))
 
 
 @pytest.mark.netns

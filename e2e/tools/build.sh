@@ -5,10 +5,14 @@
 # helm (the chart, charts/pyproxy: tests/test_helm.py) and syft (the image's bill of materials:
 # `make image`). Each module is built by its own
 # go.mod (`go install MODULE/cmd/NAME@VERSION`: none of the three has a replace directive).
-# A tool's folder is ~/.cache/pyproxy/tools-NAME-VERSION/bin (PYPROXY_K8S_CACHE moves the
-# cache); a no-op for those that exist.
+# One is no binary: operator-crds, the Prometheus Operator's CustomResourceDefinitions of
+# ServiceMonitor and PrometheusRule, taken from its module's source as the module proxy serves
+# it (example/prometheus-operator-crd/), which tests/test_helm.py installs on the real API
+# server to validate the chart's monitoring objects against.
+# A tool's folder is ~/.cache/pyproxy/tools-NAME-VERSION/bin (operator-crds: .../crds;
+# PYPROXY_K8S_CACHE moves the cache); a no-op for those that exist.
 #   build.sh [NAME...]       build those (all when none is named; progress on stderr)
-#   build.sh --path NAME     print the path of NAME's binary (building nothing)
+#   build.sh --path NAME     print the path of NAME's binary (operator-crds: its folder)
 set -euo pipefail
 
 # name package version, and the -X stamps its releases carry (so that --version says it).
@@ -27,10 +31,16 @@ version[syft]=v1.57.1
 stamps[syft]="-X main.version=${version[syft]#v} -X main.buildDate=1970-01-01T00:00:00Z"
 # Upstream's release build tags: the pure-Go OpenPGP (no gpgme through cgo), no btrfs driver.
 tags[syft]="containers_image_openpgp exclude_graphdriver_btrfs"
-all=(promtool helm syft)
+package[operator-crds]=github.com/prometheus-operator/prometheus-operator
+version[operator-crds]=v0.85.0
+crd_files=(monitoring.coreos.com_servicemonitors.yaml monitoring.coreos.com_prometheusrules.yaml)
+all=(promtool helm syft operator-crds)
 
 cache="${PYPROXY_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pyproxy}"
-binary() { echo "$cache/tools-$1-${version[$1]}/bin/$1"; }
+binary() {
+  if [[ "$1" == operator-crds ]]; then echo "$cache/tools-$1-${version[$1]}/crds"
+  else echo "$cache/tools-$1-${version[$1]}/bin/$1"; fi
+}
 
 if [[ "${1:-}" == "--path" ]]; then
   [[ -n "${2:-}" && -n "${package[$2]:-}" ]] || { echo "usage: build.sh --path {${all[*]}}" >&2; exit 2; }
@@ -55,6 +65,24 @@ parallel=()
 for name in "${missing[@]}"; do
   start=$SECONDS
   target="$(binary "$name")"
+  if [[ "$name" == operator-crds ]]; then
+    echo "make tools: fetching $name (${package[$name]}@${version[$name]})..." >&2
+    tmp="$(mktemp -d)"
+    dir="$(cd "$tmp" && go mod download -json "${package[$name]}@${version[$name]}" \
+      | sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p')"
+    [[ -d "$dir" ]] || { echo "make tools: go mod download gave no folder for $name" >&2; exit 1; }
+    for file in "${crd_files[@]}"; do
+      cp "$dir/example/prometheus-operator-crd/$file" "$tmp/$file"
+    done
+    mkdir -p "$(dirname "$target")"
+    rm -rf "$target.partial"
+    mkdir "$target.partial"
+    mv "$tmp"/*.yaml "$target.partial/"
+    rm -rf "$tmp"
+    mv "$target.partial" "$target"
+    echo "make tools: fetched $name in $((SECONDS - start)) s" >&2
+    continue
+  fi
   echo "make tools: building $name (${package[$name]}@${version[$name]})..." >&2
   tmp="$(mktemp -d)"
   # Outside any module: the tool's own go.mod decides its dependencies.
