@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pyproxy.core.conntrack import IPS_DST_NAT, IPS_SEEN_REPLY, TCP_CONNTRACK_CLOSE
 from pyproxy.core.outliers import Failure
 
 # include/uapi/linux/netfilter/nf_conntrack_common.h, nf_conntrack_tcp.h; the address families
-IPS_SEEN_REPLY, IPS_DST_NAT = 1 << 1, 1 << 5
-TCP_CONNTRACK_CLOSE = 8
 AF_INET, AF_INET6 = 2, 10
 
 

@@ -55,6 +55,11 @@ IPPROTO_TCP = socket.IPPROTO_TCP
 IPPROTO_SCTP = 132  # not in every build's socket module
 PROTOCOL_NUMBERS = {Protocol.TCP: IPPROTO_TCP, Protocol.UDP: IPPROTO_UDP,
                     Protocol.SCTP: IPPROTO_SCTP}
+# An entry's status bits (include/uapi/linux/netfilter/nf_conntrack_common.h) and TCP states
+# (nf_conntrack_tcp.h), as ctnetlink reports them: the one home of these numbers, for the
+# planners here and the kernel's readers (kernel/nlconntrack.py, ctevents.py, netlink.py).
+IPS_SEEN_REPLY, IPS_DST_NAT = 1 << 1, 1 << 5
+TCP_CONNTRACK_ESTABLISHED, TCP_CONNTRACK_CLOSE = 3, 8
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import structlog
 
 from pyproxy.core.attempts import AF_INET, AF_INET6, ConnectAttempts, Event
+from pyproxy.core.conntrack import IPPROTO_TCP
 from pyproxy.core.outliers import endpoint_key
 from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
@@ -53,6 +54,26 @@ from pyproxy.kernel.nftevents import (
     Instruction,
     attach_filter,
 )
+from pyproxy.kernel.nlconntrack import (
+    CTA_ID,
+    CTA_IP_V4_SRC,
+    CTA_IP_V6_SRC,
+    CTA_PROTO_NUM,
+    CTA_PROTO_SRC_PORT,
+    CTA_PROTOINFO,
+    CTA_PROTOINFO_TCP,
+    CTA_PROTOINFO_TCP_STATE,
+    CTA_STATUS,
+    CTA_TUPLE_IP,
+    CTA_TUPLE_ORIG,
+    CTA_TUPLE_PROTO,
+    CTA_TUPLE_REPLY,
+    IPCTNL_MSG_CT_DELETE,
+    NFNL_SUBSYS_CTNETLINK,
+    NFNLGRP_CONNTRACK_DESTROY,
+    NFNLGRP_CONNTRACK_NEW,
+    NFNLGRP_CONNTRACK_UPDATE,
+)
 from pyproxy.kernel.nlelements import (
     HEADER,
     NETLINK_NETFILTER,
@@ -60,20 +81,11 @@ from pyproxy.kernel.nlelements import (
     SOL_NETLINK,
     attribute,
     attributes,
+    nfnl_messages,
 )
 
 log = structlog.get_logger(__name__)
 
-NFNL_SUBSYS_CTNETLINK = 1
-IPCTNL_MSG_CT_NEW, IPCTNL_MSG_CT_DELETE = 0, 2
-NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE, NFNLGRP_CONNTRACK_DESTROY = 1, 2, 3
-# include/uapi/linux/netfilter/nfnetlink_conntrack.h
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_PROTOINFO, CTA_ID = 1, 2, 3, 4, 12
-CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
-CTA_IP_V4_SRC, CTA_IP_V6_SRC = 1, 3
-CTA_PROTO_NUM, CTA_PROTO_SRC_PORT = 1, 2
-CTA_PROTOINFO_TCP, CTA_PROTOINFO_TCP_STATE = 1, 1
-IPPROTO_TCP = 6
 BPF_LD_B_ABS, BPF_JA = 0x30, 0x05
 # Where a conntrack event's protocol number is: the nlmsghdr (16), nfgenmsg (4), then
 # CTA_TUPLE_ORIG's header (4), CTA_TUPLE_IP's (4), the two addresses with their headers
@@ -86,16 +98,10 @@ _BE16 = struct.Struct(">H")
 
 def parse(data: bytes) -> Iterator[Event]:
     """The TCP conntrack events in one datagram (others, and truncated ones, are skipped)."""
-    offset = 0
-    while offset + HEADER.size + 4 <= len(data):
-        length, kind, flags, _seq, _portid = HEADER.unpack_from(data, offset)
-        if length < HEADER.size + 4 or offset + length > len(data):
-            return
-        if kind >> 8 == NFNL_SUBSYS_CTNETLINK:
-            event = _event(data, offset, length, kind & 0xFF, flags)
-            if event is not None:
-                yield event
-        offset += (length + 3) & ~3
+    for offset, length, msg, flags, _portid in nfnl_messages(data, NFNL_SUBSYS_CTNETLINK):
+        event = _event(data, offset, length, msg, flags)
+        if event is not None:
+            yield event
 
 
 NLM_F_CREATE = 0x400

@@ -29,6 +29,7 @@ import structlog
 from pyproxy.core.conntrack import (
     IPPROTO_TCP,
     IPPROTO_UDP,
+    IPS_DST_NAT,
     Allowed,
     ConntrackEntry,
     ServiceFrontends,
@@ -52,7 +53,6 @@ RT_TABLE_MAIN = 254
 RTN_UNICAST = 1
 
 _AF = {IPFamily.IPv4: socket.AF_INET, IPFamily.IPv6: socket.AF_INET6}
-IPS_DST_NAT = 1 << 5  # include/uapi/linux/netfilter/nf_conntrack_common.h
 _FAMILIES = (IPFamily.IPv4, IPFamily.IPv6)
 MAX_REPORTED_ERRORS = 10
 

@@ -61,6 +61,7 @@ from pyproxy.kernel.nlelements import (
     NFT_MSG_NEWTABLE,
     SOL_NETLINK,
     attributes,
+    nfnl_messages,
 )
 from pyproxy.render.objects import TABLE, filled_by_packets
 
@@ -106,19 +107,12 @@ class Message:
 
 def parse(data: bytes) -> Iterator[Message]:
     """The nftables messages in one datagram (others, and truncated ones, are skipped)."""
-    offset = 0
-    while offset + HEADER.size + 4 <= len(data):
-        length, kind, _flags, _seq, portid = HEADER.unpack_from(data, offset)
-        if length < HEADER.size + 4 or offset + length > len(data):
-            return
-        if kind >> 8 == NFNL_SUBSYS_NFTABLES:
-            family = data[offset + HEADER.size]
-            attrs = _attributes(data, offset + HEADER.size + 4, offset + length)
-            msg = kind & 0xFF
-            _, which = _VERBS.get(msg, ("", 0))
-            table = "" if msg == NFT_MSG_NEWGEN else attrs.get(1, "")
-            yield Message(msg, portid, family, table, attrs.get(which, "") if which else "")
-        offset += (length + 3) & ~3
+    for offset, length, msg, _flags, portid in nfnl_messages(data, NFNL_SUBSYS_NFTABLES):
+        family = data[offset + HEADER.size]
+        attrs = _attributes(data, offset + HEADER.size + 4, offset + length)
+        _, which = _VERBS.get(msg, ("", 0))
+        table = "" if msg == NFT_MSG_NEWGEN else attrs.get(1, "")
+        yield Message(msg, portid, family, table, attrs.get(which, "") if which else "")
 
 
 def _attributes(data: bytes, start: int, end: int) -> dict[int, str]:

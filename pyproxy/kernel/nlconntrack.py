@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyproxy.core.conntrack import IPS_DST_NAT, TCP_CONNTRACK_ESTABLISHED
 from pyproxy.core.model import IPFamily
 from pyproxy.kernel.nlelements import (
     HEADER,
@@ -36,10 +37,12 @@ from pyproxy.kernel.nlelements import (
     netlink_socket,
 )
 
-# include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h
+# include/uapi/linux/netfilter/nfnetlink.h, nfnetlink_conntrack.h: the one home of ctnetlink's
+# numbers (kernel/ctevents.py reads its events with them too)
 NFNL_SUBSYS_CTNETLINK = 1
-IPCTNL_MSG_CT_GET = 1
-CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_PROTOINFO = 1, 2, 3, 4
+IPCTNL_MSG_CT_NEW, IPCTNL_MSG_CT_GET, IPCTNL_MSG_CT_DELETE = 0, 1, 2
+NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE, NFNLGRP_CONNTRACK_DESTROY = 1, 2, 3
+CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_PROTOINFO, CTA_ID = 1, 2, 3, 4, 12
 CTA_FILTER, CTA_STATUS_MASK = 25, 26
 CTA_TUPLE_IP, CTA_TUPLE_PROTO = 1, 2
 CTA_IP_V4_SRC, CTA_IP_V4_DST, CTA_IP_V6_SRC, CTA_IP_V6_DST = 1, 2, 3, 4
@@ -47,8 +50,6 @@ CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 CTA_PROTOINFO_TCP, CTA_PROTOINFO_TCP_STATE = 1, 1
 CTA_FILTER_ORIG_FLAGS, CTA_FILTER_REPLY_FLAGS = 1, 2
 CTA_FILTER_FLAG_PROTO_NUM = 1 << 3
-IPS_DST_NAT = 1 << 5
-TCP_CONNTRACK_ESTABLISHED = 3
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
 NLM_F_DUMP_INTR = 0x10
 _AF = {IPFamily.IPv4: socket.AF_INET, IPFamily.IPv6: socket.AF_INET6}

@@ -189,6 +189,21 @@ def attributes(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, in
         start += (length + 3) & ~3
 
 
+def nfnl_messages(data: bytes,
+                  subsystem: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """The nfnetlink messages of one datagram that belong to `subsystem` (nftables,
+    ctnetlink): (offset, length, message type within the subsystem, flags, sender's port id)
+    each. A message too short for its nfgenmsg, or running past the datagram, ends it."""
+    offset = 0
+    while offset + HEADER.size + 4 <= len(data):
+        length, kind, flags, _seq, portid = HEADER.unpack_from(data, offset)
+        if length < HEADER.size + 4 or offset + length > len(data):
+            return
+        if kind >> 8 == subsystem:
+            yield offset, length, kind & 0xFF, flags, portid
+        offset += (length + 3) & ~3
+
+
 def _nest(kind: int, payload: bytes) -> bytes:
     return attribute(kind | NLA_F_NESTED, payload)
 
