@@ -50,9 +50,8 @@ from pyproxy.core.outliers import endpoint_key
 from pyproxy.kernel.nftevents import (
     BPF_JEQ_K,
     BPF_RET_K,
-    NETLINK_ADD_MEMBERSHIP,
     Instruction,
-    attach_filter,
+    subscribed_socket,
 )
 from pyproxy.kernel.nlconntrack import (
     CTA_ID,
@@ -78,7 +77,6 @@ from pyproxy.kernel.nlelements import (
     HEADER,
     NETLINK_NETFILTER,
     NLM_F_REQUEST,
-    SOL_NETLINK,
     attribute,
     attributes,
     nfnl_messages,
@@ -189,23 +187,8 @@ def filter_program() -> list[Instruction]:
 def open_socket() -> socket.socket:
     """A socket subscribed to the conntrack event groups of this thread's network namespace,
     TCP events only."""
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    try:
-        attach_filter(sock, filter_program())
-        for option in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, option, 8 << 20)
-                break
-            except OSError:
-                continue
-        sock.bind((0, 0))
-        for group in (NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE,
-                      NFNLGRP_CONNTRACK_DESTROY):
-            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+    return subscribed_socket(filter_program(), 8 << 20, (
+        NFNLGRP_CONNTRACK_NEW, NFNLGRP_CONNTRACK_UPDATE, NFNLGRP_CONNTRACK_DESTROY))
 
 
 @dataclass

@@ -218,25 +218,35 @@ def attach_filter(sock: socket.socket, program: list[Instruction]) -> None:
 # The shell
 
 
-def open_socket() -> socket.socket:
-    """A socket subscribed to the nftables group of this process's network namespace, with a
-    filter that drops everything until `NftMonitor` sets the real one (nothing unfiltered is
-    queued before)."""
+def subscribed_socket(program: list[Instruction], buffer_bytes: int,
+                      groups: tuple[int, ...]) -> socket.socket:
+    """A netfilter netlink socket of this thread's network namespace: `program` filtering
+    what is queued (attached before it joins a group: nothing unfiltered arrives), a receive
+    buffer of `buffer_bytes` (beyond rmem_max where the capability allows), then `groups`
+    joined. What nftables' and conntrack's event readers both listen on."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
     try:
-        attach_filter(sock, [(BPF_RET_K, 0, 0, 0)])
+        attach_filter(sock, program)
         for option in (getattr(socket, "SO_RCVBUFFORCE", 33), socket.SO_RCVBUF):
             try:
-                sock.setsockopt(socket.SOL_SOCKET, option, 4 << 20)
+                sock.setsockopt(socket.SOL_SOCKET, option, buffer_bytes)
                 break
             except OSError:
                 continue
         sock.bind((0, 0))
-        sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, NFNLGRP_NFTABLES)
+        for group in groups:
+            sock.setsockopt(SOL_NETLINK, NETLINK_ADD_MEMBERSHIP, group)
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def open_socket() -> socket.socket:
+    """A socket subscribed to the nftables group of this process's network namespace, with a
+    filter that drops everything until `NftMonitor` sets the real one (nothing unfiltered is
+    queued before)."""
+    return subscribed_socket([(BPF_RET_K, 0, 0, 0)], 4 << 20, (NFNLGRP_NFTABLES,))
 
 
 @dataclass
