@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pyproxy.core.conntrack import IPPROTO_TCP, ConntrackEntry, canonical_ip
 from pyproxy.core.model import (
@@ -43,6 +44,7 @@ from pyproxy.core.model import (
 )
 
 Destination = tuple[str, int]  # a frontend's canonical IP and port
+K = TypeVar("K", Destination, int)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +149,28 @@ def departures_map(departures: Iterable[Departed],
             by_node_port[port] = by_node_port.get(port, frozenset()) | gone.addresses
     nodes = None if node_ips is None else frozenset(canonical_ip(ip) for ip in node_ips)
     return Departures(by_destination, by_node_port, nodes, dict(claims or {}))
+
+
+def merged(departures: Sequence[Departures]) -> Departures:
+    """Several syncs' departures of one family as one piece of work: each frontend's
+    departed addresses united, and so are the addresses other ports were keeping behind a
+    shared frontend (an address kept by any of them stays kept: never a listed endpoint's
+    connection deleted); the node's addresses are the last's. What a worker that fell behind
+    does with the syncs that queued up meanwhile: one dump per frontend, however many syncs
+    named it, and the queue never holds more than one piece per family."""
+    if len(departures) == 1:
+        return departures[0]
+    return Departures(_united([d.by_destination for d in departures]),
+                      _united([d.by_node_port for d in departures]),
+                      departures[-1].node_ips, _united([d.kept for d in departures]))
+
+
+def _united(maps: Sequence[Mapping[K, frozenset[str]]]) -> dict[K, frozenset[str]]:
+    out: dict[K, frozenset[str]] = {}
+    for part in maps:
+        for key, addresses in part.items():
+            out[key] = out.get(key, frozenset()) | addresses
+    return out
 
 
 def still_listed(ports: Iterable[ServicePort], family: IPFamily,
