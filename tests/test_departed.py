@@ -20,12 +20,14 @@ from pyproxy.core.departed import (
     departed,
     departures_map,
     merged,
+    narrowed,
     shared_frontends,
     still_listed,
     to_departed,
 )
 from pyproxy.core.model import ClusterState, IPFamily
 from pyproxy.kernel.netlink import ConntrackCleaner
+from pyproxy.kernel.nlconntrack import FlowCounts
 from pyproxy.sync.conntrack import ConntrackCleanup, ConntrackWorker, Work
 from testkit.builders import ep, make_service, make_slice, terminating
 from testkit.fakes import fake_node_proxier
@@ -214,6 +216,21 @@ def test_each_sync_hands_over_what_left_and_nothing_when_turned_off() -> None:
     assert off.departures() == []
 
 
+def test_the_flows_narrow_the_departures_to_frontends_a_departed_endpoint_answers() -> None:
+    departures = Departures({(VIP, 80): frozenset({POD_A}), (EXTERNAL, 80): frozenset({POD_A}),
+                             (VIP6, 80): frozenset({"fd00:244::1:2"})},
+                            {NODE_PORT: frozenset({POD_A})}, frozenset({NODE_IP}),
+                            {(EXTERNAL, 80): frozenset({POD_A})})
+    assert not narrowed(departures, [(VIP, 80, POD_B, 8080), (VIP, 81, POD_A, 8080)])
+    assert not narrowed(departures, [(EXTERNAL, 80, POD_A, 8080)])  # another Service lists it
+    assert not narrowed(departures, [("192.168.60.1", NODE_PORT, POD_A, 8080)])  # not ours
+    found = narrowed(departures, [(VIP, 80, POD_A, 8080), (NODE_IP, NODE_PORT, POD_A, 8080),
+                                  ("fd00:96:0::a", 80, "fd00:244:0::1:2", 8080)])
+    assert found.by_destination == {(VIP, 80): {POD_A}, (VIP6, 80): {"fd00:244::1:2"}}
+    assert found.by_node_port == {NODE_PORT: {POD_A}}
+    assert (found.node_ips, found.kept) == (departures.node_ips, departures.kept)
+
+
 def test_departures_of_several_syncs_merge_keeping_whatever_any_kept() -> None:
     first = Departures({(VIP, 80): frozenset({POD_A}), (EXTERNAL, 80): frozenset({POD_A})},
                        {NODE_PORT: frozenset({POD_A})}, frozenset({NODE_IP}),
@@ -299,6 +316,15 @@ def test_the_kernel_sends_the_frontends_entries_and_the_departed_ones_go(lab: La
     svc = web(node_port=NODE_PORT)
     departures = departures_of([svc, slice_of([ep(POD_A), ep(POD_B)])],
                                [svc, slice_of([ep(POD_B)])])
+    # The raw dump of DNATed flows found none through a departed endpoint: no dump at all.
+    untouched = ConntrackCleaner(netns=ns.full, flows=lambda family: FlowCounts(
+        {(VIP, 80, POD_B, 8080): [1, 0]})).clear_departed(IPFamily.IPv4, departures)
+    assert (untouched.dumped, untouched.deleted, untouched.departed) == (0, 0, True)
+    # One through the ClusterIP: that frontend alone is dumped (the NodePort's entry stays).
+    narrow = ConntrackCleaner(netns=ns.full, flows=lambda family: FlowCounts(
+        {(VIP, 80, POD_A, 8080): [1, 0]})).clear_departed(IPFamily.IPv4, departures)
+    assert (narrow.dumped, narrow.stale, narrow.deleted) == (2, 1, 1)
+    add(VIP, 80, POD_A, sport=40001)
     result = ConntrackCleaner(netns=ns.full).clear_departed(IPFamily.IPv4, departures)
     assert (result.dumped, result.stale, result.deleted, result.ok, result.departed) == (
         4, 2, 2, True, True)
