@@ -59,7 +59,7 @@ def coalesced(batch: list[tuple[IPFamily, Work]]) -> list[tuple[IPFamily, Work]]
     """What queued up while the worker was busy, as the work to do: the UDP and repair
     cleanups in order, then each family's departures merged into one (core/departed.py's
     `merged`). Under a churn that outpaced the cleanup (the soak's 100 changes/s), one
-    Departures a sync queued up without bound: +33 MiB an hour."""
+    Departures a sync queued up without bound (tracemalloc found 10,000 alive)."""
     departures: dict[IPFamily, list[Departures]] = {}
     out: list[tuple[IPFamily, Work]] = []
     for family, work in batch:
